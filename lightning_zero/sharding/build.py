@@ -1,0 +1,87 @@
+"""From a model and the user's optimizers to flat units, one gradient reducer and ZeroOptimizers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.sharding import collectives
+from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.grad_reduce import GradReducer
+from lightning_zero.sharding.layout import build_layout
+from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+
+
+def shard_optimizers(
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    config: ZeroConfig,
+    *,
+    rank: int,
+    world_size: int,
+    group=None,
+) -> tuple[list[ZeroOptimizer], GradReducer]:
+    """Flattens every param group's trainable parameters into a unit and wraps each optimizer.
+
+    Raises before anything is modified if a parameter sits in two groups, if a trainable parameter is
+    in no optimizer, or if the ranks disagree about the parameters (which would hang the collectives).
+    """
+    names = {p: n for n, p in model.named_parameters(remove_duplicate=True)}
+    position = {p: i for i, p in enumerate(names)}
+    group_params = [list(g["params"]) for opt in optimizers for g in opt.param_groups]
+
+    seen: dict = {}
+    for params in group_params:
+        for p in params:
+            if p not in names:
+                raise ValueError(
+                    f"an optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter of the"
+                    " LightningModule; only the module's own parameters can be sharded"
+                )
+            if p in seen:
+                raise ValueError(f"parameter {names[p]!r} appears in more than one optimizer param group")
+            seen[p] = True
+    orphans = [n for p, n in names.items() if p.requires_grad and p not in seen]
+    if orphans:
+        raise ValueError(
+            f"parameters {orphans} require grad but are in no optimizer param group; add them to an optimizer"
+            " or set requires_grad=False"
+        )
+
+    signature = [[(names[p], tuple(p.shape), str(p.dtype), p.requires_grad) for p in params] for params in group_params]
+    signatures = collectives.all_gather_object(signature, group=group)
+    for r, other in enumerate(signatures):
+        if other != signature:
+            raise RuntimeError(
+                f"rank {rank} and rank {r} see different optimizer parameters (names, shapes, dtypes or order);"
+                " build param groups from lists in module order, not from sets"
+            )
+
+    units = []
+    for params in group_params:
+        trainable = [p for p in params if p.requires_grad]
+        if not trainable:
+            units.append(None)
+            continue
+        layout = build_layout([p.numel() for p in trainable], world_size, config.reduce_bucket_size)
+        units.append(FlatUnit(trainable, [names[p] for p in trainable], layout, rank, full_grad=config.stage == 1))
+
+    reducer = GradReducer(
+        [u for u in units if u is not None],
+        position,
+        reduce_in_backward=config.stage >= 2,
+        overlap=config.overlap_comm,
+        world_size=world_size,
+        group=group,
+    )
+    zero_optimizers, start = [], 0
+    for opt in optimizers:
+        n = len(opt.param_groups)
+        zero_optimizers.append(
+            ZeroOptimizer(opt, group_params[start : start + n], units[start : start + n], reducer, group=group)
+        )
+        start += n
+    return zero_optimizers, reducer

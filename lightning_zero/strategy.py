@@ -1,0 +1,153 @@
+"""ZeroStrategy: the Lightning side of ZeRO stages 1 and 2; the sharding itself lives in ``sharding/``.
+
+It reuses Lightning's DDP machinery for what is the same (launchers, process group, barrier,
+broadcast, distributed sampler) and replaces the DDP wrapper: parameters are flattened into units,
+the user's optimizers become ZeroOptimizers and gradients are reduce-scattered by hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
+from lightning_zero.sharding.build import shard_optimizers
+from lightning_zero.sharding.grad_reduce import GradReducer
+from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO data parallelism: optimizer state (stage 1) and gradients (stage 2) sharded across ranks.
+
+    Args:
+        config: the typed configuration; ``ZeroConfig()`` by default.
+        stage: shortcut that overrides ``config.stage``.
+        start_method: how Lightning starts the processes: "popen" (re-run the script, like ``ddp``) or
+            "spawn" (like ``ddp_spawn``, for notebooks and tests).
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        config: Optional[ZeroConfig] = None,
+        *,
+        stage: Optional[int] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        config = config if config is not None else ZeroConfig()
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
+        if stage is not None:
+            config = dataclasses.replace(config, stage=stage)
+        self.config = config
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=config.timeout),
+            start_method=start_method,
+        )
+        self._reducer: Optional[GradReducer] = None
+
+    # --- precision --------------------------------------------------------------------------------
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision("32-true")
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        """Accepts the plugin Lightning builds from ``Trainer(precision=...)`` and turns it into ours."""
+        if plugin is None or isinstance(plugin, ZeroPrecision):
+            self._precision_plugin = plugin
+        elif type(plugin) is Precision:
+            self._precision_plugin = ZeroPrecision("32-true")
+        elif isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
+            self._precision_plugin = ZeroPrecision("bf16-mixed", device=plugin.device)
+        else:
+            precision = getattr(plugin, "precision", type(plugin).__name__)
+            ZeroPrecision(precision)  # raises the specific error for 16-mixed
+            raise ValueError(
+                f"the ZeRO strategies support precision {', '.join(SUPPORTED_PRECISION)}; got {precision!r}"
+                f" ({type(plugin).__name__})"
+            )
+
+    # --- set-up -----------------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if self.precision_plugin.device is None:
+            self.precision_plugin.device = self.root_device.type
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model_to_device()
+        _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
+        if fitting:
+            self.setup_optimizers(trainer)
+            self.optimizers, self._reducer = shard_optimizers(
+                self.lightning_module,
+                self.optimizers,
+                self.config,
+                rank=self.global_rank,
+                world_size=self.world_size,
+            )
+        self.setup_precision_plugin()
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._reducer is not None:
+            self._reducer.finish_backward()
+
+    def teardown(self) -> None:
+        if self._reducer is not None:
+            self._reducer.remove_hooks()
+            self._reducer = None
+        super().teardown()
+
+    # --- introspection ----------------------------------------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's persistent bytes: parameters, gradients, master weights and optimizer state.
+
+        Parameters include frozen ones; gradients are the stage's persistent storage (stage 2's
+        in-flight buckets are transient and not counted).
+        """
+        totals = {"parameters": 0, "gradients": 0, "master": 0, "optimizer_state": 0}
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, ZeroOptimizer):
+                for key, value in optimizer.nbytes().items():
+                    totals[key] += value
+        totals["parameters"] += sum(p.nbytes for p in self.lightning_module.parameters() if not p.requires_grad)
+        return totals
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage, what in ((1, "optimizer state"), (2, "optimizer state and gradients")):
+            strategy_registry.register(
+                f"zero{stage}",
+                cls,
+                description=f"ZeRO stage {stage}: {what} sharded across data-parallel ranks",
+                stage=stage,
+            )

@@ -1,0 +1,170 @@
+"""Shared test helpers: real multi-process runs over gloo, and the models the equivalence tests train.
+
+``spawn_ranks`` starts one process per rank with ``torch.multiprocessing.spawn`` and sets the
+variables Lightning's environment reads (LOCAL_RANK, ...), so a Trainer built inside a worker joins
+the already-running processes instead of launching its own. A worker can therefore run several
+``fit`` calls (stages, models) on one process group; the group's timeout turns a hang into an error.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_zero
+from lightning_zero.data import SyntheticLanguage
+from lightning_zero.models.gpt import GPT, GPTConfig
+
+COLLECTIVE_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size)
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world_size: int, *args) -> None:
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes; re-raises a rank's failure."""
+    mp.spawn(_rank_main, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+
+
+# --- models ---------------------------------------------------------------------------------------
+VOCAB, SEQ = 13, 6
+
+
+class ToyNet(nn.Module):
+    """Everything that breaks naive sharding in one small model.
+
+    Tied weights (``emb`` is also the head), a frozen layer, parameter sizes that divide by no
+    world size (7, 11, 77, ...), a branch unused on every third step (no rank uses it), a branch
+    used only by rare samples (unused on some ranks, used on others), and a buffer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 7)
+        self.frozen = nn.Linear(7, 7)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Linear(7, 11)
+        self.branch = nn.Linear(11, 11)
+        self.rare = nn.Linear(11, 11)
+        self.out = nn.Linear(11, 7)
+        self.head = nn.Linear(7, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("temperature", torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.frozen(self.emb(x).mean(1)))  # (B, 7)
+        h = torch.tanh(self.body(h))  # (B, 11)
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        rare = x[:, 0] == 0  # about 1 sample in 13
+        if rare.any():
+            h = h.clone()
+            h[rare] = h[rare] + torch.tanh(self.rare(h[rare]))
+        return self.head(self.out(h)) / self.temperature  # (B, VOCAB)
+
+
+class EquivalenceModule(pl.LightningModule):
+    """Trains ``kind`` ("gpt" or "toy") on fixed data that each rank splits explicitly.
+
+    Lightning's own distributed sampler shuffles, so the split is built here: rank r of W gets
+    samples r, r + W, ... and a per-rank batch of global_batch / W, which together are exactly the
+    single-process batch. ``grad_norms`` records the global gradient norm before each step.
+    """
+
+    def __init__(self, kind: str, global_batch: int = 8, steps: int = 20, accumulate: int = 2, lr: float = 1e-3):
+        super().__init__()
+        self.kind, self.global_batch, self.lr = kind, global_batch, lr
+        n = steps * accumulate * global_batch
+        g = torch.Generator().manual_seed(7)
+        if kind == "gpt":
+            # No biases: the attention key bias has a zero true gradient, so Adam turns rounding noise
+            # into full-size updates and even DDP drifts from a single process there (~1e-4).
+            self.net = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False))
+            tokens = SyntheticLanguage(32, 4, seed=3).sample(n, 17, seed=4)
+            self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        else:
+            self.net = ToyNet()
+            self.data = TensorDataset(torch.randint(VOCAB, (n, SEQ), generator=g), torch.randint(VOCAB, (n,), generator=g))
+        self.grad_norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.kind == "gpt":
+            logits = self.net(x)
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        return F.cross_entropy(self.net(x, use_branch=self.global_step % 3 != 0), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        if hasattr(optimizer, "grad_norm"):
+            norm = optimizer.grad_norm()
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
+        self.grad_norms.append(float(norm))
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": self.lr / 2},
+            ],
+            lr=self.lr,
+        )
+
+    def train_dataloader(self):
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(self.data, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(self.data, batch_size=self.global_batch // world, sampler=sampler)
+
+
+def make_trainer(strategy, devices: int, *, steps: int = 20, accumulate: int = 2, clip: float = 0.05, callbacks=(), **kwargs):
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
+
+
+def zero_strategy(stage: int, **config) -> lightning_zero.ZeroStrategy:
+    config.setdefault("timeout", COLLECTIVE_TIMEOUT_S)
+    return lightning_zero.ZeroStrategy(lightning_zero.ZeroConfig(stage=stage, **config))
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
