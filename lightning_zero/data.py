@@ -1,14 +1,15 @@
 """A synthetic language the main job can learn, made on the spot: no download.
 
-Text is drawn from a fixed random order-2 Markov chain: for each pair of previous tokens, only
-``branching`` next tokens are possible, with random (Dirichlet) probabilities. A model that learns the
-chain reaches the chain's entropy rate, which ``SyntheticLanguage.entropy_rate`` computes from the
-generated text, so the run shows both the loss and the floor it can reach.
+A lexicon of random words (2-5 letters each, token 0 is the space between words) and a sparse
+word-level Markov chain: each word can be followed by only ``branching`` words, with random
+(Dirichlet) probabilities. A model first learns the spelling (letters inside a word are fixed),
+then which words follow which. Since the spelled-out words decode uniquely, the information in the
+text is exactly that of the word chain, so the lowest loss any model can reach is
+sum(-log P(word | previous word)) / number of tokens, which ``SyntheticLanguage.sample`` returns
+with the text.
 """
 
 from __future__ import annotations
-
-import math
 
 import lightning.pytorch as pl
 import torch
@@ -17,57 +18,62 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class SyntheticLanguage:
-    def __init__(self, vocab_size: int = 64, branching: int = 4, seed: int = 1234) -> None:
-        if vocab_size < 2 or not 1 <= branching <= vocab_size:
-            raise ValueError(f"need vocab_size >= 2 and 1 <= branching <= vocab_size, got {vocab_size}, {branching}")
+    def __init__(self, vocab_size: int = 32, num_words: int = 128, branching: int = 4, seed: int = 1234) -> None:
+        if vocab_size < 3 or num_words < 2 or not 1 <= branching <= num_words:
+            raise ValueError(
+                "need vocab_size >= 3, num_words >= 2 and 1 <= branching <= num_words,"
+                f" got {vocab_size}, {num_words}, {branching}"
+            )
+        if num_words > (vocab_size - 1) ** 2:
+            raise ValueError(f"{num_words} distinct words need more than {vocab_size - 1} letters")
         g = torch.Generator().manual_seed(seed)
-        V = vocab_size
-        self.vocab_size = V
-        # probs[a, b, c] = P(next = c | previous two = a, b); `branching` non-zero entries per context
-        choices = torch.rand(V * V, V, generator=g).argsort(dim=1)[:, :branching]
-        weights = torch.distributions.Dirichlet(torch.ones(branching)).sample((V * V,))
-        probs = torch.zeros(V * V, V)
-        probs.scatter_(1, choices, weights)
-        self.probs = probs.view(V, V, V)
+        words: dict[tuple[int, ...], None] = {}
+        while len(words) < num_words:
+            length = int(torch.randint(2, 6, (), generator=g))
+            words[tuple(torch.randint(1, vocab_size, (length,), generator=g).tolist())] = None
+        self.vocab_size = vocab_size
+        self.words = list(words)
+        self.successors = torch.rand(num_words, num_words, generator=g).argsort(dim=1)[:, :branching]  # (W, k)
+        alpha = torch.ones(branching)
+        self.successor_probs = torch.distributions.Dirichlet(alpha).sample((num_words,))  # (W, k)
 
-    def sample(self, num_sequences: int, length: int, seed: int) -> Tensor:
-        """(num_sequences, length) token ids."""
-        g, V = torch.Generator().manual_seed(seed), self.vocab_size
-        out = torch.empty(num_sequences, length, dtype=torch.long)
-        out[:, :2] = torch.randint(V, (num_sequences, 2), generator=g)
-        for t in range(2, length):
-            p = self.probs[out[:, t - 2], out[:, t - 1]]  # (N, V)
-            out[:, t] = torch.multinomial(p, 1, generator=g).squeeze(1)
-        return out
-
-    def entropy_rate(self, tokens: Tensor) -> float:
-        """Mean -log P(next | previous two) over ``tokens``: the lowest loss a model can reach (nats)."""
-        p = self.probs[tokens[:, :-2], tokens[:, 1:-1], tokens[:, 2:]]
-        return float(-p.log().mean())
+    def sample(self, num_tokens: int, seed: int) -> tuple[Tensor, float]:
+        """A stream of ``num_tokens`` token ids, and the lowest loss (nats per token) it allows."""
+        g = torch.Generator().manual_seed(seed)
+        word = int(torch.randint(len(self.words), (), generator=g))
+        tokens: list[int] = []
+        nats = 0.0
+        while len(tokens) < num_tokens:
+            choice = int(torch.multinomial(self.successor_probs[word], 1, generator=g))
+            nats -= float(self.successor_probs[word, choice].log())
+            word = int(self.successors[word, choice])
+            tokens.extend(self.words[word])
+            tokens.append(0)
+        return torch.tensor(tokens[:num_tokens]), nats / len(tokens)
 
 
 class SyntheticTextDataModule(pl.LightningDataModule):
-    """Next-token pairs (x, y) of ``block_size`` tokens from the synthetic language."""
+    """Next-token pairs (x, y) of ``block_size`` tokens cut from the synthetic language."""
 
     def __init__(
         self,
-        vocab_size: int = 64,
+        vocab_size: int = 32,
         block_size: int = 64,
         batch_size: int = 16,
-        num_train: int = 8192,
-        num_val: int = 256,
+        num_train: int = 4096,
+        num_val: int = 128,
+        num_words: int = 128,
         branching: int = 4,
         seed: int = 1234,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.language = SyntheticLanguage(vocab_size, branching, seed)
-        tokens = self.language.sample(num_train + num_val, block_size + 1, seed)
-        self.train_set = TensorDataset(tokens[:num_train, :-1], tokens[:num_train, 1:])
-        self.val_set = TensorDataset(tokens[num_train:, :-1], tokens[num_train:, 1:])
-        # The first two tokens of a sequence are uniform: they cost log(V) each, whoever predicts them.
-        chain = self.language.entropy_rate(tokens)
-        self.loss_floor = (math.log(vocab_size) + (block_size - 1) * chain) / block_size
+        self.language = SyntheticLanguage(vocab_size, num_words, branching, seed)
+        n = num_train + num_val
+        stream, self.loss_floor = self.language.sample(n * (block_size + 1), seed + 1)
+        sequences = stream.view(n, block_size + 1)
+        self.train_set = TensorDataset(sequences[:num_train, :-1], sequences[:num_train, 1:])
+        self.val_set = TensorDataset(sequences[num_train:, :-1], sequences[num_train:, 1:])
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)

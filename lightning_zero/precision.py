@@ -21,23 +21,24 @@ from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
 
 
+def validate_precision(precision: str) -> None:
+    if precision == "16-mixed":
+        raise ValueError(
+            "precision '16-mixed' (fp16 with dynamic loss scaling) is not supported by the ZeRO strategies yet;"
+            f" use one of {', '.join(SUPPORTED_PRECISION)}"
+        )
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(f"the ZeRO strategies support precision {', '.join(SUPPORTED_PRECISION)}; got {precision!r}")
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class ZeroPrecision(Precision):
     def __init__(self, precision: str = "32-true", device: Optional[str] = None) -> None:
-        precision = str(precision)
-        if precision == "16-mixed":
-            raise ValueError(
-                "precision '16-mixed' (fp16 with dynamic loss scaling) is not supported by the ZeRO strategies yet;"
-                f" use one of {', '.join(SUPPORTED_PRECISION)}"
-            )
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"ZeroPrecision got precision {precision!r}; supported: {', '.join(SUPPORTED_PRECISION)}"
-            )
-        self.precision = precision
+        validate_precision(str(precision))
+        self.precision = str(precision)
         self.device = device  # autocast device type; the strategy fills it in at setup when None
 
     def forward_context(self) -> contextlib.AbstractContextManager:

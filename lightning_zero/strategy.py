@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
+from lightning_zero.precision import ZeroPrecision, validate_precision
 from lightning_zero.sharding.build import shard_optimizers
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
@@ -88,12 +88,8 @@ class ZeroStrategy(DDPStrategy):
         elif isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
             self._precision_plugin = ZeroPrecision("bf16-mixed", device=plugin.device)
         else:
-            precision = getattr(plugin, "precision", type(plugin).__name__)
-            ZeroPrecision(precision)  # raises the specific error for 16-mixed
-            raise ValueError(
-                f"the ZeRO strategies support precision {', '.join(SUPPORTED_PRECISION)}; got {precision!r}"
-                f" ({type(plugin).__name__})"
-            )
+            validate_precision(str(getattr(plugin, "precision", None)))
+            raise ValueError(f"the ZeRO strategies need ZeroPrecision, got {type(plugin).__name__}")
 
     # --- set-up -----------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer") -> None:

@@ -106,19 +106,23 @@ class EquivalenceModule(pl.LightningModule):
             # No biases: the attention key bias has a zero true gradient, so Adam turns rounding noise
             # into full-size updates and even DDP drifts from a single process there (~1e-4).
             self.net = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False))
-            tokens = SyntheticLanguage(32, 4, seed=3).sample(n, 17, seed=4)
+            tokens = SyntheticLanguage(32, seed=3).sample(n * 17, seed=4)[0].view(n, 17)
             self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
         else:
             self.net = ToyNet()
             self.data = TensorDataset(torch.randint(VOCAB, (n, SEQ), generator=g), torch.randint(VOCAB, (n,), generator=g))
         self.grad_norms: list[float] = []
+        self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         if self.kind == "gpt":
             logits = self.net(x)
-            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        return F.cross_entropy(self.net(x, use_branch=self.global_step % 3 != 0), y)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        else:
+            loss = F.cross_entropy(self.net(x, use_branch=self.global_step % 3 != 0), y)
+        self.losses.append(loss.item())
+        return loss
 
     def on_before_optimizer_step(self, optimizer):
         if hasattr(optimizer, "grad_norm"):
