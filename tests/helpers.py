@@ -1,21 +1,14 @@
 """Shared test helpers: real multi-process runs over gloo, and the models the equivalence tests train.
 
-``spawn_ranks`` starts one process per rank with ``torch.multiprocessing.spawn`` and sets the
-variables Lightning's environment reads (LOCAL_RANK, ...), so a Trainer built inside a worker joins
-the already-running processes instead of launching its own. A worker can therefore run several
-``fit`` calls (stages, models) on one process group; the group's timeout turns a hang into an error.
+``spawn_ranks`` runs a worker on N processes (``lightning_zero.spawn``); a Trainer built inside a
+worker joins them, so one worker can run several ``fit`` calls (stages, models) on one process
+group, whose timeout turns a hang into an error.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
-
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -23,33 +16,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_zero
 from lightning_zero.data import SyntheticLanguage
 from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.spawn import spawn_local_ranks
 
 COLLECTIVE_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world_size: int, port: int, fn, args) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn_ranks(fn, world_size: int, *args) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes; re-raises a rank's failure."""
-    mp.spawn(_rank_main, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+    spawn_local_ranks(fn, world_size, *args, timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 # --- models ---------------------------------------------------------------------------------------

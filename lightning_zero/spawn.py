@@ -1,0 +1,43 @@
+"""Run a function on N local ranks over gloo, with Lightning's environment variables set.
+
+For tests and benchmarks: each rank is a process from ``torch.multiprocessing.spawn``; the
+process group is created here, with a timeout, before ``fn`` runs. Because LOCAL_RANK and friends
+are set, a ``Trainer`` built inside ``fn`` joins these processes instead of launching its own, so one
+spawn can run several ``fit`` calls side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size)
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_local_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes; re-raises a rank's failure.
+
+    ``fn`` must be importable by name (a module-level function), as the processes are spawned.
+    """
+    mp.spawn(_rank_main, args=(world_size, _free_port(), timeout_s, fn, args), nprocs=world_size, join=True)
