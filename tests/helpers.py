@@ -71,9 +71,17 @@ class EquivalenceModule(pl.LightningModule):
     single-process batch. ``grad_norms`` records the global gradient norm before each step.
     """
 
-    def __init__(self, kind: str, global_batch: int = 8, steps: int = 20, accumulate: int = 2, lr: float = 1e-3):
+    def __init__(
+        self,
+        kind: str,
+        global_batch: int = 8,
+        steps: int = 20,
+        accumulate: int = 2,
+        lr: float = 1e-3,
+        optimizer: str = "adamw",
+    ):
         super().__init__()
-        self.kind, self.global_batch, self.lr = kind, global_batch, lr
+        self.kind, self.global_batch, self.lr, self.optimizer = kind, global_batch, lr, optimizer
         n = steps * accumulate * global_batch
         g = torch.Generator().manual_seed(7)
         if kind == "gpt":
@@ -86,6 +94,7 @@ class EquivalenceModule(pl.LightningModule):
             self.net = ToyNet()
             self.data = TensorDataset(torch.randint(VOCAB, (n, SEQ), generator=g), torch.randint(VOCAB, (n,), generator=g))
         self.grad_norms: list[float] = []
+        self.grad_max: list[float] = []  # largest |gradient| this rank sees before each step
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
@@ -104,16 +113,22 @@ class EquivalenceModule(pl.LightningModule):
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
         self.grad_norms.append(float(norm))
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.grad_max.append(max(float(g.abs().max()) for g in grads))
 
     def configure_optimizers(self):
+        """Two param groups with their own lr and weight decay, and a per-step LR schedule."""
         params = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.AdamW(
-            [
-                {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": self.lr / 2},
-            ],
-            lr=self.lr,
-        )
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": self.lr / 2},
+        ]
+        if self.optimizer == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=self.lr * 30, momentum=0.9)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train_dataloader(self):
         world, rank = self.trainer.world_size, self.trainer.global_rank
