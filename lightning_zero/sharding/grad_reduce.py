@@ -86,12 +86,16 @@ class GradReducer:
         offset = unit.layout.offsets[index]
         numel = unit.layout.numels[index]
 
+        # Gradients are averaged over ranks: each is divided by world_size on its way into the bucket
+        # (as DDP pre-divides), and the reduce-scatter sums.
+        scale = 1.0 / self.world_size
+
         def hook(param: Tensor) -> None:
             grad = param.grad
             param.grad = None
             unit.used[index] = 1
             if not self.reduce_in_backward:
-                unit.flat_grad[offset : offset + numel].add_(grad.reshape(-1))
+                unit.flat_grad[offset : offset + numel].add_(grad.reshape(-1), alpha=scale)
                 return
             if slot < self._next:
                 raise RuntimeError(
@@ -102,7 +106,7 @@ class GradReducer:
             buffer = self._buffers[slot]
             if buffer is None:
                 buffer = self._buffers[slot] = torch.zeros(bucket.numel, dtype=grad.dtype, device=grad.device)
-            buffer[offset - bucket.start : offset - bucket.start + numel].add_(grad.reshape(-1))
+            buffer[offset - bucket.start : offset - bucket.start + numel].add_(grad.reshape(-1), alpha=scale)
             self._arrived[slot].add(index)
             self._launch_ready()
 
@@ -120,7 +124,6 @@ class GradReducer:
         buffer = self._buffers[slot]
         if buffer is None:  # no gradient reached this bucket on this rank: it contributes zeros
             buffer = self._buffers[slot] = torch.zeros(bucket.numel, dtype=unit.master.dtype, device=unit.master.device)
-        buffer.div_(self.world_size)
         own = buffer[bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
         work = collectives.reduce_scatter(own, buffer, async_op=self.overlap, group=self.group)
         self._inflight.append((slot, work))
@@ -159,7 +162,6 @@ class GradReducer:
             if id(unit) not in wanted:
                 continue
             buffer = unit.flat_grad[bucket.start : bucket.start + bucket.numel]
-            buffer.div_(self.world_size)
             works.append(collectives.reduce_scatter(unit.grad_chunk(bucket), buffer, async_op=True, group=self.group))
         for work in works:
             collectives.wait(work)
