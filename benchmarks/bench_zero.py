@@ -48,7 +48,11 @@ class StepTimer(pl.Callback):
         self.times.append(time.perf_counter() - self._start)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if not self.bytes and isinstance(trainer.strategy, DDPStrategy) and not isinstance(trainer.strategy, ZeroStrategy):
+        if (
+            not self.bytes
+            and isinstance(trainer.strategy, DDPStrategy)
+            and not isinstance(trainer.strategy, ZeroStrategy)
+        ):
             state = sum(v.nbytes for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
             self.bytes = {
                 "parameters": sum(p.nbytes for p in pl_module.parameters()),
@@ -83,7 +87,10 @@ def _collective_ms(psi: int, world: int) -> dict[str, float]:
     full, shard = torch.randn(n), torch.empty(n // world)
     ops = {
         "all_reduce": lambda: dist.all_reduce(full),
-        "reduce_scatter + all_gather": lambda: (dist.reduce_scatter_single(shard, full), dist.all_gather_single(full, shard)),
+        "reduce_scatter + all_gather": lambda: (
+            dist.reduce_scatter_single(shard, full),
+            dist.all_gather_single(full, shard),
+        ),
     }
     out = {}
     for name, op in ops.items():
@@ -104,10 +111,14 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
         for name in STRATEGIES:
             pl.seed_everything(0)
             model = GPTModule(
-                GPTConfig(vocab_size=32, block_size=args.block_size, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd),
+                GPTConfig(
+                    vocab_size=32, block_size=args.block_size, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd
+                ),
                 max_steps=args.steps,
             )
-            data = SyntheticTextDataModule(block_size=args.block_size, batch_size=args.batch_size, num_train=2048, seed=0)
+            data = SyntheticTextDataModule(
+                block_size=args.block_size, batch_size=args.batch_size, num_train=2048, seed=0
+            )
             timer = StepTimer()
             trainer = pl.Trainer(
                 strategy=_strategy(name, args.bucket),
@@ -137,7 +148,14 @@ def _mib(n: float) -> str:
 def _table(results: dict, world: int, args) -> str:
     psi = results["ddp"]["psi"]
     ddp_median = statistics.median(results["ddp"]["times"])
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     lines = [
         f"# ddp vs zero1 vs zero2 on {world} CPU ranks (gloo)",
         "",
@@ -148,7 +166,8 @@ def _table(results: dict, world: int, args) -> str:
         f" steps of each run dropped; zero bucket {args.bucket:,} elements",
         f"- command: `python benchmarks/bench_zero.py {' '.join(sys.argv[1:])}`",
         "",
-        "| strategy | median step (ms) | vs ddp | params MiB (formula) | grads MiB (formula) | optimizer state MiB (formula) |",
+        "| strategy | median step (ms) | vs ddp | params MiB (formula) | grads MiB (formula)"
+        " | optimizer state MiB (formula) |",
         "|---|---|---|---|---|---|",
     ]
     for name in STRATEGIES:

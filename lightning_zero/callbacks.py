@@ -61,8 +61,9 @@ class ZeroSummary(pl.Callback):
         for rank, mem in enumerate(ranks):
             state = mem["master"] + mem["optimizer_state"]
             lines.append(f"rank {rank:<8} {_mb(mem['parameters'])}  {_mb(mem['gradients'])}  {_mb(state)}")
+        f = formula
         lines.append(
-            f"formula       {_mb(formula['parameters'])}  {_mb(formula['gradients'])}  {_mb(formula['optimizer_state'])}"
+            f"formula       {_mb(f['parameters'])}  {_mb(f['gradients'])}  {_mb(f['optimizer_state'])}"
             "   (fp32 Adam; see lightning_zero/memory.py)"
         )
         rank_zero_info("\n".join(lines))

@@ -5,15 +5,13 @@ the configs in ``configs/`` train the package's GPT on its synthetic language.""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_zero  # noqa: F401  (registers zero1 / zero2)
 
 
-def main(args: Optional[list[str]] = None) -> None:
+def main(args: list[str] | None = None) -> None:
     LightningCLI(
         pl.LightningModule,
         pl.LightningDataModule,

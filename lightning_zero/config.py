@@ -14,7 +14,15 @@ SUPPORTED_STAGES = (1, 2)
 
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"zero.{key} must be {allowed}, got {value!r}")
+        raise ValueError(f"{key} must be {allowed}, got {value!r}")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(kw_only=True)
@@ -38,23 +46,67 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         _check(
-            not isinstance(self.stage, bool) and self.stage in SUPPORTED_STAGES,
-            "stage",
+            _integer(self.stage) and self.stage in SUPPORTED_STAGES,
+            "zero.stage",
             self.stage,
             f"one of {', '.join(map(str, SUPPORTED_STAGES))}",
         )
         _check(
-            isinstance(self.reduce_bucket_size, int)
-            and not isinstance(self.reduce_bucket_size, bool)
-            and self.reduce_bucket_size > 0,
-            "reduce_bucket_size",
+            _integer(self.reduce_bucket_size) and self.reduce_bucket_size > 0,
+            "zero.reduce_bucket_size",
             self.reduce_bucket_size,
             "an integer > 0 (elements)",
         )
-        _check(isinstance(self.overlap_comm, bool), "overlap_comm", self.overlap_comm, "true or false")
+        _check(isinstance(self.overlap_comm, bool), "zero.overlap_comm", self.overlap_comm, "true or false")
+        _check(_number(self.timeout) and self.timeout > 0, "zero.timeout", self.timeout, "a number of seconds > 0")
+
+
+@dataclass(kw_only=True)
+class LossScaleConfig:
+    """fp16 loss scaling (``ZeroPrecision("16-mixed")``), with DeepSpeed's defaults and meaning.
+
+    Attributes:
+        static_loss_scale: a fixed scale; 0 (default) means dynamic scaling.
+        initial_scale_power: dynamic scaling starts at 2**initial_scale_power.
+        scale_window: consecutive good steps before the scale grows by ``scale_factor``.
+        scale_factor: how much the scale grows or shrinks at a time.
+        hysteresis: overflows tolerated (their steps still skipped) before the scale backs off.
+        consecutive_hysteresis: refill the tolerance after every good step, not only when the scale grows.
+        min_loss_scale: the scale never goes below this.
+        raise_at_min_scale: an overflow at the minimum scale raises (default) or only warns.
+    """
+
+    static_loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    scale_window: int = 1000
+    scale_factor: float = 2.0
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    raise_at_min_scale: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (
+                "static_loss_scale",
+                _number(self.static_loss_scale) and self.static_loss_scale >= 0,
+                "a number >= 0 (0 = dynamic)",
+            ),
+            (
+                "initial_scale_power",
+                _integer(self.initial_scale_power) and 0 <= self.initial_scale_power <= 64,
+                "an integer in [0, 64]",
+            ),
+            ("scale_window", _integer(self.scale_window) and self.scale_window >= 1, "an integer >= 1"),
+            ("scale_factor", _number(self.scale_factor) and self.scale_factor > 1, "a number > 1"),
+            ("hysteresis", _integer(self.hysteresis) and self.hysteresis >= 1, "an integer >= 1"),
+            ("consecutive_hysteresis", isinstance(self.consecutive_hysteresis, bool), "true or false"),
+            ("min_loss_scale", _number(self.min_loss_scale) and self.min_loss_scale > 0, "a number > 0"),
+            ("raise_at_min_scale", isinstance(self.raise_at_min_scale, bool), "true or false"),
+        ]
+        for key, ok, allowed in checks:
+            _check(ok, f"fp16.{key}", getattr(self, key), allowed)
+        start = self.static_loss_scale or 2.0**self.initial_scale_power
         _check(
-            isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0,
-            "timeout",
-            self.timeout,
-            "a number of seconds > 0",
+            start >= self.min_loss_scale, "fp16.min_loss_scale", self.min_loss_scale, f"<= the starting scale {start:g}"
         )

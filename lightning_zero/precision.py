@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -36,7 +36,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 
 
 class ZeroPrecision(Precision):
-    def __init__(self, precision: str = "32-true", device: Optional[str] = None) -> None:
+    def __init__(self, precision: str = "32-true", device: str | None = None) -> None:
         validate_precision(str(precision))
         self.precision = str(precision)
         self.device = device  # autocast device type; the strategy fills it in at setup when None
@@ -49,7 +49,7 @@ class ZeroPrecision(Precision):
     def optimizer_step(
         self,
         optimizer: Any,
-        model: "pl.LightningModule",
+        model: pl.LightningModule,
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
@@ -62,7 +62,7 @@ class ZeroPrecision(Precision):
         zero.step(**kwargs)
         return closure_result
 
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         zero = unwrap_optimizer(optimizer)
         if isinstance(zero, ZeroOptimizer):
             zero.clip_grad_norm_(float(clip_val))

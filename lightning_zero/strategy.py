@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Any, Literal, Optional
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
@@ -42,15 +42,15 @@ class ZeroStrategy(DDPStrategy):
 
     def __init__(
         self,
-        config: Optional[ZeroConfig] = None,
+        config: ZeroConfig | None = None,
         *,
-        stage: Optional[int] = None,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
+        stage: int | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         config = config if config is not None else ZeroConfig()
@@ -69,7 +69,7 @@ class ZeroStrategy(DDPStrategy):
             timeout=timedelta(seconds=config.timeout),
             start_method=start_method,
         )
-        self._reducer: Optional[GradReducer] = None
+        self._reducer: GradReducer | None = None
 
     # --- precision --------------------------------------------------------------------------------
     @property
@@ -79,7 +79,7 @@ class ZeroStrategy(DDPStrategy):
         return self._precision_plugin
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         """Accepts the plugin Lightning builds from ``Trainer(precision=...)`` and turns it into ours."""
         if plugin is None or isinstance(plugin, ZeroPrecision):
             self._precision_plugin = plugin
@@ -92,7 +92,7 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError(f"the ZeRO strategies need ZeroPrecision, got {type(plugin).__name__}")
 
     # --- set-up -----------------------------------------------------------------------------------
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if self.precision_plugin.device is None:

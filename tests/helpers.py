@@ -92,7 +92,9 @@ class EquivalenceModule(pl.LightningModule):
             self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
         else:
             self.net = ToyNet()
-            self.data = TensorDataset(torch.randint(VOCAB, (n, SEQ), generator=g), torch.randint(VOCAB, (n,), generator=g))
+            self.data = TensorDataset(
+                torch.randint(VOCAB, (n, SEQ), generator=g), torch.randint(VOCAB, (n,), generator=g)
+            )
         self.grad_norms: list[float] = []
         self.grad_max: list[float] = []  # largest |gradient| this rank sees before each step
         self.losses: list[float] = []
@@ -136,7 +138,9 @@ class EquivalenceModule(pl.LightningModule):
         return DataLoader(self.data, batch_size=self.global_batch // world, sampler=sampler)
 
 
-def make_trainer(strategy, devices: int, *, steps: int = 20, accumulate: int = 2, clip: float = 0.05, callbacks=(), **kwargs):
+def make_trainer(
+    strategy, devices: int, *, steps: int = 20, accumulate: int = 2, clip: float = 0.05, callbacks=(), **kwargs
+):
     return pl.Trainer(
         strategy=strategy,
         accelerator="cpu",

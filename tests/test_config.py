@@ -64,7 +64,9 @@ def test_bad_stage_through_the_strategy():
 
 @pytest.mark.parametrize("precision", ["fp8", "16-true", "64-true", "bf16"])
 def test_unknown_precision_is_refused(precision):
-    with pytest.raises(ValueError, match=f"the ZeRO strategies support precision 32-true, bf16-mixed; got '{precision}'"):
+    with pytest.raises(
+        ValueError, match=f"the ZeRO strategies support precision 32-true, bf16-mixed; got '{precision}'"
+    ):
         ZeroPrecision(precision)
 
 

@@ -37,7 +37,9 @@ class RanksAgree(pl.Callback):
         gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]
         dist.all_gather(gathered, flat)
         for r, other in enumerate(gathered):
-            assert torch.equal(other, flat), f"rank {r} differs from rank {trainer.global_rank} at step {trainer.global_step}"
+            assert torch.equal(other, flat), (
+                f"rank {r} differs from rank {trainer.global_rank} at step {trainer.global_step}"
+            )
         self.checked += 1
 
 
@@ -59,7 +61,10 @@ def _worker(rank: int, world: int, out_dir) -> None:
             assert agree.checked == STEPS
             state = trainer.strategy.lightning_module_state_dict()
             assert list(state) == list(module.state_dict())
-            torch.save({"state": state, "norms": module.grad_norms}, out_dir / f"{kind}-{optimizer}-{algorithm}-{stage}-{rank}.pt")
+            torch.save(
+                {"state": state, "norms": module.grad_norms},
+                out_dir / f"{kind}-{optimizer}-{algorithm}-{stage}-{rank}.pt",
+            )
 
 
 @functools.cache
@@ -85,6 +90,10 @@ def test_sharded_training_matches_single_process(world, tmp_path):
                 for name, ref in ref_state.items():
                     assert torch.equal(result["state"][name], results[0]["state"][name]), (name, r)
                     err = relative_error(result["state"][name], ref)
-                    assert err <= 1e-5, f"{kind}/{optimizer}/{algorithm} stage {stage} rank {r}: {name} differs by {err:.2e}"
+                    assert err <= 1e-5, (
+                        f"{kind}/{optimizer}/{algorithm} stage {stage} rank {r}: {name} differs by {err:.2e}"
+                    )
                 norm_err = relative_error(torch.tensor(result["norms"]), torch.tensor(ref_norms))
-                assert norm_err <= 1e-5, f"{kind}/{optimizer}/{algorithm} stage {stage}: grad norms differ by {norm_err:.2e}"
+                assert norm_err <= 1e-5, (
+                    f"{kind}/{optimizer}/{algorithm} stage {stage}: grad norms differ by {norm_err:.2e}"
+                )

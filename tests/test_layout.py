@@ -82,7 +82,12 @@ def test_parameter_straddles_ranks():
 
 @pytest.mark.parametrize(
     "numels,world,bucket,match",
-    [([], 2, 10, "at least one parameter"), ([3, 0], 2, 10, "no empty"), ([3], 0, 10, "world_size"), ([3], 2, 0, "bucket")],
+    [
+        ([], 2, 10, "at least one parameter"),
+        ([3, 0], 2, 10, "no empty"),
+        ([3], 0, 10, "world_size"),
+        ([3], 2, 0, "bucket"),
+    ],
 )
 def test_layout_rejects_bad_input(numels, world, bucket, match):
     with pytest.raises(ValueError, match=match):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
 
 from lightning_zero.sharding import collectives
@@ -34,7 +33,9 @@ def _worker(rank: int, world: int) -> None:
         pl.seed_everything(0)
         module = EquivalenceModule("toy", steps=3)
         traffic = TrafficPerStep()
-        trainer = make_trainer(zero_strategy(stage, reduce_bucket_size=40), world, steps=3, accumulate=ACCUMULATE, callbacks=[traffic])
+        trainer = make_trainer(
+            zero_strategy(stage, reduce_bucket_size=40), world, steps=3, accumulate=ACCUMULATE, callbacks=[traffic]
+        )
         trainer.fit(module)
 
         (optimizer,) = trainer.strategy.optimizers
@@ -51,7 +52,9 @@ def _worker(rank: int, world: int) -> None:
         assert mem["master"] == 4 * padded // world
         assert mem["gradients"] == (4 * padded if stage == 1 else 4 * padded // world)
         # Adam's moments: 8 bytes per element this rank owns; over all ranks exactly 8 Psi.
-        moments = sum(v.nbytes for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
+        moments = sum(
+            v.nbytes for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")
+        )
         all_moments = collectives.all_gather_object(moments)
         assert sum(all_moments) == 8 * psi
         # Each rank owns padded / world slots, of which at most the padding is empty.
@@ -59,7 +62,9 @@ def _worker(rank: int, world: int) -> None:
         # The whole per-rank footprint against the fp32 formula (K = 12: master + two moments).
         formula = (8 * psi + 12 * psi / world) if stage == 1 else (4 * psi + 16 * psi / world)
         step_scalars = sum(v.nbytes for s in optimizer.state.values() for v in s.values() if v.dim() == 0)
-        footprint = mem["parameters"] - frozen + mem["gradients"] + mem["master"] + mem["optimizer_state"] - step_scalars
+        footprint = (
+            mem["parameters"] - frozen + mem["gradients"] + mem["master"] + mem["optimizer_state"] - step_scalars
+        )
         slack = 16 * (padded - psi)  # padding is counted by parameters/gradients and by master/state
         assert formula - 8 * psi / world <= footprint <= formula + slack + 8 * psi / world, (stage, footprint, formula)
         # Communication: stage 2 reduce-scatters every micro-batch, stage 1 once per step.

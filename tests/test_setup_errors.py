@@ -21,7 +21,9 @@ class RankDependentOrder(EquivalenceModule):
 
 
 def _worker(rank: int, world: int) -> None:
-    with pytest.raises(ValueError, match=r"parameters \['emb.weight'|parameters \['net.emb.weight'.*in no optimizer param group"):
+    with pytest.raises(
+        ValueError, match=r"parameters \['emb.weight'|parameters \['net.emb.weight'.*in no optimizer param group"
+    ):
         make_trainer(zero_strategy(2), world, steps=1).fit(Orphan("toy", steps=1))
     with pytest.raises(RuntimeError, match="rank .* see different optimizer parameters"):
         make_trainer(zero_strategy(1), world, steps=1).fit(RankDependentOrder("toy", steps=1))

@@ -12,9 +12,7 @@ whose peers never arrive fails with torch's timeout error instead of waiting for
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -25,7 +23,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def reduce_scatter(output: Tensor, input: Tensor, *, async_op: bool, group=None) -> Optional[dist.Work]:
+def reduce_scatter(output: Tensor, input: Tensor, *, async_op: bool, group=None) -> dist.Work | None:
     """Sums ``input`` (world_size equal chunks) over ranks; chunk r lands in rank r's ``output``.
 
     ``output`` may be rank r's own chunk of ``input`` (in place).
@@ -34,7 +32,7 @@ def reduce_scatter(output: Tensor, input: Tensor, *, async_op: bool, group=None)
     return _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_gather(output: Tensor, input: Tensor, *, async_op: bool, group=None) -> Optional[dist.Work]:
+def all_gather(output: Tensor, input: Tensor, *, async_op: bool, group=None) -> dist.Work | None:
     """Concatenates every rank's ``input`` into ``output``; ``input`` may be this rank's slot of it."""
     traffic["all_gather"] += output.numel()
     return _all_gather_single(output, input, group=group, async_op=async_op)
@@ -54,13 +52,13 @@ def all_gather_object(obj: object, *, group=None) -> list:
     return out
 
 
-def gather_object(obj: object, *, dst: int = 0, group=None) -> Optional[list]:
+def gather_object(obj: object, *, dst: int = 0, group=None) -> list | None:
     """Every rank's ``obj`` on ``dst`` (None elsewhere)."""
     out = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
     dist.gather_object(obj, out, dst=dst, group=group)
     return out
 
 
-def wait(work: Optional[dist.Work]) -> None:
+def wait(work: dist.Work | None) -> None:
     if work is not None:
         work.wait()

@@ -126,7 +126,9 @@ class FlatUnit:
             own = self.param_chunk(bucket)
             own.copy_(self.master_chunk(bucket))
             lo = bucket.start
-            works.append(collectives.all_gather(self.flat_param[lo : lo + bucket.numel], own, async_op=True, group=group))
+            works.append(
+                collectives.all_gather(self.flat_param[lo : lo + bucket.numel], own, async_op=True, group=group)
+            )
         for work in works:
             collectives.wait(work)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -61,18 +60,22 @@ class GradReducer:
 
         # (unit, bucket) in launch order; see [Note: launch order].
         slots = [(u, b) for u in self.units for b in u.layout.buckets]
-        slots.sort(key=lambda ub: -min(model_position[ub[0].params[i]] for i in range(ub[1].first_param, ub[1].end_param)))
+        slots.sort(
+            key=lambda ub: -min(model_position[ub[0].params[i]] for i in range(ub[1].first_param, ub[1].end_param))
+        )
         self.order: list[tuple[FlatUnit, Bucket]] = slots
         self._index = {(id(u), b.start): k for k, (u, b) in enumerate(slots)}
         self._sizes = [b.end_param - b.first_param for _, b in slots]
 
-        self._buffers: list[Optional[Tensor]] = [None] * len(slots)
+        self._buffers: list[Tensor | None] = [None] * len(slots)
         self._arrived: list[set[int]] = [set() for _ in slots]
         self._next = 0  # first bucket in launch order not launched yet in this backward
-        self._inflight: deque[tuple[int, Optional[dist.Work]]] = deque()
+        self._inflight: deque[tuple[int, dist.Work | None]] = deque()
 
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(u, i)) for u in self.units for i, p in enumerate(u.params)
+            p.register_post_accumulate_grad_hook(self._make_hook(u, i))
+            for u in self.units
+            for i, p in enumerate(u.params)
         ]
 
     def remove_hooks(self) -> None:

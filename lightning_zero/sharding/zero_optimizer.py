@@ -20,7 +20,7 @@ shapes), so a checkpoint loads at any world size: ``load_state_dict`` slices out
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ class ZeroOptimizer:
         self,
         optimizer: Optimizer,
         group_params: Sequence[Sequence[Parameter]],
-        group_units: Sequence[Optional[FlatUnit]],
+        group_units: Sequence[FlatUnit | None],
         reducer: GradReducer,
         *,
         group=None,
@@ -54,14 +54,14 @@ class ZeroOptimizer:
         self.units = [u for u in group_units if u is not None]
         self._group_units = list(group_units)
         # For each group, each original parameter's index in its unit (None when frozen).
-        self._unit_index: list[list[Optional[int]]] = []
+        self._unit_index: list[list[int | None]] = []
         for params, unit in zip(group_params, group_units):
             position = {id(p): i for i, p in enumerate(unit.params)} if unit is not None else {}
             self._unit_index.append([position.get(id(p)) for p in params])
         for param_group, unit in zip(optimizer.param_groups, group_units):
             param_group["params"] = list(unit.piece_tensors) if unit is not None else []
         self._prepared = False
-        self._consolidated: Optional[dict[str, Any]] = None
+        self._consolidated: dict[str, Any] | None = None
 
     # --- what Lightning and LR schedulers read -----------------------------------------------------
     @property
@@ -121,7 +121,7 @@ class ZeroOptimizer:
                 grad.mul_(coef.to(grad.dtype))
         return norm
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -145,7 +145,9 @@ class ZeroOptimizer:
                 if i is None or i not in piece_of or piece_of[i][1] not in self.optimizer.state:
                     continue
                 piece, tensor = piece_of[i]
-                state = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in self.optimizer.state[tensor].items()}
+                state = {
+                    k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in self.optimizer.state[tensor].items()
+                }
                 local[(g, j)] = {"lo": piece.lo, "hi": piece.hi, "shape": tuple(unit.params[i].shape), "state": state}
         return local
 
@@ -234,6 +236,4 @@ def _assemble(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _slice(state: dict[str, Any], piece, numel: int) -> dict[str, Any]:
-    return {
-        k: v.reshape(-1)[piece.lo : piece.hi].clone() if _is_elementwise(v, numel) else v for k, v in state.items()
-    }
+    return {k: v.reshape(-1)[piece.lo : piece.hi].clone() if _is_elementwise(v, numel) else v for k, v in state.items()}
