@@ -6,11 +6,11 @@ so ``Trainer(strategy="zero2")`` works after ``import lightning_zero``.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
 
-__all__ = ["ZeroConfig", "ZeroPrecision", "ZeroStrategy"]
+__all__ = ["LossScaleConfig", "ZeroConfig", "ZeroPrecision", "ZeroStrategy"]
 __version__ = "0.1.0"
 
 if "zero1" not in StrategyRegistry:

@@ -44,9 +44,10 @@ class ZeroSummary(pl.Callback):
         if not isinstance(strategy, ZeroStrategy):
             return
         ranks = collectives.all_gather_object(strategy.memory_bytes())
-        psi = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        trainable = [p for p in pl_module.parameters() if p.requires_grad]
+        psi = sum(p.numel() for p in trainable)
         name = f"zero{strategy.config.stage}"
-        formula = formula_bytes(name, psi, trainer.world_size)
+        formula = formula_bytes(name, psi, trainer.world_size, trainable[0].element_size())
         lines = [
             f"{name}: {trainer.world_size} ranks, precision {trainer.precision}, {psi:,} trainable parameters (Psi)",
             f"throughput: {self.tokens / self.seconds:,.0f} tokens/s, {self.samples / self.seconds:,.1f} samples/s"
@@ -64,6 +65,6 @@ class ZeroSummary(pl.Callback):
         f = formula
         lines.append(
             f"formula       {_mb(f['parameters'])}  {_mb(f['gradients'])}  {_mb(f['optimizer_state'])}"
-            "   (fp32 Adam; see lightning_zero/memory.py)"
+            "   (Adam; see lightning_zero/memory.py)"
         )
         rank_zero_info("\n".join(lines))

@@ -1,8 +1,22 @@
 """ZeroPrecision: the precision plugin of the ZeRO strategies; it owns backward, clipping and the step.
 
-``32-true``: fp32 compute. ``bf16-mixed``: bf16 autocast for compute, fp32 parameters, gradients and
-master partitions; bf16 has fp32's exponent range, so gradients do not underflow and no loss scaling
-is needed. ``16-mixed`` (fp16 with dynamic loss scaling) is not implemented yet and is refused.
+- ``32-true``: fp32 everywhere.
+- ``bf16-mixed``: bf16 autocast for compute; fp32 parameters, gradients and master partitions. bf16
+  has fp32's exponent range, so gradients do not underflow and no loss scaling is needed.
+- ``16-mixed``: DeepSpeed's fp16 mode. Parameters and gradients are fp16 (views into fp16 flat
+  buffers), master partitions and optimizer state fp32; compute runs under fp16 autocast (so
+  layer norms, softmax and the loss run in fp32). The loss is multiplied by a dynamic loss scale
+  before backward; a step whose gradients overflowed on any rank is skipped on every rank, and
+  the scale backs off (``loss_scaler.py``).
+
+[Note: the fp16 step]
+closure (forward, scaled backward, reduce-scatter) -> ``prepare_grads``: one MAX all-reduce of the
+used-flags and the overflow flag, read on the host once -> on overflow: skip (parameters, optimizer
+state and, through the strategy, step-wise LR schedulers stay as they were), update the scale ->
+otherwise: ``on_before_optimizer_step`` hooks and clipping (the norm is taken on the scaled fp32
+gradients and divided by the scale), one multiply by clip_coef / scale, the optimizer step, the
+all-gather, update the scale. ``on_before_optimizer_step`` therefore sees gradients still scaled by
+``loss_scale`` in fp16, as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -15,18 +29,18 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.nn import Module
 
+from lightning_zero.config import LossScaleConfig
+from lightning_zero.loss_scaler import DynamicLossScaler
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed")
 
 
 def validate_precision(precision: str) -> None:
-    if precision == "16-mixed":
-        raise ValueError(
-            "precision '16-mixed' (fp16 with dynamic loss scaling) is not supported by the ZeRO strategies yet;"
-            f" use one of {', '.join(SUPPORTED_PRECISION)}"
-        )
     if precision not in SUPPORTED_PRECISION:
         raise ValueError(f"the ZeRO strategies support precision {', '.join(SUPPORTED_PRECISION)}; got {precision!r}")
 
@@ -36,35 +50,85 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 
 
 class ZeroPrecision(Precision):
-    def __init__(self, precision: str = "32-true", device: str | None = None) -> None:
-        validate_precision(str(precision))
-        self.precision = str(precision)
-        self.device = device  # autocast device type; the strategy fills it in at setup when None
+    """Args:
+    precision: "32-true", "bf16-mixed" or "16-mixed".
+    device: the autocast device type; the strategy fills it in when None.
+    loss_scale: fp16 loss scaling; only for "16-mixed" (``LossScaleConfig()`` by default).
+    """
+
+    def __init__(
+        self, precision: str = "32-true", device: str | None = None, loss_scale: LossScaleConfig | None = None
+    ) -> None:
+        precision = str(precision)
+        validate_precision(precision)
+        if loss_scale is not None and precision != "16-mixed":
+            raise ValueError(f"loss_scale only applies to precision '16-mixed', got precision {precision!r}")
+        self.precision = precision
+        self.device = device
+        self.scaler = DynamicLossScaler(loss_scale or LossScaleConfig()) if precision == "16-mixed" else None
+        self.last_grad_norm: Tensor | None = None
+
+    def convert_module(self, module: Module) -> Module:
+        if self.precision == "16-mixed":
+            return module.to(torch.float16)
+        return module
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        if self.precision == "bf16-mixed":
-            return torch.autocast(self.device or "cpu", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        if self.precision == "32-true":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+        return torch.autocast(self.device or "cpu", dtype=dtype)
 
-    def optimizer_step(
-        self,
-        optimizer: Any,
-        model: pl.LightningModule,
-        closure: Callable[[], Any],
-        **kwargs: Any,
-    ) -> Any:
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
+        tensor = super().pre_backward(tensor, module)
+        return tensor * self.scaler.scale if self.scaler is not None else tensor
+
+    def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any):
         zero = unwrap_optimizer(optimizer)
         if not isinstance(zero, ZeroOptimizer):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
+        self.last_grad_norm = None
         closure_result = closure()  # forward and backward; the strategy reduces gradients after backward
-        zero.prepare_grads()
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
-        zero.step(**kwargs)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if zero.prepare_grads(check_finite=self.scaler is not None, loss_scale=scale):
+            zero.skip_step()
+            self.scaler.update(overflow=True)
+            if self.scaler.scale != scale:
+                rank_zero_info(
+                    f"fp16 gradients overflowed at step {model.trainer.global_step}: step skipped, loss scale"
+                    f" {scale:g} -> {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)"
+                )
+        else:
+            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+            zero.step(**kwargs)
+            if self.scaler is not None:
+                self.scaler.update(overflow=False)
+        self._log(model)
         return closure_result
+
+    def _log(self, model: pl.LightningModule) -> None:
+        if self.scaler is not None:
+            model.log("loss_scale", self.scaler.scale, prog_bar=True)
+            model.log("skipped_steps", float(self.scaler.skipped_steps), prog_bar=True)
+        if self.last_grad_norm is not None:
+            model.log("grad_norm", self.last_grad_norm)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         zero = unwrap_optimizer(optimizer)
         if isinstance(zero, ZeroOptimizer):
-            zero.clip_grad_norm_(float(clip_val))
+            self.last_grad_norm = zero.clip_grad_norm_(float(clip_val))
         else:
             super().clip_grad_by_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        zero = unwrap_optimizer(optimizer)
+        if isinstance(zero, ZeroOptimizer):
+            zero.unscale_()  # elementwise clipping needs the true values
+        super().clip_grad_by_value(optimizer, clip_val)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -85,8 +85,8 @@ class ZeroStrategy(DDPStrategy):
             self._precision_plugin = plugin
         elif type(plugin) is Precision:
             self._precision_plugin = ZeroPrecision("32-true")
-        elif isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
-            self._precision_plugin = ZeroPrecision("bf16-mixed", device=plugin.device)
+        elif isinstance(plugin, MixedPrecision):
+            self._precision_plugin = ZeroPrecision(plugin.precision, device=plugin.device)
         else:
             validate_precision(str(getattr(plugin, "precision", None)))
             raise ValueError(f"the ZeRO strategies need ZeroPrecision, got {type(plugin).__name__}")
@@ -100,6 +100,7 @@ class ZeroStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
         if fitting:
@@ -111,7 +112,18 @@ class ZeroStrategy(DDPStrategy):
                 rank=self.global_rank,
                 world_size=self.world_size,
             )
+            if self.precision_plugin.scaler is not None:
+                self._hold_schedulers_on_skipped_steps()
         self.setup_precision_plugin()
+
+    def _hold_schedulers_on_skipped_steps(self) -> None:
+        """[Note: skipped steps] An fp16 step skipped for overflow did not happen, so step-wise LR
+        schedulers must not advance either (Lightning steps them after every optimizer step)."""
+        owner = {id(z.optimizer): z for z in self.optimizers if isinstance(z, ZeroOptimizer)}
+        for config in self.lr_scheduler_configs:
+            zero = owner.get(id(config.scheduler.optimizer))
+            if config.interval == "step" and zero is not None:
+                config.scheduler = SkipAwareScheduler(config.scheduler, zero)
 
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._reducer is not None:
@@ -147,3 +159,18 @@ class ZeroStrategy(DDPStrategy):
                 description=f"ZeRO stage {stage}: {what} sharded across data-parallel ranks",
                 stage=stage,
             )
+
+
+class SkipAwareScheduler:
+    """Forwards everything to an LR scheduler, except ``step`` after a skipped optimizer step."""
+
+    def __init__(self, scheduler: Any, optimizer: ZeroOptimizer) -> None:
+        self.scheduler = scheduler
+        self.zero_optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.zero_optimizer.last_step_skipped:
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)

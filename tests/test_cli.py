@@ -27,11 +27,14 @@ def test_console_script_help():
 
 
 @pytest.mark.slow
-def test_main_job_short_run(tmp_path):
+@pytest.mark.parametrize(
+    "config,precision", [("configs/gpt_zero2_cpu.yaml", "32-true"), ("configs/gpt_zero2_fp16.yaml", "16-mixed")]
+)
+def test_main_job_short_run(config, precision, tmp_path):
     result = _run(
         "fit",
         "--config",
-        "configs/gpt_zero2_cpu.yaml",
+        config,
         "--trainer.max_steps=12",
         "--trainer.val_check_interval=6",
         "--trainer.limit_val_batches=2",
@@ -40,6 +43,6 @@ def test_main_job_short_run(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout + result.stderr
-    assert "zero2: 2 ranks, precision 32-true" in out
+    assert f"zero2: 2 ranks, precision {precision}" in out
     assert "throughput:" in out and "tokens/s" in out
     assert "rank 1" in out and "formula" in out

@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import OmegaConf
 
 import lightning_zero
-from lightning_zero import ZeroConfig, ZeroPrecision, ZeroStrategy
+from lightning_zero import LossScaleConfig, ZeroConfig, ZeroPrecision, ZeroStrategy
 
 
 def test_import_registers_zero1_and_zero2_only():
@@ -65,26 +65,33 @@ def test_bad_stage_through_the_strategy():
 @pytest.mark.parametrize("precision", ["fp8", "16-true", "64-true", "bf16"])
 def test_unknown_precision_is_refused(precision):
     with pytest.raises(
-        ValueError, match=f"the ZeRO strategies support precision 32-true, bf16-mixed; got '{precision}'"
+        ValueError, match=f"the ZeRO strategies support precision 32-true, bf16-mixed, 16-mixed; got '{precision}'"
     ):
         ZeroPrecision(precision)
 
 
-def test_fp16_is_a_clear_error_until_loss_scaling_exists():
-    with pytest.raises(ValueError, match="'16-mixed'.*not supported by the ZeRO strategies yet"):
-        ZeroPrecision("16-mixed")
+def test_fp16_plugin_and_its_loss_scale():
+    plugin = ZeroPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale_power=8))
+    assert plugin.scaler.scale == 256
+    assert ZeroPrecision("32-true").scaler is None
+    with pytest.raises(ValueError, match="loss_scale only applies to precision '16-mixed', got precision 'bf16-mixed'"):
+        ZeroPrecision("bf16-mixed", loss_scale=LossScaleConfig())
+    # On CUDA Lightning hands the strategy a MixedPrecision("16-mixed"): it becomes ours.
     strategy = ZeroStrategy()
-    with pytest.raises(ValueError, match="'16-mixed'.*not supported by the ZeRO strategies yet"):
-        strategy.precision_plugin = MixedPrecision("16-mixed", "cpu")
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu")
+    assert isinstance(strategy.precision_plugin, ZeroPrecision)
+    assert strategy.precision_plugin.precision == "16-mixed" and strategy.precision_plugin.device == "cpu"
+    trainer = pl.Trainer(strategy="zero2", accelerator="cpu", devices=2, plugins=[plugin], logger=False)
+    assert trainer.strategy.precision_plugin is plugin and trainer.precision == "16-mixed"
 
 
 def test_trainer_precision_maps_onto_zero_precision():
     trainer = pl.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
     assert isinstance(trainer.strategy.precision_plugin, ZeroPrecision)
     assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
-    with pytest.raises(ValueError, match="support precision 32-true, bf16-mixed; got '64-true'"):
+    with pytest.raises(ValueError, match="support precision 32-true, bf16-mixed, 16-mixed; got '64-true'"):
         pl.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="64-true", logger=False)
-    with pytest.raises(ValueError, match="support precision 32-true, bf16-mixed; got 'bf16-true'"):
+    with pytest.raises(ValueError, match="support precision 32-true, bf16-mixed, 16-mixed; got 'bf16-true'"):
         pl.Trainer(strategy="zero1", accelerator="cpu", devices=2, precision="bf16-true", logger=False)
 
 

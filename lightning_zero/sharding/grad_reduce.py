@@ -126,7 +126,8 @@ class GradReducer:
         unit, bucket = self.order[slot]
         buffer = self._buffers[slot]
         if buffer is None:  # no gradient reached this bucket on this rank: it contributes zeros
-            buffer = self._buffers[slot] = torch.zeros(bucket.numel, dtype=unit.master.dtype, device=unit.master.device)
+            param = unit.flat_param
+            buffer = self._buffers[slot] = torch.zeros(bucket.numel, dtype=param.dtype, device=param.device)
         own = buffer[bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
         work = collectives.reduce_scatter(own, buffer, async_op=self.overlap, group=self.group)
         self._inflight.append((slot, work))
@@ -138,7 +139,7 @@ class GradReducer:
         collectives.wait(work)
         unit, bucket = self.order[slot]
         own = self._buffers[slot][bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
-        unit.grad_chunk(bucket).add_(own)
+        unit.grad_partition[unit.partition_slice(bucket)].add_(own)
         self._buffers[slot] = None
 
     def finish_backward(self) -> None:
@@ -158,13 +159,19 @@ class GradReducer:
 
     # --- stage 1 -----------------------------------------------------------------------------------
     def reduce_accumulated(self, units: Sequence[FlatUnit]) -> None:
-        """Stage 1: reduce-scatters the accumulated full gradients of ``units`` in place, in launch order."""
+        """Stage 1: reduce-scatters the accumulated full gradients of ``units`` into each unit's
+        transient ``reduced`` partition, in launch order."""
         wanted = {id(u) for u in units}
+        for unit in units:
+            unit.reduced = torch.empty(
+                unit.layout.partition_numel, dtype=unit.flat_grad.dtype, device=unit.flat_grad.device
+            )
         works = []
         for unit, bucket in self.order:
             if id(unit) not in wanted:
                 continue
             buffer = unit.flat_grad[bucket.start : bucket.start + bucket.numel]
-            works.append(collectives.reduce_scatter(unit.grad_chunk(bucket), buffer, async_op=True, group=self.group))
+            out = unit.reduced[unit.partition_slice(bucket)]
+            works.append(collectives.reduce_scatter(out, buffer, async_op=True, group=self.group))
         for work in works:
             collectives.wait(work)

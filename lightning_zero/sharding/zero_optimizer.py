@@ -5,13 +5,14 @@ hyper-parameters and LR schedulers; only each group's ``params`` list is replace
 pieces (views into the unit's fp32 master partition). One optimizer step is:
 
 1. ``prepare_grads``: stage 1 reduce-scatters the accumulated gradients; one all-reduce (MAX) of the
-   used-flags tells every rank which parameters got a gradient on any rank; each piece's ``.grad``
-   becomes a view of its reduced gradient, or None (as under DDP, the optimizer then leaves that
-   parameter alone: no momentum, no weight decay).
+   used-flags tells every rank which parameters got a gradient on any rank (and, in fp16, whether
+   any gradient overflowed); each piece's ``.grad`` becomes a view of its fp32 reduced gradient, or
+   None (as under DDP, the optimizer then leaves that parameter alone: no momentum, no weight decay).
 2. optional clipping: ``clip_grad_norm_`` (one all-reduce of the squared norm, no host sync) or the
    precision plugin's clip-by-value on the pieces (elementwise, so sharding does not change it);
 3. ``step``: the user's optimizer updates the pieces, then every unit all-gathers its updated
-   partition into the flat parameter buffer that the model's parameters view.
+   partition into the flat parameter buffer that the model's parameters view. ``skip_step``
+   instead drops the gradients and leaves everything else as it was.
 
 ``state_dict`` has the layout of the unsharded optimizer's (one entry per original parameter, full
 shapes), so a checkpoint loads at any world size: ``load_state_dict`` slices out this rank's pieces.
@@ -31,6 +32,10 @@ from torch.optim import Optimizer
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
+
+# With 16-bit model weights the checkpoint's state of each parameter also holds its fp32 master
+# weights under this key (the model's own state dict only has the rounded 16-bit copy).
+MASTER_KEY = "zero_master_fp32"
 
 
 class ZeroOptimizer:
@@ -80,14 +85,26 @@ class ZeroOptimizer:
         return f"ZeroOptimizer({self.optimizer!r})"
 
     # --- the step ----------------------------------------------------------------------------------
+    # [Note: one pass to unscale and clip]
+    # ``prepare_grads`` leaves the fp32 gradients as backward produced them: scaled by the fp16 loss
+    # scale. The factor that turns them into the true, clipped gradients is kept pending in
+    # ``_multiplier`` (1 / loss_scale, times the clip coefficient once one is known) and applied in
+    # one multiply right before the optimizer step, or earlier by ``unscale_`` when something needs
+    # the true values (clipping by value). Norms are computed on the scaled values and divided.
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:
             unit.zero_grad()
 
-    def prepare_grads(self) -> None:
-        """Makes the reduced gradients visible as the pieces' ``.grad`` (idempotent within a step)."""
+    def prepare_grads(self, *, check_finite: bool = False, loss_scale: float = 1.0) -> bool:
+        """Reduces the gradients, tells which parameters got one on any rank, and hands them to the pieces.
+
+        With ``check_finite`` (fp16) the same all-reduce also says whether any rank's gradient holds an
+        inf or nan; that flag is read on the host (the only sync of the step) and returned. When it is
+        set the pieces get no gradients: the caller skips the step. Idempotent within a step.
+        """
         if self._prepared:
-            return
+            return self._found_inf
         if self.reducer.backward_pending():
             raise RuntimeError(
                 "a backward ran outside the Trainer's backward, so its gradients were never reduced; call"
@@ -96,42 +113,71 @@ class ZeroOptimizer:
         stage1_units = [u for u in self.units if u.flat_grad is not None]
         if stage1_units:
             self.reducer.reduce_accumulated(stage1_units)
+        self._found_inf = False
         if self.units:
-            used = collectives.all_reduce(torch.cat([u.used for u in self.units]), dist.ReduceOp.MAX, group=self.group)
-            for unit, flags in zip(self.units, used.split([len(u.params) for u in self.units])):
-                unit.attach_grads(flags)
+            flags = [u.used for u in self.units]
+            if check_finite:
+                flags.append(torch.stack([u.nonfinite() for u in self.units]).amax(dim=0))
+            flags = collectives.all_reduce(torch.cat(flags), dist.ReduceOp.MAX, group=self.group)
+            self._found_inf = check_finite and bool(flags[-1])
+            if not self._found_inf:
+                sizes = [len(u.params) for u in self.units]
+                for unit, used in zip(self.units, flags[: sum(sizes)].split(sizes)):
+                    unit.attach_grads(used)
+        self._multiplier: float | Tensor = 1.0 / loss_scale
         self._prepared = True
+        return self._found_inf
 
     def grad_norm(self) -> Tensor:
-        """The global L2 norm of the reduced gradients, equal to that of the unsharded model's."""
+        """The global L2 norm of the true (unscaled, clipped so far) gradients: the unsharded model's."""
         self.prepare_grads()
         device = self.units[0].master.device if self.units else torch.device("cpu")
         squares = torch.zeros((), dtype=torch.float64, device=device)
         for unit in self.units:
-            for grad in unit.owned_grads():
-                squares += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
-        return collectives.all_reduce(squares, dist.ReduceOp.SUM, group=self.group).sqrt()
+            if unit.step_grad is not None:
+                squares += torch.linalg.vector_norm(unit.step_grad, dtype=torch.float64).square()
+        norm = collectives.all_reduce(squares, dist.ReduceOp.SUM, group=self.group).sqrt()
+        return (norm * self._multiplier).float()
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Scales all gradients by min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_``."""
+        """Scales all gradients by min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_``.
+
+        The factor joins the pending unscale (no pass over the gradients here); returns the norm.
+        """
         norm = self.grad_norm()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for unit in self.units:
-            for grad in unit.owned_grads():
-                grad.mul_(coef.to(grad.dtype))
+        self._multiplier = self._multiplier * (max_norm / (norm + 1e-6)).clamp(max=1.0)
         return norm
+
+    def unscale_(self) -> None:
+        """Applies the pending unscale and clip factor to the gradients now."""
+        multiplier, self._multiplier = self._multiplier, 1.0
+        if isinstance(multiplier, float) and multiplier == 1.0:
+            return
+        for unit in self.units:
+            if unit.step_grad is not None:
+                unit.step_grad.mul_(multiplier)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.prepare_grads()
+        if self.prepare_grads():
+            raise RuntimeError("gradients overflowed: skip this step with skip_step() instead")
+        self.unscale_()
         self.optimizer.step()
         for unit in self.units:
             unit.gather_params(group=self.group)
+            unit.release_grads()
         self._prepared = False
+        self.last_step_skipped = False
         return loss
+
+    def skip_step(self) -> None:
+        """Leaves parameters and optimizer state untouched and drops this step's gradients (fp16 overflow)."""
+        self.zero_grad()
+        self._prepared = False
+        self.last_step_skipped = True
 
     # --- state dict in the unsharded layout --------------------------------------------------------
     def _local_state(self) -> dict[tuple[int, int], dict[str, Any]]:
@@ -148,6 +194,8 @@ class ZeroOptimizer:
                 state = {
                     k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in self.optimizer.state[tensor].items()
                 }
+                if unit.flat_param.dtype != tensor.dtype:  # 16-bit model weights: keep the fp32 master too
+                    state[MASTER_KEY] = tensor.detach().cpu()
                 local[(g, j)] = {"lo": piece.lo, "hi": piece.hi, "shape": tuple(unit.params[i].shape), "state": state}
         return local
 
@@ -190,15 +238,20 @@ class ZeroOptimizer:
                 f" {[len(sg['params']) for sg in saved_groups]}, expected {[len(idx) for idx in self._unit_index]}"
             )
         inner_state, inner_groups, inner_index = {}, [], 0
-        for g, (saved, unit, indices) in enumerate(zip(saved_groups, self._group_units, self._unit_index)):
-            piece_of = {pc.param: pc for pc in unit.pieces} if unit is not None else {}
+        for saved, unit, indices in zip(saved_groups, self._group_units, self._unit_index):
+            piece_of = {pc.param: (pc, t) for pc, t in zip(unit.pieces, unit.piece_tensors)} if unit is not None else {}
             params = []
             for j, i in enumerate(indices):
                 if i is None or i not in piece_of:
                     continue
                 saved_state = state_dict["state"].get(saved["params"][j])
                 if saved_state is not None:
-                    inner_state[inner_index] = _slice(saved_state, piece_of[i], unit.layout.numels[i])
+                    piece, tensor = piece_of[i]
+                    state = _slice(saved_state, piece, unit.layout.numels[i])
+                    if MASTER_KEY in state:
+                        with torch.no_grad():
+                            tensor.copy_(state.pop(MASTER_KEY))
+                    inner_state[inner_index] = state
                 params.append(inner_index)
                 inner_index += 1
             inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": params})
