@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_zero.config import ZeroConfig
 from lightning_zero.precision import ZeroPrecision, validate_precision
 from lightning_zero.sharding.build import shard_optimizers
+from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
@@ -70,6 +71,7 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._reducer: GradReducer | None = None
+        self._units: list[FlatUnit] = []
 
     # --- precision --------------------------------------------------------------------------------
     @property
@@ -112,6 +114,7 @@ class ZeroStrategy(DDPStrategy):
                 rank=self.global_rank,
                 world_size=self.world_size,
             )
+            self._units = self._reducer.units
             if self.precision_plugin.scaler is not None:
                 self._hold_schedulers_on_skipped_steps()
         self.setup_precision_plugin()
@@ -143,10 +146,12 @@ class ZeroStrategy(DDPStrategy):
         in-flight buckets are transient and not counted).
         """
         totals = {"parameters": 0, "gradients": 0, "master": 0, "optimizer_state": 0}
+        for unit in self._units:
+            for key, value in unit.nbytes().items():
+                totals[key] += value
         for optimizer in self.optimizers:
             if isinstance(optimizer, ZeroOptimizer):
-                for key, value in optimizer.nbytes().items():
-                    totals[key] += value
+                totals["optimizer_state"] += optimizer.state_nbytes()
         totals["parameters"] += sum(p.nbytes for p in self.lightning_module.parameters() if not p.requires_grad)
         return totals
 

@@ -15,24 +15,12 @@ from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
-def shard_optimizers(
-    model: Module,
-    optimizers: Sequence[Optimizer],
-    config: ZeroConfig,
-    *,
-    rank: int,
-    world_size: int,
-    group=None,
-) -> tuple[list[ZeroOptimizer], GradReducer]:
-    """Flattens every param group's trainable parameters into a unit and wraps each optimizer.
-
-    Raises before anything is modified if a parameter sits in two groups, if a trainable parameter is
-    in no optimizer, or if the ranks disagree about the parameters (which would hang the collectives).
-    """
+def check_optimizer_params(model: Module, optimizers: Sequence[Optimizer], *, rank: int, group=None) -> dict:
+    """Raises, before anything is modified, if a parameter sits in two groups, if a trainable parameter
+    is in no optimizer, or if the ranks disagree about the parameters (which would hang collectives).
+    Returns the module's parameter names."""
     names = {p: n for n, p in model.named_parameters(remove_duplicate=True)}
-    position = {p: i for i, p in enumerate(names)}
     group_params = [list(g["params"]) for opt in optimizers for g in opt.param_groups]
-
     seen: dict = {}
     for params in group_params:
         for p in params:
@@ -50,38 +38,43 @@ def shard_optimizers(
             f"parameters {orphans} require grad but are in no optimizer param group; add them to an optimizer"
             " or set requires_grad=False"
         )
-
     signature = [[(names[p], tuple(p.shape), str(p.dtype), p.requires_grad) for p in params] for params in group_params]
-    signatures = collectives.all_gather_object(signature, group=group)
-    for r, other in enumerate(signatures):
+    for r, other in enumerate(collectives.all_gather_object(signature, group=group)):
         if other != signature:
             raise RuntimeError(
                 f"rank {rank} and rank {r} see different optimizer parameters (names, shapes, dtypes or order);"
                 " build param groups from lists in module order, not from sets"
             )
+    return names
 
-    units = []
-    for params in group_params:
-        trainable = [p for p in params if p.requires_grad]
-        if not trainable:
-            units.append(None)
-            continue
-        layout = build_layout([p.numel() for p in trainable], world_size, config.reduce_bucket_size)
-        units.append(FlatUnit(trainable, [names[p] for p in trainable], layout, rank, full_grad=config.stage == 1))
 
+def shard_optimizers(
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    config: ZeroConfig,
+    *,
+    rank: int,
+    world_size: int,
+    group=None,
+) -> tuple[list[ZeroOptimizer], GradReducer]:
+    """Stages 1 and 2: flattens every param group's trainable parameters into a unit and wraps each optimizer."""
+    names = check_optimizer_params(model, optimizers, rank=rank, group=group)
+    locate, units = {}, []
+    for opt in optimizers:
+        for param_group in opt.param_groups:
+            trainable = [p for p in param_group["params"] if p.requires_grad]
+            if not trainable:
+                continue
+            layout = build_layout([p.numel() for p in trainable], world_size, config.reduce_bucket_size)
+            unit = FlatUnit(trainable, [names[p] for p in trainable], layout, rank, full_grad=config.stage == 1)
+            units.append(unit)
+            locate.update({p: (unit, i) for i, p in enumerate(trainable)})
     reducer = GradReducer(
-        [u for u in units if u is not None],
-        position,
+        units,
+        {p: i for i, p in enumerate(names)},
         reduce_in_backward=config.stage >= 2,
         overlap=config.overlap_comm,
         world_size=world_size,
         group=group,
     )
-    zero_optimizers, start = [], 0
-    for opt in optimizers:
-        n = len(opt.param_groups)
-        zero_optimizers.append(
-            ZeroOptimizer(opt, group_params[start : start + n], units[start : start + n], reducer, group=group)
-        )
-        start += n
-    return zero_optimizers, reducer
+    return [ZeroOptimizer(opt, locate, reducer, group=group) for opt in optimizers], reducer

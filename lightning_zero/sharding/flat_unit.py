@@ -1,18 +1,19 @@
 """FlatUnit: one flat, padded buffer of parameters, sharded over the data-parallel ranks.
 
-A unit is the partition layer that every stage builds on: stages 1 and 2 make one unit per optimizer
-param group. It owns
+A unit is the partition layer every stage builds on: stages 1 and 2 make one unit per optimizer
+param group, stage 3 one per module subtree. It owns
 - ``flat_param``: every parameter of the unit, back to back in the bucket-major layout of
-  ``layout.py``; the model's parameters are views into it, so the model reads what the
-  all-gather writes;
+  ``layout.py``; the model's parameters are views into it, so the model reads what the all-gather
+  writes. In stage 3 (``shard_params``) its storage exists only while the unit is gathered;
 - ``master``: this rank's partition (its chunk of every bucket) in fp32: the weights the
-  optimizer updates, copied (and cast) back into ``flat_param`` after each step;
+  optimizer updates, copied (and cast) back into the parameters after each step;
+- ``param_shard`` (stage 3): this rank's partition in the parameters' dtype, the input of the
+  all-gather; with fp32 parameters it *is* ``master``;
 - ``pieces``: per-parameter views into ``master``, one per parameter this rank owns part of. The
   user's optimizer steps these, so per-parameter semantics (a parameter without a gradient is
   skipped: no momentum, no weight decay) hold exactly as on the unsharded model;
-- gradient storage: stage 1 keeps a full flat gradient buffer, stage 2 only this rank's gradient
-  partition (see [Note: gradient storage]);
-- ``used``: which parameters received a gradient since the last ``zero_grad``.
+- gradient storage (see [Note: gradient storage]) and ``used``: which parameters received a
+  gradient since the last ``zero_grad``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
@@ -35,49 +37,77 @@ class FlatUnit:
         layout: FlatLayout,
         rank: int,
         *,
-        full_grad: bool,
+        full_grad: bool = False,
+        shard_params: bool = False,
+        trainable: bool = True,
+        device: torch.device | None = None,
     ) -> None:
+        """``full_grad``: stage 1's full gradient buffer, else a gradient partition (stages 2 and 3).
+        ``shard_params``: stage 3; needs a one-bucket layout. ``trainable``: False when only evaluating
+        (no master weights, gradients or pieces). Parameters on the meta device are replaced by new
+        Parameter objects (``replaced`` maps old to new) whose values come later through
+        ``write_owned``; other parameters are re-pointed into the flat buffer in place.
+        """
         dtypes = {p.dtype for p in params}
-        devices = {p.device for p in params}
-        if len(dtypes) > 1 or len(devices) > 1:
+        if len(dtypes) > 1 or len({p.device for p in params}) > 1:
             raise ValueError(
-                "all parameters of one optimizer param group must share dtype and device to be flattened,"
-                f" got dtypes {sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}"
-                f" for parameters {list(names)}"
+                "the parameters of one flat unit must share dtype and device, got dtypes"
+                f" {sorted(map(str, dtypes))} and devices {sorted({str(p.device) for p in params})} for {list(names)}"
             )
-        self.params = list(params)
+        if shard_params and len(layout.buckets) != 1:
+            raise ValueError("a unit with sharded parameters needs a layout of exactly one bucket")
         self.names = list(names)
         self.layout = layout
         self.rank = rank
-        device, dtype = self.params[0].device, self.params[0].dtype
+        self.param_dtype = params[0].dtype
+        device = device if device is not None else params[0].device
+        on_meta = params[0].is_meta
 
-        self.flat_param = torch.zeros(layout.total_numel, dtype=dtype, device=device)
+        self.flat_param = torch.zeros(layout.total_numel, dtype=self.param_dtype, device=device)
+        self.replaced: dict[Parameter, Parameter] = {}
         with torch.no_grad():
-            for p, offset, numel in zip(self.params, layout.offsets, layout.numels):
-                view = self.flat_param[offset : offset + numel]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
+            for p, offset, numel in zip(params, layout.offsets, layout.numels):
+                view = self.flat_param[offset : offset + numel].view(p.shape)
+                if on_meta:
+                    self.replaced[p] = Parameter(view, requires_grad=p.requires_grad)
+                else:
+                    view.copy_(p.detach())
+                    p.data = view
+        self.params = [self.replaced.get(p, p) for p in params]
 
-        self.master = torch.empty(layout.partition_numel, dtype=torch.float32, device=device)
-        for bucket in layout.buckets:
-            self.master_chunk(bucket).copy_(self.param_chunk(bucket))
+        partition = layout.partition_numel
+        fp32 = torch.float32
+        self.master = torch.empty(partition, dtype=fp32, device=device) if trainable else None
+        self.param_shard = None
+        if shard_params:
+            aliased = self.master is not None and self.param_dtype == fp32
+            self.param_shard = self.master if aliased else torch.empty(partition, dtype=self.param_dtype, device=device)
+            self.param_shard.copy_(self.param_chunk(layout.buckets[0]))
+            self.reshard()
+        if self.master is not None and self.master is not self.param_shard:
+            for bucket in layout.buckets:
+                self.master_chunk(bucket).copy_(self.param_chunk(bucket) if not shard_params else self.param_shard)
 
         # [Note: gradient storage]
         # Gradients are stored in the parameters' dtype (fp32, or fp16 under 16-mixed). Stage 1
         # accumulates full gradients across micro-batches in ``flat_grad`` and reduce-scatters them once
-        # per step into a transient ``reduced`` partition. Stage 2 reduce-scatters every backward and
-        # accumulates only this rank's partition, which is ``reduced`` at all times. At the step the
+        # per step into a transient ``reduced`` partition. Stages 2 and 3 reduce-scatter every backward
+        # and accumulate only this rank's partition, which is ``reduced`` at all times. At the step the
         # optimizer gets ``step_grad``: ``reduced`` itself when it is fp32, else an fp32 copy that lives
         # until the step is done. The padding stays zero, since no gradient is ever written there, so
         # it never reaches a norm.
-        self.flat_grad = torch.zeros(layout.total_numel, dtype=dtype, device=device) if full_grad else None
-        self.grad_partition = None if full_grad else torch.zeros(layout.partition_numel, dtype=dtype, device=device)
+        grads = trainable and full_grad
+        self.flat_grad = torch.zeros(layout.total_numel, dtype=self.param_dtype, device=device) if grads else None
+        self.grad_partition = (
+            torch.zeros(partition, dtype=self.param_dtype, device=device) if trainable and not full_grad else None
+        )
         self.reduced: Tensor | None = self.grad_partition
         self.step_grad: Tensor | None = None
-        self.pieces: list[Piece] = layout.pieces(rank)
+        self.pieces: list[Piece] = layout.pieces(rank) if trainable else []
         self.piece_tensors: list[Tensor] = [
             self.master[pc.partition_offset : pc.partition_offset + pc.numel] for pc in self.pieces
         ]
+        self._piece_index = {pc.param: k for k, pc in enumerate(self.pieces)}
         self.used = torch.zeros(len(self.params), dtype=torch.uint8, device=device)
 
     # --- views -------------------------------------------------------------------------------------
@@ -90,6 +120,36 @@ class FlatUnit:
 
     def master_chunk(self, bucket: Bucket) -> Tensor:
         return self.master[self.partition_slice(bucket)]
+
+    def piece_of(self, index: int) -> tuple[Piece | None, Tensor | None]:
+        """This rank's piece of parameter ``index`` and its view into the master, or (None, None)."""
+        k = self._piece_index.get(index)
+        return (None, None) if k is None else (self.pieces[k], self.piece_tensors[k])
+
+    # --- stage 3: gathered only while in use -------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        return self.flat_param.untyped_storage().nbytes() > 0
+
+    def unshard(self, *, async_op: bool, group=None) -> dist.Work | None:
+        """Allocates the flat buffer and all-gathers every rank's shard into it."""
+        storage = self.flat_param.untyped_storage()
+        storage.resize_(self.flat_param.numel() * self.flat_param.element_size())
+        return collectives.all_gather(self.flat_param, self.param_shard, async_op=async_op, group=group)
+
+    def reshard(self) -> None:
+        """Frees the flat buffer; the parameters keep their shapes but no storage until the next unshard."""
+        self.flat_param.untyped_storage().resize_(0)
+
+    def write_owned(self, index: int, value: Tensor) -> None:
+        """Stores this rank's part of parameter ``index`` from its full ``value`` (sharded initialization)."""
+        piece = next((pc for pc in self.layout.pieces(self.rank) if pc.param == index), None)
+        if piece is None:
+            return
+        lo = piece.partition_offset
+        own = value.detach().reshape(-1)[piece.lo : piece.hi]
+        for target in {id(t): t for t in (self.param_shard, self.master) if t is not None}.values():
+            target[lo : lo + piece.numel].copy_(own)
 
     # --- per-step operations -----------------------------------------------------------------------
     def nonfinite(self) -> Tensor:
@@ -117,24 +177,30 @@ class FlatUnit:
         self.used.zero_()
         self.release_grads()
 
-    def gather_params(self, *, group=None) -> None:
-        """Copies the updated master partition into the flat buffer and all-gathers every bucket."""
+    def after_step(self, *, group=None) -> None:
+        """Makes the parameters follow the updated master: stage 3 refreshes its shard (the next
+        gather spreads it), stages 1 and 2 copy into the flat buffer and all-gather every bucket."""
+        if self.param_shard is not None:
+            if self.param_shard is not self.master:
+                self.param_shard.copy_(self.master)
+            return
         works = []
         for bucket in self.layout.buckets:
             own = self.param_chunk(bucket)
             own.copy_(self.master_chunk(bucket))
-            lo = bucket.start
-            works.append(
-                collectives.all_gather(self.flat_param[lo : lo + bucket.numel], own, async_op=True, group=group)
-            )
+            flat = self.flat_param[bucket.start : bucket.start + bucket.numel]
+            works.append(collectives.all_gather(flat, own, async_op=True, group=group))
         for work in works:
             collectives.wait(work)
 
     def nbytes(self) -> dict[str, int]:
-        """Persistent bytes (the stage-1 reduced partition and fp32 step gradients are transient)."""
+        """Persistent bytes by category. Stage 3 counts its shard as the parameters (and, with fp32
+        parameters, not again as the master it doubles as); a gathered flat buffer is transient."""
         grads = self.flat_grad if self.flat_grad is not None else self.grad_partition
-        return {
-            "parameters": self.flat_param.nbytes,
-            "gradients": grads.nbytes,
-            "master": self.master.nbytes,
-        }
+        if self.param_shard is not None:
+            params = self.param_shard.nbytes
+            master = 0 if self.master is None or self.master is self.param_shard else self.master.nbytes
+        else:
+            params = self.flat_param.nbytes
+            master = 0 if self.master is None else self.master.nbytes
+        return {"parameters": params, "gradients": 0 if grads is None else grads.nbytes, "master": master}

@@ -20,7 +20,8 @@ shapes), so a checkpoint loads at any world size: ``load_state_dict`` slices out
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,22 +33,33 @@ from torch.optim import Optimizer
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
+from lightning_zero.sharding.layout import Piece
 
 # With 16-bit model weights the checkpoint's state of each parameter also holds its fp32 master
 # weights under this key (the model's own state dict only has the rounded 16-bit copy).
 MASTER_KEY = "zero_master_fp32"
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where one of the optimizer's parameters lives: its unit, its index there, and this rank's piece."""
+
+    unit: FlatUnit
+    index: int
+    piece: Piece | None  # None when this rank owns no part of the parameter
+    tensor: Tensor | None  # the piece's view into the unit's master partition
+
+
 class ZeroOptimizer:
     def __init__(
         self,
         optimizer: Optimizer,
-        group_params: Sequence[Sequence[Parameter]],
-        group_units: Sequence[FlatUnit | None],
+        locate: Mapping[Parameter, tuple[FlatUnit, int]],
         reducer: GradReducer,
         *,
         group=None,
     ) -> None:
+        """``locate`` maps each trainable parameter to (unit, index in the unit); frozen ones are absent."""
         if optimizer.state:
             raise ValueError(
                 f"the optimizer {type(optimizer).__name__} already holds state before sharding; create it fresh in"
@@ -56,16 +68,24 @@ class ZeroOptimizer:
         self.optimizer = optimizer
         self.reducer = reducer
         self.group = group
-        self.units = [u for u in group_units if u is not None]
-        self._group_units = list(group_units)
-        # For each group, each original parameter's index in its unit (None when frozen).
-        self._unit_index: list[list[int | None]] = []
-        for params, unit in zip(group_params, group_units):
-            position = {id(p): i for i, p in enumerate(unit.params)} if unit is not None else {}
-            self._unit_index.append([position.get(id(p)) for p in params])
-        for param_group, unit in zip(optimizer.param_groups, group_units):
-            param_group["params"] = list(unit.piece_tensors) if unit is not None else []
+        # For each group, each original parameter's slot (None when frozen); the numbering of the
+        # unsharded optimizer's state dict follows these lists.
+        self._slots: list[list[Slot | None]] = []
+        for param_group in optimizer.param_groups:
+            slots = []
+            for p in param_group["params"]:
+                if p in locate:
+                    unit, index = locate[p]
+                    piece, tensor = unit.piece_of(index)
+                    slots.append(Slot(unit, index, piece, tensor))
+                else:
+                    slots.append(None)
+            self._slots.append(slots)
+            param_group["params"] = [s.tensor for s in slots if s is not None and s.tensor is not None]
+        self.units = list({id(s.unit): s.unit for slots in self._slots for s in slots if s is not None}.values())
         self._prepared = False
+        self._found_inf = False
+        self.last_step_skipped = False
         self._consolidated: dict[str, Any] | None = None
 
     # --- what Lightning and LR schedulers read -----------------------------------------------------
@@ -167,7 +187,7 @@ class ZeroOptimizer:
         self.unscale_()
         self.optimizer.step()
         for unit in self.units:
-            unit.gather_params(group=self.group)
+            unit.after_step(group=self.group)
             unit.release_grads()
         self._prepared = False
         self.last_step_skipped = False
@@ -183,20 +203,18 @@ class ZeroOptimizer:
     def _local_state(self) -> dict[tuple[int, int], dict[str, Any]]:
         """This rank's optimizer state per (group, parameter), with the element range it covers."""
         local = {}
-        for g, (unit, indices) in enumerate(zip(self._group_units, self._unit_index)):
-            if unit is None:
-                continue
-            piece_of = {pc.param: (pc, t) for pc, t in zip(unit.pieces, unit.piece_tensors)}
-            for j, i in enumerate(indices):
-                if i is None or i not in piece_of or piece_of[i][1] not in self.optimizer.state:
+        for g, slots in enumerate(self._slots):
+            for j, slot in enumerate(slots):
+                if slot is None or slot.tensor is None or slot.tensor not in self.optimizer.state:
                     continue
-                piece, tensor = piece_of[i]
                 state = {
-                    k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in self.optimizer.state[tensor].items()
+                    k: v.detach().cpu() if torch.is_tensor(v) else v
+                    for k, v in self.optimizer.state[slot.tensor].items()
                 }
-                if unit.flat_param.dtype != tensor.dtype:  # 16-bit model weights: keep the fp32 master too
-                    state[MASTER_KEY] = tensor.detach().cpu()
-                local[(g, j)] = {"lo": piece.lo, "hi": piece.hi, "shape": tuple(unit.params[i].shape), "state": state}
+                if slot.unit.param_dtype != slot.tensor.dtype:  # 16-bit model weights: keep the fp32 master too
+                    state[MASTER_KEY] = slot.tensor.detach().cpu()
+                shape = tuple(slot.unit.params[slot.index].shape)
+                local[(g, j)] = {"lo": slot.piece.lo, "hi": slot.piece.hi, "shape": shape, "state": state}
         return local
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -209,7 +227,7 @@ class ZeroOptimizer:
         groups = []
         for g, param_group in enumerate(self.optimizer.param_groups):
             indices = []
-            for j in range(len(self._unit_index[g])):
+            for j in range(len(self._slots[g])):
                 entries = [rank_state[(g, j)] for rank_state in gathered if (g, j) in rank_state]
                 if entries:
                     state[flat_index] = _assemble(entries)
@@ -230,42 +248,35 @@ class ZeroOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads an unsharded optimizer state dict, keeping only this rank's pieces."""
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.optimizer.param_groups) or any(
-            len(sg["params"]) != len(idx) for sg, idx in zip(saved_groups, self._unit_index)
-        ):
+        expected = [len(slots) for slots in self._slots]
+        if [len(sg["params"]) for sg in saved_groups] != expected:
             raise ValueError(
                 "optimizer state does not match this optimizer: saved parameter counts per group"
-                f" {[len(sg['params']) for sg in saved_groups]}, expected {[len(idx) for idx in self._unit_index]}"
+                f" {[len(sg['params']) for sg in saved_groups]}, expected {expected}"
             )
         inner_state, inner_groups, inner_index = {}, [], 0
-        for saved, unit, indices in zip(saved_groups, self._group_units, self._unit_index):
-            piece_of = {pc.param: (pc, t) for pc, t in zip(unit.pieces, unit.piece_tensors)} if unit is not None else {}
+        for saved, slots in zip(saved_groups, self._slots):
             params = []
-            for j, i in enumerate(indices):
-                if i is None or i not in piece_of:
+            for j, slot in enumerate(slots):
+                if slot is None or slot.tensor is None:
                     continue
                 saved_state = state_dict["state"].get(saved["params"][j])
                 if saved_state is not None:
-                    piece, tensor = piece_of[i]
-                    state = _slice(saved_state, piece, unit.layout.numels[i])
+                    state = _slice(saved_state, slot.piece, slot.unit.layout.numels[slot.index])
                     if MASTER_KEY in state:
                         with torch.no_grad():
-                            tensor.copy_(state.pop(MASTER_KEY))
+                            slot.tensor.copy_(state.pop(MASTER_KEY))
                     inner_state[inner_index] = state
                 params.append(inner_index)
                 inner_index += 1
             inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": params})
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-
-    def nbytes(self) -> dict[str, int]:
-        totals = {"parameters": 0, "gradients": 0, "master": 0}
         for unit in self.units:
-            for key, value in unit.nbytes().items():
-                totals[key] += value
-        totals["optimizer_state"] = sum(
-            v.nbytes for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-        )
-        return totals
+            unit.after_step()  # the loaded master weights become the parameters
+
+    def state_nbytes(self) -> int:
+        """Bytes of the wrapped optimizer's state on this rank (the master weights are the units')."""
+        return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
 
 def _is_elementwise(value: Any, numel: int) -> bool:
