@@ -7,9 +7,9 @@ is launched, with a message naming the key, the value and what is allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 
 
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
@@ -30,19 +30,28 @@ class ZeroConfig:
     """How the ZeRO strategy shards and communicates.
 
     Attributes:
-        stage: 1 shards the optimizer state (and fp32 master weights); 2 also shards gradients.
-        reduce_bucket_size: elements per gradient bucket. Each bucket is one reduce-scatter and one
-            all-gather per step; in stage 2 at most two buckets are alive at once, so this bounds the
-            transient gradient memory.
-        overlap_comm: stage 2 only: reduce-scatter a bucket asynchronously as soon as it is full, while
+        stage: 1 shards the optimizer state (and fp32 master weights); 2 also shards gradients; 3 also
+            shards the parameters, gathering each unit only around its use.
+        reduce_bucket_size: stages 1 and 2: elements per gradient bucket. Each bucket is one
+            reduce-scatter and one all-gather per step; in stage 2 at most two buckets are in flight, so
+            this bounds the transient gradient memory. (Stage 3 reduces one unit at a time.)
+        overlap_comm: stages 2 and 3: reduce-scatter a bucket asynchronously as soon as it is full, while
             backward continues. When off, each bucket is reduced synchronously.
         timeout: seconds a collective may wait for the other ranks before the run fails with an error.
+        unit_module_classes: stage 3: class names of the modules that become units (gathered and freed
+            as a whole). Empty: every child of an ``nn.ModuleList`` (transformer blocks).
+        max_live_parameters: stage 3: prefetching never holds more than this many elements of gathered
+            units at once (the unit about to run is gathered regardless).
+        param_persistence_threshold: stage 3: units of at most this many elements stay gathered.
     """
 
     stage: int = 2
     reduce_bucket_size: int = 25_000_000
     overlap_comm: bool = True
     timeout: float = 1800.0
+    unit_module_classes: list[str] = field(default_factory=list)
+    max_live_parameters: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
 
     def __post_init__(self) -> None:
         _check(
@@ -59,6 +68,25 @@ class ZeroConfig:
         )
         _check(isinstance(self.overlap_comm, bool), "zero.overlap_comm", self.overlap_comm, "true or false")
         _check(_number(self.timeout) and self.timeout > 0, "zero.timeout", self.timeout, "a number of seconds > 0")
+        _check(
+            isinstance(self.unit_module_classes, (list, tuple))
+            and all(isinstance(c, str) for c in self.unit_module_classes),
+            "zero.unit_module_classes",
+            self.unit_module_classes,
+            "a list of module class names",
+        )
+        _check(
+            _integer(self.max_live_parameters) and self.max_live_parameters > 0,
+            "zero.max_live_parameters",
+            self.max_live_parameters,
+            "an integer > 0 (elements)",
+        )
+        _check(
+            _integer(self.param_persistence_threshold) and self.param_persistence_threshold >= 0,
+            "zero.param_persistence_threshold",
+            self.param_persistence_threshold,
+            "an integer >= 0 (elements)",
+        )
 
 
 @dataclass(kw_only=True)

@@ -34,8 +34,9 @@ class SyntheticLanguage:
         self.vocab_size = vocab_size
         self.words = list(words)
         self.successors = torch.rand(num_words, num_words, generator=g).argsort(dim=1)[:, :branching]  # (W, k)
-        alpha = torch.ones(branching)
-        self.successor_probs = torch.distributions.Dirichlet(alpha).sample((num_words,))  # (W, k)
+        # Dirichlet(1, ..., 1) as normalized exponentials, drawn from this language's own generator
+        weights = -torch.rand(num_words, branching, generator=g).log()
+        self.successor_probs = weights / weights.sum(dim=1, keepdim=True)  # (W, k)
 
     def sample(self, num_tokens: int, seed: int) -> tuple[Tensor, float]:
         """A stream of ``num_tokens`` token ids, and the lowest loss (nats per token) it allows."""

@@ -1,4 +1,4 @@
-"""ZeroStrategy: the Lightning side of ZeRO stages 1 and 2; the sharding itself lives in ``sharding/``.
+"""ZeroStrategy: the Lightning side of ZeRO stages 1, 2 and 3; the sharding itself lives in ``sharding/``.
 
 It reuses Lightning's DDP machinery for what is the same (launchers, process group, barrier,
 broadcast, distributed sampler) and replaces the DDP wrapper: parameters are flattened into units,
@@ -8,6 +8,8 @@ the user's optimizers become ZeroOptimizers and gradients are reduce-scattered b
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -23,14 +25,23 @@ from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.precision import ZeroPrecision, validate_precision
-from lightning_zero.sharding.build import shard_optimizers
+from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
+from lightning_zero.sharding.stage3 import Stage3Runtime
+from lightning_zero.sharding.stage3_setup import (
+    build_units,
+    default_init,
+    full_state_dict,
+    initialize_sharded,
+    make_whole,
+)
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
 class ZeroStrategy(DDPStrategy):
-    """ZeRO data parallelism: optimizer state (stage 1) and gradients (stage 2) sharded across ranks.
+    """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
+    sharded across ranks.
 
     Args:
         config: the typed configuration; ``ZeroConfig()`` by default.
@@ -72,6 +83,8 @@ class ZeroStrategy(DDPStrategy):
         )
         self._reducer: GradReducer | None = None
         self._units: list[FlatUnit] = []
+        self._stage3: Stage3Runtime | None = None
+        self.sharded_init_peak_bytes: int | None = None  # stage 3 from the meta device: see initialize_sharded
 
     # --- precision --------------------------------------------------------------------------------
     @property
@@ -103,21 +116,63 @@ class ZeroStrategy(DDPStrategy):
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
+        module = self.lightning_module
+        on_meta = any(p.is_meta for p in module.parameters())
+        if on_meta and self.config.stage != 3:
+            raise ValueError(
+                "the model has parameters on the meta device, which only stage 3 can materialize;"
+                f" zero.stage is {self.config.stage}"
+            )
+        if not on_meta:
+            self.model_to_device()
+            _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
+        if self.config.stage == 3:
+            self._setup_stage3(fitting, on_meta)
         if fitting:
             self.setup_optimizers(trainer)
-            self.optimizers, self._reducer = shard_optimizers(
-                self.lightning_module,
+            names = check_optimizer_params(module, self.optimizers, rank=self.global_rank)
+            if self.config.stage < 3:
+                kwargs = {"rank": self.global_rank, "world_size": self.world_size}
+                self._units = units_per_param_group(self.optimizers, names, self.config, **kwargs)
+            self.optimizers, self._reducer = wrap_optimizers(
                 self.optimizers,
+                self._units,
+                {p: i for i, p in enumerate(names)},
                 self.config,
-                rank=self.global_rank,
                 world_size=self.world_size,
+                on_bucket_complete=self._stage3.release_after_backward if self._stage3 else None,
             )
-            self._units = self._reducer.units
             if self.precision_plugin.scaler is not None:
                 self._hold_schedulers_on_skipped_steps()
         self.setup_precision_plugin()
+
+    def _setup_stage3(self, fitting: bool, on_meta: bool) -> None:
+        module = self.lightning_module
+        self._units, modules = build_units(
+            module,
+            self.config,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            device=self.root_device,
+            trainable=fitting,
+        )
+        if on_meta:
+            init = getattr(module, "init_module", default_init)
+            self.sharded_init_peak_bytes = initialize_sharded(module, self._units, init, device=self.root_device)
+            self.model_to_device()
+        self._stage3 = Stage3Runtime(
+            self._units,
+            modules,
+            max_live_parameters=self.config.max_live_parameters,
+            param_persistence_threshold=self.config.param_persistence_threshold,
+        )
+        self._stage3.install_access_hooks(module)
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3 builds ``configure_model``'s modules on the meta device, to be materialized shard by shard."""
+        with torch.device("meta") if self.config.stage == 3 else nullcontext():
+            yield
 
     def _hold_schedulers_on_skipped_steps(self) -> None:
         """[Note: skipped steps] An fp16 step skipped for overflow did not happen, so step-wise LR
@@ -128,11 +183,49 @@ class ZeroStrategy(DDPStrategy):
             if config.interval == "step" and zero is not None:
                 config.scheduler = SkipAwareScheduler(config.scheduler, zero)
 
+    # --- steps -----------------------------------------------------------------------------------
+    # [Note: stage-3 steps] A step gathers the root unit first; it ends after backward (post_backward)
+    # or, without backward, right after the step. Units used by the step are gathered by hooks.
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stage3 is not None:
+            self._stage3.begin_step()
+        return super().training_step(*args, **kwargs)
+
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._reducer is not None:
             self._reducer.finish_backward()
+        if self._stage3 is not None:
+            self._stage3.end_step()
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_only_step(super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_only_step(super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_only_step(super().predict_step, *args, **kwargs)
+
+    def _forward_only_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._stage3 is None:
+            return step(*args, **kwargs)
+        self._stage3.begin_step()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self._stage3.end_step()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full, unsharded state dict on every rank (stage 3 gathers it unit by unit, on the CPU)."""
+        if self._stage3 is not None:
+            return full_state_dict(self.lightning_module, self._stage3)
+        return super().lightning_module_state_dict()
 
     def teardown(self) -> None:
+        if self._stage3 is not None:
+            make_whole(self._stage3)  # the LightningModule leaves fit() with whole parameters
+            self._stage3.remove_hooks(self.lightning_module)
+            self._stage3 = None
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None
@@ -157,7 +250,7 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage, what in ((1, "optimizer state"), (2, "optimizer state and gradients")):
+        for stage, what in ((1, "optimizer state"), (2, "optimizer state and gradients"), (3, "everything")):
             strategy_registry.register(
                 f"zero{stage}",
                 cls,

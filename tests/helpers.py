@@ -63,6 +63,43 @@ class ToyNet(nn.Module):
         return self.head(self.out(h)) / self.temperature  # (B, VOCAB)
 
 
+class ToyBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.lin = nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, dim), requires_grad=False)  # frozen, inside a unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x))) * self.scale
+
+
+class BlocksNet(nn.Module):
+    """What stage 3 must get right, over units = the blocks of a ModuleList (dim 9: odd sizes).
+
+    The embedding is tied to the head; block 2's weight is tied to block 0's (so it belongs to no
+    block: the root unit holds it); block 1 runs twice per forward; block 2 runs only on some steps;
+    block 3's weight is also read directly by the root's forward, outside its module.
+    """
+
+    def __init__(self, dim: int = 9) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(ToyBlock(dim) for _ in range(4))
+        self.blocks[2].lin.weight = self.blocks[0].lin.weight
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.emb(x).mean(1)  # (B, dim)
+        h = self.blocks[0](h)
+        h = self.blocks[1](self.blocks[1](h))
+        if step % 3 != 0:
+            h = self.blocks[2](h)
+        h = h + 0.1 * F.linear(h, self.blocks[3].lin.weight)
+        return self.head(self.blocks[3](h))  # (B, VOCAB)
+
+
 class EquivalenceModule(pl.LightningModule):
     """Trains ``kind`` ("gpt" or "toy") on fixed data that each rank splits explicitly.
 
@@ -79,7 +116,9 @@ class EquivalenceModule(pl.LightningModule):
         accumulate: int = 2,
         lr: float = 1e-3,
         optimizer: str = "adamw",
+        lazy: bool = False,
     ):
+        """``lazy``: the GPT is built in ``configure_model`` (so ZeRO-3 builds it on the meta device)."""
         super().__init__()
         self.kind, self.global_batch, self.lr, self.optimizer = kind, global_batch, lr, optimizer
         n = steps * accumulate * global_batch
@@ -87,11 +126,12 @@ class EquivalenceModule(pl.LightningModule):
         if kind == "gpt":
             # No biases: the attention key bias has a zero true gradient, so Adam turns rounding noise
             # into full-size updates and even DDP drifts from a single process there (~1e-4).
-            self.net = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False))
+            self.gpt_config = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
+            self.net = None if lazy else GPT(self.gpt_config)
             tokens = SyntheticLanguage(32, seed=3).sample(n * 17, seed=4)[0].view(n, 17)
             self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
         else:
-            self.net = ToyNet()
+            self.net = ToyNet() if kind == "toy" else BlocksNet()
             self.data = TensorDataset(
                 torch.randint(VOCAB, (n, SEQ), generator=g), torch.randint(VOCAB, (n,), generator=g)
             )
@@ -104,10 +144,19 @@ class EquivalenceModule(pl.LightningModule):
         if self.kind == "gpt":
             logits = self.net(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-        else:
+        elif self.kind == "toy":
             loss = F.cross_entropy(self.net(x, use_branch=self.global_step % 3 != 0), y)
+        else:
+            loss = F.cross_entropy(self.net(x, step=self.global_step), y)
         self.losses.append(loss.item())
         return loss
+
+    def configure_model(self):
+        if self.net is None:
+            self.net = GPT(self.gpt_config)
+
+    def init_module(self, module, generator):
+        self.net.init_module(module, generator)
 
     def on_before_optimizer_step(self, optimizer):
         if hasattr(optimizer, "grad_norm"):

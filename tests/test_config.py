@@ -12,10 +12,9 @@ import lightning_zero
 from lightning_zero import LossScaleConfig, ZeroConfig, ZeroPrecision, ZeroStrategy
 
 
-def test_import_registers_zero1_and_zero2_only():
-    assert {"zero1", "zero2"} <= set(StrategyRegistry)
-    assert "zero3" not in StrategyRegistry
-    for stage in (1, 2):
+def test_import_registers_zero1_zero2_zero3():
+    assert {"zero1", "zero2", "zero3"} <= set(StrategyRegistry)
+    for stage in (1, 2, 3):
         trainer = pl.Trainer(strategy=f"zero{stage}", accelerator="cpu", devices=2, logger=False)
         assert isinstance(trainer.strategy, ZeroStrategy)
         assert trainer.strategy.config.stage == stage
@@ -38,15 +37,24 @@ def test_config_is_an_omegaconf_structured_config():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"stage": 4}, "zero.stage must be one of 1, 2, got 4"),
-        ({"stage": 0}, "zero.stage must be one of 1, 2, got 0"),
-        ({"stage": True}, "zero.stage must be one of 1, 2, got True"),
+        ({"stage": 4}, "zero.stage must be one of 1, 2, 3, got 4"),
+        ({"stage": 0}, "zero.stage must be one of 1, 2, 3, got 0"),
+        ({"stage": True}, "zero.stage must be one of 1, 2, 3, got True"),
         ({"reduce_bucket_size": -1}, "zero.reduce_bucket_size must be an integer > 0 (elements), got -1"),
         ({"reduce_bucket_size": 0}, "zero.reduce_bucket_size must be an integer > 0 (elements), got 0"),
         ({"reduce_bucket_size": 2.5}, "zero.reduce_bucket_size must be an integer > 0 (elements), got 2.5"),
         ({"overlap_comm": "yes"}, "zero.overlap_comm must be true or false, got 'yes'"),
         ({"timeout": 0}, "zero.timeout must be a number of seconds > 0, got 0"),
         ({"timeout": -5.0}, "zero.timeout must be a number of seconds > 0, got -5.0"),
+        (
+            {"unit_module_classes": "Block"},
+            "zero.unit_module_classes must be a list of module class names, got 'Block'",
+        ),
+        ({"max_live_parameters": 0}, "zero.max_live_parameters must be an integer > 0 (elements), got 0"),
+        (
+            {"param_persistence_threshold": -1},
+            "zero.param_persistence_threshold must be an integer >= 0 (elements), got -1",
+        ),
     ],
 )
 def test_bad_config_values_name_key_value_and_allowed(kwargs, message):
@@ -56,8 +64,8 @@ def test_bad_config_values_name_key_value_and_allowed(kwargs, message):
 
 
 def test_bad_stage_through_the_strategy():
-    with pytest.raises(ValueError, match="zero.stage must be one of 1, 2, got 3"):
-        ZeroStrategy(stage=3)
+    with pytest.raises(ValueError, match="zero.stage must be one of 1, 2, 3, got 4"):
+        ZeroStrategy(stage=4)
     with pytest.raises(TypeError, match="config must be a ZeroConfig, got dict"):
         ZeroStrategy({"stage": 2})
 

@@ -1,9 +1,12 @@
 """Sharded training equals single-process training (fp32), and every rank holds the same parameters.
 
-Stages 1 and 2, world sizes 2 and 4, 20 AdamW steps (two param groups, a per-step LR schedule) with
-gradient accumulation and norm clipping, on the small GPT and on ToyNet (tied weights, a frozen
-layer, odd sizes, parameters unused in some steps or on some ranks, a buffer); ToyNet also with SGD
-+ momentum and with clipping by value. Small buckets put parameters across chunk and bucket borders.
+Stages 1, 2 and 3, world sizes 2 and 4, 20 AdamW steps (two param groups, a per-step LR schedule) with
+gradient accumulation and norm clipping, on the small GPT (built on the meta device and initialized
+shard by shard for stage 3), on ToyNet (tied weights, a frozen layer, odd sizes, parameters unused in
+some steps or on some ranks, a buffer; also with SGD + momentum and clipping by value) and on
+BlocksNet (stage 3's units: ties across units, a frozen parameter inside a unit, a unit run twice per
+forward, a unit run only on some steps, a parameter read outside its module). Small buckets put
+parameters across chunk and bucket borders.
 """
 
 from __future__ import annotations
@@ -18,14 +21,22 @@ from helpers import EquivalenceModule, make_trainer, relative_error, spawn_ranks
 
 CLIP = 0.3
 STEPS = 20
-BUCKET = {"gpt": 3000, "toy": 50}
-# (model, optimizer, clipping algorithm); each runs at stages 1 and 2
-RUNS = [("gpt", "adamw", "norm"), ("toy", "adamw", "norm"), ("toy", "sgd", "norm"), ("toy", "adamw", "value")]
+BUCKET = {"gpt": 3000, "toy": 50, "blocks": 40}
+# (model, optimizer, clipping algorithm, stages); stage 3 builds the GPT on the meta device
+RUNS = [
+    ("gpt", "adamw", "norm", (1, 2, 3)),
+    ("toy", "adamw", "norm", (1, 2)),
+    ("toy", "sgd", "norm", (1, 2)),
+    ("toy", "adamw", "value", (1, 2)),
+    ("blocks", "adamw", "norm", (1, 2, 3)),
+    ("blocks", "sgd", "value", (3,)),
+]
 CLIP_VALUE = 0.02
 
 
 class RanksAgree(pl.Callback):
-    """After every optimizer step, asserts all ranks hold bitwise identical parameters."""
+    """After every optimizer step, asserts all ranks hold bitwise identical (full) parameters, as the
+    strategy's state dict reports them (stage 3 gathers it unit by unit)."""
 
     def __init__(self) -> None:
         self.checked = 0
@@ -33,7 +44,9 @@ class RanksAgree(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
-        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        self.state = trainer.strategy.lightning_module_state_dict()
+        assert list(self.state) == list(pl_module.state_dict())
+        flat = torch.cat([v.reshape(-1).float() for v in self.state.values()])
         gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]
         dist.all_gather(gathered, flat)
         for r, other in enumerate(gathered):
@@ -51,16 +64,18 @@ def _trainer(strategy, devices: int, algorithm: str, callbacks=()):
 
 
 def _worker(rank: int, world: int, out_dir) -> None:
-    for kind, optimizer, algorithm in RUNS:
-        for stage in (1, 2):
+    for kind, optimizer, algorithm, stages in RUNS:
+        for stage in stages:
             pl.seed_everything(0)
-            module = EquivalenceModule(kind, steps=STEPS, optimizer=optimizer)
+            module = EquivalenceModule(kind, steps=STEPS, optimizer=optimizer, lazy=stage == 3)
             agree = RanksAgree()
-            trainer = _trainer(zero_strategy(stage, reduce_bucket_size=BUCKET[kind]), world, algorithm, [agree])
+            config = {"reduce_bucket_size": BUCKET[kind], "param_persistence_threshold": 0}
+            trainer = _trainer(zero_strategy(stage, **config), world, algorithm, [agree])
             trainer.fit(module)
             assert agree.checked == STEPS
-            state = trainer.strategy.lightning_module_state_dict()
-            assert list(state) == list(module.state_dict())
+            # After fit the module is whole again (stage 3 included) and equals the last gathered state.
+            state = module.state_dict()
+            assert all(torch.equal(state[k].float(), v.float()) for k, v in agree.state.items())
             torch.save(
                 {"state": state, "norms": module.grad_norms},
                 out_dir / f"{kind}-{optimizer}-{algorithm}-{stage}-{rank}.pt",
@@ -79,11 +94,11 @@ def _reference(kind: str, optimizer: str, algorithm: str):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_training_matches_single_process(world, tmp_path):
     spawn_ranks(_worker, world, tmp_path)
-    for kind, optimizer, algorithm in RUNS:
+    for kind, optimizer, algorithm, stages in RUNS:
         ref_state, ref_norms, ref_max = _reference(kind, optimizer, algorithm)
         # Clipping must be active for the test to mean anything.
         assert len(ref_norms) == STEPS and (max(ref_norms) > CLIP if algorithm == "norm" else max(ref_max) > CLIP_VALUE)
-        for stage in (1, 2):
+        for stage in stages:
             results = [torch.load(tmp_path / f"{kind}-{optimizer}-{algorithm}-{stage}-{r}.pt") for r in range(world)]
             for r, result in enumerate(results):
                 assert list(result["state"]) == list(ref_state)

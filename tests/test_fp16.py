@@ -15,7 +15,7 @@ from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
 
 from lightning_zero import LossScaleConfig, ZeroConfig, ZeroPrecision
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.build import shard_optimizers
+from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
 
 INJECT_AT, STEPS = 3, 6
 
@@ -106,9 +106,11 @@ def _clip_worker(rank: int, world: int) -> None:
     for p in module.parameters():
         dist.broadcast(p.data, 0)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3)
-    (zero,), reducer = shard_optimizers(
-        module, [optimizer], ZeroConfig(stage=2, reduce_bucket_size=40), rank=rank, world_size=world
-    )
+    config = ZeroConfig(stage=2, reduce_bucket_size=40)
+    names = check_optimizer_params(module, [optimizer], rank=rank)
+    units = units_per_param_group([optimizer], names, config, rank=rank, world_size=world)
+    position = {p: i for i, p in enumerate(names)}
+    (zero,), reducer = wrap_optimizers([optimizer], units, position, config, world_size=world)
     scale, max_norm = 2.0**10, 0.05
     x, y = module.data[rank * 8 : rank * 8 + 8]
     with torch.autocast("cpu", dtype=torch.float16):

@@ -44,6 +44,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual_projection = True  # initialized smaller: see GPT.init_module
         self.dropout = cfg.dropout
 
     def forward(self, x: Tensor) -> Tensor:
@@ -66,6 +67,7 @@ class Block(nn.Module):
             nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
             nn.Dropout(cfg.dropout),
         )
+        self.mlp[2].residual_projection = True
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -83,17 +85,27 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if not self.wte.weight.is_meta:  # on the meta device the ZeRO-3 strategy initializes, shard by shard
+            self.init_weights(torch.Generator(self.wte.weight.device).manual_seed(torch.initial_seed()))
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_weights(self, generator: torch.Generator) -> None:
+        """The whole initialization: ``init_module`` on every module in ``Module.apply`` order.
+
+        A pure function of the generator's seed, so a model built on the meta device and initialized
+        shard by shard (ZeRO-3) gets the same values.
+        """
+        self.apply(lambda module: self.init_module(module, generator))
+
+    def init_module(self, module: nn.Module, generator: torch.Generator) -> None:
+        """Initializes ``module``'s own parameters (never its children's): normal(0, 0.02) weights,
+        zero biases, residual projections scaled down by sqrt(2 n_layer) as in GPT-2."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: Tensor) -> Tensor:
         B, T = idx.shape
@@ -127,7 +139,15 @@ class GPTModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.cfg = model if model is not None else GPTConfig()
-        self.gpt = GPT(self.cfg)
+        self.gpt: GPT | None = None
+
+    def configure_model(self) -> None:
+        """Builds the GPT here, so that ZeRO-3 can build it on the meta device and initialize it sharded."""
+        if self.gpt is None:
+            self.gpt = GPT(self.cfg)
+
+    def init_module(self, module: nn.Module, generator: torch.Generator) -> None:
+        self.gpt.init_module(module, generator)
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.gpt(idx)

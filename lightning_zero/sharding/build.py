@@ -1,8 +1,8 @@
-"""From a model and the user's optimizers to flat units, one gradient reducer and ZeroOptimizers."""
+"""From a model and the user's optimizers to flat units (stages 1 and 2), one gradient reducer and ZeroOptimizers."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -48,33 +48,48 @@ def check_optimizer_params(model: Module, optimizers: Sequence[Optimizer], *, ra
     return names
 
 
-def shard_optimizers(
-    model: Module,
-    optimizers: Sequence[Optimizer],
-    config: ZeroConfig,
-    *,
-    rank: int,
-    world_size: int,
-    group=None,
-) -> tuple[list[ZeroOptimizer], GradReducer]:
-    """Stages 1 and 2: flattens every param group's trainable parameters into a unit and wraps each optimizer."""
-    names = check_optimizer_params(model, optimizers, rank=rank, group=group)
-    locate, units = {}, []
+def units_per_param_group(
+    optimizers: Sequence[Optimizer], names: dict, config: ZeroConfig, *, rank: int, world_size: int
+) -> list[FlatUnit]:
+    """Stages 1 and 2: one unit per param group, over its trainable parameters."""
+    units = []
     for opt in optimizers:
         for param_group in opt.param_groups:
             trainable = [p for p in param_group["params"] if p.requires_grad]
-            if not trainable:
-                continue
-            layout = build_layout([p.numel() for p in trainable], world_size, config.reduce_bucket_size)
-            unit = FlatUnit(trainable, [names[p] for p in trainable], layout, rank, full_grad=config.stage == 1)
-            units.append(unit)
-            locate.update({p: (unit, i) for i, p in enumerate(trainable)})
+            if trainable:
+                layout = build_layout([p.numel() for p in trainable], world_size, config.reduce_bucket_size)
+                names_ = [names[p] for p in trainable]
+                units.append(FlatUnit(trainable, names_, layout, rank, full_grad=config.stage == 1))
+    return units
+
+
+def wrap_optimizers(
+    optimizers: Sequence[Optimizer],
+    units: Sequence[FlatUnit],
+    model_position: dict,
+    config: ZeroConfig,
+    *,
+    world_size: int,
+    on_bucket_complete: Callable[[FlatUnit], None] | None = None,
+    group=None,
+) -> tuple[list[ZeroOptimizer], GradReducer]:
+    """One gradient reducer over all units and a ZeroOptimizer around each user optimizer."""
+    locate = {p: (u, i) for u in units for i, p in enumerate(u.params)}
+    holder = {id(p): k for k, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
+    for unit in units:
+        owners = {holder[id(p)] for p in unit.params}
+        if len(owners) > 1:
+            raise ValueError(
+                f"the parameters of one unit ({unit.names[0]}, ...) are split across optimizers {sorted(owners)};"
+                " with stage 3 every unit's parameters must be stepped by one optimizer"
+            )
     reducer = GradReducer(
         units,
-        {p: i for i, p in enumerate(names)},
+        model_position,
         reduce_in_backward=config.stage >= 2,
         overlap=config.overlap_comm,
         world_size=world_size,
+        on_bucket_complete=on_bucket_complete,
         group=group,
     )
     return [ZeroOptimizer(opt, locate, reducer, group=group) for opt in optimizers], reducer

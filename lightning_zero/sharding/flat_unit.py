@@ -65,15 +65,23 @@ class FlatUnit:
 
         self.flat_param = torch.zeros(layout.total_numel, dtype=self.param_dtype, device=device)
         self.replaced: dict[Parameter, Parameter] = {}
+        self._views = [
+            self.flat_param[offset : offset + numel].view(p.shape)
+            for p, offset, numel in zip(params, layout.offsets, layout.numels)
+        ]
         with torch.no_grad():
-            for p, offset, numel in zip(params, layout.offsets, layout.numels):
-                view = self.flat_param[offset : offset + numel].view(p.shape)
+            for p, view in zip(params, self._views):
                 if on_meta:
-                    self.replaced[p] = Parameter(view, requires_grad=p.requires_grad)
+                    # From ``.data``: the new parameter must not share the flat buffer's version counter,
+                    # which every all-gather into the buffer bumps (autograd would see a modified input).
+                    self.replaced[p] = Parameter(view.data, requires_grad=p.requires_grad)
                 else:
                     view.copy_(p.detach())
                     p.data = view
         self.params = [self.replaced.get(p, p) for p in params]
+        self.shapes = [tuple(p.shape) for p in params]
+        nan = torch.full((1,), float("nan"), dtype=self.param_dtype, device=device)
+        self._placeholders = [nan.expand(shape) for shape in self.shapes]
 
         partition = layout.partition_numel
         fp32 = torch.float32
@@ -132,13 +140,19 @@ class FlatUnit:
         return self.flat_param.untyped_storage().nbytes() > 0
 
     def unshard(self, *, async_op: bool, group=None) -> dist.Work | None:
-        """Allocates the flat buffer and all-gathers every rank's shard into it."""
+        """Allocates the flat buffer, starts the all-gather of every rank's shard into it and points
+        the parameters at it (their values are valid once the returned work is waited on)."""
         storage = self.flat_param.untyped_storage()
         storage.resize_(self.flat_param.numel() * self.flat_param.element_size())
-        return collectives.all_gather(self.flat_param, self.param_shard, async_op=async_op, group=group)
+        work = collectives.all_gather(self.flat_param, self.param_shard, async_op=async_op, group=group)
+        for p, view in zip(self.params, self._views):
+            p.data = view
+        return work
 
     def reshard(self) -> None:
-        """Frees the flat buffer; the parameters keep their shapes but no storage until the next unshard."""
+        """Frees the flat buffer; until the next unshard each parameter is a placeholder (see stage3.py)."""
+        for p, placeholder in zip(self.params, self._placeholders):
+            p.data = placeholder
         self.flat_param.untyped_storage().resize_(0)
 
     def write_owned(self, index: int, value: Tensor) -> None:

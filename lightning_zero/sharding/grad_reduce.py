@@ -27,7 +27,7 @@ still filling, this bounds transient gradient memory to a few buckets instead of
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ class GradReducer:
         overlap: bool,
         world_size: int,
         max_inflight: int = 2,
+        on_bucket_complete: Callable[[FlatUnit], None] | None = None,
         group=None,
     ) -> None:
         self.units = list(units)
@@ -56,6 +57,7 @@ class GradReducer:
         self.overlap = overlap
         self.world_size = world_size
         self.max_inflight = max_inflight if overlap else 0
+        self.on_bucket_complete = on_bucket_complete  # stage 3 frees a unit's parameters then
         self.group = group
 
         # (unit, bucket) in launch order; see [Note: launch order].
@@ -111,6 +113,8 @@ class GradReducer:
                 buffer = self._buffers[slot] = torch.zeros(bucket.numel, dtype=grad.dtype, device=grad.device)
             buffer[offset - bucket.start : offset - bucket.start + numel].add_(grad.reshape(-1), alpha=scale)
             self._arrived[slot].add(index)
+            if self.on_bucket_complete is not None and len(self._arrived[slot]) == self._sizes[slot]:
+                self.on_bucket_complete(unit)
             self._launch_ready()
 
         return hook

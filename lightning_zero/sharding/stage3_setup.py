@@ -1,0 +1,202 @@
+"""Stage 3 set-up: which unit owns which parameter, sharded initialization from the meta device, and the
+full state dict gathered unit by unit.
+
+[Note: unit ownership]
+Units are modules: those whose class name is in ``unit_module_classes``, or by default every child of
+an ``nn.ModuleList`` (transformer blocks). A parameter belongs to the innermost unit that encloses
+every module registering it; parameters of no unit form the root unit, gathered for the whole step.
+A weight tied between the embedding and the output head therefore lands in the unit enclosing both
+(the root), so each of its uses finds it gathered. Frozen parameters and buffers are not sharded.
+
+[Note: sharded initialization]
+A model built on the meta device (``configure_model`` under the strategy) is materialized without
+ever holding it whole: modules are visited in ``Module.apply`` order; each one's own sharded
+parameters are created full-size for a moment (filled with NaN), initialized by
+``lightning_module.init_module(module, generator)`` when the LightningModule defines it, else by
+``module.reset_parameters()``, and only this rank's piece is kept. Every rank draws from a generator
+seeded with rank 0's ``torch.initial_seed()``, so the values equal those of a non-sharded model
+initialized by the same procedure with the same seed (``init_module_tree``). A parameter left NaN
+was not initialized by its module: that is an error, not silent garbage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+from torch.nn import Module, ModuleList, Parameter
+
+from lightning_zero.sharding import collectives
+from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.layout import build_layout
+from lightning_zero.sharding.stage3 import Stage3Runtime
+
+InitFn = Callable[[Module, torch.Generator], None]
+
+
+def unit_modules(model: Module, unit_module_classes: Sequence[str]) -> list[Module]:
+    """The modules that become units, in ``model.modules()`` order."""
+    if unit_module_classes:
+        found = [m for m in model.modules() if m is not model and type(m).__name__ in unit_module_classes]
+        missing = set(unit_module_classes) - {type(m).__name__ for m in found}
+        if missing:
+            raise ValueError(f"zero.unit_module_classes names {sorted(missing)}, which the model does not contain")
+        return found
+    children = [c for m in model.modules() if isinstance(m, ModuleList) for c in m.children()]
+    return list({id(c): c for c in children}.values())
+
+
+def _unit_chains(model: Module, units: Sequence[Module]) -> Iterator[tuple[Module, tuple[Module, ...]]]:
+    """Every (module, enclosing units from outermost to innermost), once per place it is registered."""
+    unit_ids = {id(u) for u in units}
+
+    def walk(module: Module, chain: tuple[Module, ...]) -> Iterator:
+        chain = chain + (module,) if id(module) in unit_ids else chain
+        yield module, chain
+        for child in module.children():
+            yield from walk(child, chain)
+
+    yield from walk(model, ())
+
+
+def assign_units(model: Module, units: Sequence[Module]) -> list[tuple[Module | None, list[Parameter]]]:
+    """Trainable parameters grouped by owning unit (see [Note: unit ownership]); None is the root."""
+    chains: dict[int, list[tuple[Module, ...]]] = {}
+    for module, chain in _unit_chains(model, units):
+        for p in module._parameters.values():
+            if p is not None and p.requires_grad:
+                chains.setdefault(id(p), []).append(chain)
+    owned: dict[int, list[Parameter]] = {}
+    for p in dict.fromkeys(p for p in model.parameters() if p.requires_grad):
+        common = chains[id(p)][0]
+        for chain in chains[id(p)][1:]:
+            n = 0
+            while n < min(len(common), len(chain)) and common[n] is chain[n]:
+                n += 1
+            common = common[:n]
+        owned.setdefault(id(common[-1]) if common else id(model), []).append(p)
+    assignment = [(u, owned[id(u)]) for u in units if id(u) in owned]
+    if id(model) in owned:
+        assignment.append((None, owned[id(model)]))
+    return assignment
+
+
+def build_units(
+    model: Module,
+    config,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    trainable: bool,
+    group=None,
+) -> tuple[list[FlatUnit], list[Module | None]]:
+    """One single-bucket, parameter-sharded FlatUnit per owning unit; meta parameters are replaced."""
+    names = {p: n for n, p in model.named_parameters(remove_duplicate=True)}
+    assignment = assign_units(model, unit_modules(model, config.unit_module_classes))
+    signature = [[(names[p], tuple(p.shape)) for p in params] for _, params in assignment]
+    for r, other in enumerate(collectives.all_gather_object(signature, group=group)):
+        if other != signature:
+            raise RuntimeError(f"rank {rank} and rank {r} see different models: their stage-3 units differ")
+    units, modules, replaced = [], [], {}
+    for module, params in assignment:
+        numels = [p.numel() for p in params]
+        layout = build_layout(numels, world_size, bucket_numel=sum(numels))
+        unit = FlatUnit(
+            params, [names[p] for p in params], layout, rank, shard_params=True, trainable=trainable, device=device
+        )
+        units.append(unit)
+        modules.append(module)
+        replaced.update({id(old): new for old, new in unit.replaced.items()})
+    if replaced:
+        for m in model.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) in replaced:
+                    m._parameters[name] = replaced[id(p)]
+    return units, modules
+
+
+def _apply_order(module: Module) -> Iterator[Module]:
+    for child in module.children():
+        yield from _apply_order(child)
+    yield module
+
+
+def default_init(module: Module, generator: torch.Generator) -> None:
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def init_module_tree(model: Module, init: InitFn, generator: torch.Generator) -> None:
+    """The non-sharded initialization that ``initialize_sharded`` reproduces piece by piece."""
+    for module in _apply_order(model):
+        init(module, generator)
+
+
+def initialize_sharded(
+    model: Module, units: Sequence[FlatUnit], init: InitFn, *, device: torch.device, group=None
+) -> int:
+    """Materializes a meta-built model as shards (see [Note: sharded initialization]).
+
+    Returns the largest number of bytes held by temporary full-size parameters at any moment.
+    """
+    seed = collectives.all_gather_object(torch.initial_seed(), group=group)[0]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    locate = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    real: dict[int, Parameter] = {}
+    for module in model.modules():  # frozen parameters and buffers are replicated: make them real
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in real:
+                    real[id(p)] = Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                module._parameters[name] = real[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device=device)
+    peak = 0
+    with torch.no_grad():
+        for module in _apply_order(model):
+            temporary: dict[str, Parameter] = {}
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in locate:
+                    unit, index = locate[id(p)]
+                    full = torch.full(unit.shapes[index], float("nan"), dtype=unit.param_dtype, device=device)
+                    module._parameters[name] = Parameter(full, requires_grad=p.requires_grad)
+                    temporary[name] = p
+            peak = max(peak, sum(module._parameters[n].nbytes for n in temporary))
+            init(module, generator)
+            for name, p in temporary.items():
+                value: Tensor = module._parameters[name]
+                if torch.isnan(value).any():
+                    raise ValueError(
+                        f"parameter {names[id(p)]!r} ({type(module).__name__}) was not initialized: on the meta"
+                        " device every module must initialize its own parameters through reset_parameters() or"
+                        " the LightningModule's init_module(module, generator)"
+                    )
+                unit, index = locate[id(p)]
+                unit.write_owned(index, value)
+                module._parameters[name] = p
+    return peak
+
+
+def full_state_dict(model: Module, runtime: Stage3Runtime) -> dict[str, Tensor]:
+    """The unsharded state dict (keys as ``model.state_dict()``), on the CPU, gathering one unit at a time."""
+    entries = model.state_dict(keep_vars=True)
+    owner = {id(p): u for u in runtime.units for p in u.params}
+    out = {k: v.detach().to("cpu", copy=True) for k, v in entries.items() if id(v) not in owner}
+    for unit in runtime.units:
+        keys = [k for k, v in entries.items() if owner.get(id(v)) is unit]
+        with runtime.gathered(unit):
+            out.update({k: entries[k].detach().to("cpu", copy=True) for k in keys})
+    return {k: out[k] for k in entries}
+
+
+def make_whole(runtime: Stage3Runtime) -> None:
+    """Ends sharding of the parameters: each becomes a plain tensor with its full value."""
+    runtime.gather_all()
+    for unit in runtime.units:
+        for p in unit.params:
+            p.data = p.data.clone()
+        unit.flat_param.untyped_storage().resize_(0)
