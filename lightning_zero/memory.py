@@ -10,6 +10,7 @@ strategy   parameters   gradients   master + Adam (K)   total
 ddp        B Psi        B Psi       8 Psi (no master)   (fp32) 16 Psi
 zero1      B Psi        B Psi       12 Psi / N          fp32: 8 Psi + 12 Psi / N; fp16: 4 Psi + 12 Psi / N
 zero2      B Psi        B Psi / N   12 Psi / N          fp32: 4 Psi + 16 Psi / N; fp16: 2 Psi + 14 Psi / N
+zero3      B Psi / N    B Psi / N   (12 or 8) Psi / N   16 Psi / N (fp32: the shard is the master)
 =========  ===========  ==========  ==================  ==================================
 
 The master copy is the fp32 partition the optimizer steps (DeepSpeed keeps one too); with fp32
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 
 def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4) -> dict[str, float]:
-    """Per-rank bytes by category for ``strategy`` in ("ddp", "zero1", "zero2") with Adam.
+    """Per-rank bytes by category for ``strategy`` in ("ddp", "zero1", "zero2", "zero3") with Adam.
 
     ``param_bytes`` is 4 for fp32 parameters and 2 for fp16 ones (``16-mixed``).
     """
@@ -34,4 +35,6 @@ def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4
         return {"parameters": b * psi, "gradients": b * psi, "optimizer_state": 12 * psi / n}
     if strategy == "zero2":
         return {"parameters": b * psi, "gradients": b * psi / n, "optimizer_state": 12 * psi / n}
-    raise ValueError(f"strategy must be one of ddp, zero1, zero2, got {strategy!r}")
+    if strategy == "zero3":  # with fp32 parameters the parameter shard is the master: K = 8
+        return {"parameters": b * psi / n, "gradients": b * psi / n, "optimizer_state": (12 if b == 2 else 8) * psi / n}
+    raise ValueError(f"strategy must be one of ddp, zero1, zero2, zero3, got {strategy!r}")

@@ -229,6 +229,16 @@ class ZeroStrategy(DDPStrategy):
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None
+        module = self.lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            # Set-up failed before materializing the model: there is nothing to move to the CPU, and
+            # trying would replace the set-up's error with "Cannot copy out of meta tensor".
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
         super().teardown()
 
     # --- introspection ----------------------------------------------------------------------------

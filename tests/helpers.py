@@ -117,6 +117,7 @@ class EquivalenceModule(pl.LightningModule):
         lr: float = 1e-3,
         optimizer: str = "adamw",
         lazy: bool = False,
+        n_layer: int = 2,
     ):
         """``lazy``: the GPT is built in ``configure_model`` (so ZeRO-3 builds it on the meta device)."""
         super().__init__()
@@ -126,7 +127,7 @@ class EquivalenceModule(pl.LightningModule):
         if kind == "gpt":
             # No biases: the attention key bias has a zero true gradient, so Adam turns rounding noise
             # into full-size updates and even DDP drifts from a single process there (~1e-4).
-            self.gpt_config = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
+            self.gpt_config = GPTConfig(vocab_size=32, block_size=16, n_layer=n_layer, n_head=2, n_embd=32, bias=False)
             self.net = None if lazy else GPT(self.gpt_config)
             tokens = SyntheticLanguage(32, seed=3).sample(n * 17, seed=4)[0].view(n, 17)
             self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
@@ -151,6 +152,12 @@ class EquivalenceModule(pl.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def forward(self, x):
+        return self.net(x)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_model(self):
         if self.net is None:
             self.net = GPT(self.gpt_config)
@@ -165,7 +172,7 @@ class EquivalenceModule(pl.LightningModule):
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
         self.grad_norms.append(float(norm))
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        self.grad_max.append(max(float(g.abs().max()) for g in grads))
+        self.grad_max.append(max((float(g.abs().max()) for g in grads), default=0.0))
 
     def configure_optimizers(self):
         """Two param groups with their own lr and weight decay, and a per-step LR schedule."""

@@ -39,7 +39,7 @@ def _snapshot(trainer, module) -> dict[str, torch.Tensor]:
     (zero,) = trainer.strategy.optimizers
     state = [v.clone() for s in zero.state.values() for v in s.values()]
     return {
-        "params": torch.cat([p.detach().reshape(-1).float() for p in module.parameters()]),
+        "params": torch.cat([v.reshape(-1).float() for v in trainer.strategy.lightning_module_state_dict().values()]),
         "master": torch.cat([u.master for u in zero.units]).clone(),
         "state": torch.cat([t.reshape(-1).float() for t in state]),
         "scheduler": torch.tensor(trainer.lr_scheduler_configs[0].scheduler.last_epoch),
@@ -82,7 +82,7 @@ def _overflow_worker(rank: int, world: int) -> None:
         (float("inf"), LossScaleConfig(hysteresis=1), (2.0**15, 1)),
         (float("nan"), LossScaleConfig(), (2.0**16, 1)),
     ]
-    for stage, (value, config, expected) in itertools.product((1, 2), cases):
+    for stage, (value, config, expected) in itertools.product((1, 2, 3), cases):
         pl.seed_everything(0)
         trainer = make_trainer(
             zero_strategy(stage, reduce_bucket_size=50),

@@ -193,10 +193,13 @@ class FlatUnit:
 
     def after_step(self, *, group=None) -> None:
         """Makes the parameters follow the updated master: stage 3 refreshes its shard (the next
-        gather spreads it), stages 1 and 2 copy into the flat buffer and all-gather every bucket."""
+        gather spreads it; a unit gathered right now is gathered again), stages 1 and 2 copy into the
+        flat buffer and all-gather every bucket."""
         if self.param_shard is not None:
             if self.param_shard is not self.master:
                 self.param_shard.copy_(self.master)
+            if self.gathered:  # a unit kept gathered (persistent) would hold the old values: refresh it
+                collectives.wait(self.unshard(async_op=False, group=group))
             return
         works = []
         for bucket in self.layout.buckets:
