@@ -1,9 +1,10 @@
-"""Side by side on the same model, data and seed: Lightning ``ddp``, ``zero1`` and ``zero2`` on N CPU ranks.
+"""Side by side on the same model, data and seed: Lightning ``ddp``, ``zero1``, ``zero2`` and ``zero3`` on N CPU ranks.
 
 One invocation spawns the ranks once and runs every strategy in them, in interleaved rounds, so the
 machine's state is shared. It reports the median optimizer-step time (warm-up steps dropped), its
-ratio to ddp, and each strategy's per-rank bytes of parameters / gradients / optimizer state (master
-weights included) next to the ZeRO formula for that stage and world size.
+ratio to ddp, each strategy's per-rank bytes of parameters / gradients / optimizer state (master
+weights included) next to the ZeRO formula for that stage and world size, zero3's peak bytes of
+gathered units, and every strategy's elements communicated per step against Psi.
 
     python benchmarks/bench_zero.py                    # the main job's GPT, 2 ranks
     python benchmarks/bench_zero.py --n-embd 256 --n-layer 8 --out benchmarks/results/zero_cpu.md
@@ -31,15 +32,19 @@ from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.data import SyntheticTextDataModule
 from lightning_zero.memory import formula_bytes
 from lightning_zero.models.gpt import GPTConfig, GPTModule
+from lightning_zero.sharding import collectives
 from lightning_zero.spawn import spawn_local_ranks
 
-STRATEGIES = ("ddp", "zero1", "zero2")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
 
 class StepTimer(pl.Callback):
     def __init__(self) -> None:
         self.times: list[float] = []
         self.bytes: dict[str, int] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self._traffic = dict(collectives.traffic)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._start = time.perf_counter()
@@ -68,6 +73,10 @@ class StepTimer(pl.Callback):
                 "gradients": mem["gradients"],
                 "optimizer_state": mem["master"] + mem["optimizer_state"],
             }
+            if trainer.strategy._stage3 is not None:
+                self.bytes["gathered_peak"] = trainer.strategy._stage3.peak_gathered_bytes
+            moved = sum(collectives.traffic[k] - self._traffic.get(k, 0) for k in ("reduce_scatter", "all_gather"))
+            self.elements_per_step = moved / trainer.global_step
         else:
             (optimizer,) = trainer.optimizers
             self.bytes["optimizer_state"] = sum(
@@ -78,7 +87,7 @@ class StepTimer(pl.Callback):
 def _strategy(name: str, bucket: int):
     if name == "ddp":
         return DDPStrategy()
-    return ZeroStrategy(ZeroConfig(stage=int(name[-1]), reduce_bucket_size=bucket))
+    return ZeroStrategy(ZeroConfig(stage=int(name[-1]), reduce_bucket_size=bucket, max_live_parameters=2 * bucket))
 
 
 def _collective_ms(psi: int, world: int) -> dict[str, float]:
@@ -135,6 +144,7 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
             trainer.fit(model, data)
             results[name]["times"] += timer.times[args.warmup :]
             results[name]["bytes"] = timer.bytes
+            results[name]["elements_per_step"] = getattr(timer, "elements_per_step", None)
             results[name]["psi"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results["collectives"] = _collective_ms(results["ddp"]["psi"], world)
     if rank == 0:
@@ -157,7 +167,7 @@ def _table(results: dict, world: int, args) -> str:
         platform.processor(),
     )
     lines = [
-        f"# ddp vs zero1 vs zero2 on {world} CPU ranks (gloo)",
+        f"# ddp vs zero1 vs zero2 vs zero3 on {world} CPU ranks (gloo)",
         "",
         f"- date: {datetime.date.today().isoformat()}; machine: {cpu}, {os.cpu_count()} cores;"
         f" torch {torch.__version__}, lightning {pl.__version__}",
@@ -167,20 +177,26 @@ def _table(results: dict, world: int, args) -> str:
         f"- command: `python benchmarks/bench_zero.py {' '.join(sys.argv[1:])}`",
         "",
         "| strategy | median step (ms) | vs ddp | params MiB (formula) | grads MiB (formula)"
-        " | optimizer state MiB (formula) |",
-        "|---|---|---|---|---|---|",
+        " | optimizer state MiB (formula) | peak gathered MiB | sent per step / Psi |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in STRATEGIES:
         r = results[name]
         median = statistics.median(r["times"])
         f = formula_bytes(name, psi, world)
         cells = [f"{_mib(r['bytes'][k])} ({_mib(f[k])})" for k in ("parameters", "gradients", "optimizer_state")]
+        cells.append(_mib(r["bytes"]["gathered_peak"]) if "gathered_peak" in r["bytes"] else "-")
+        per_step = r["elements_per_step"]
+        cells.append("2 (one all-reduce)" if per_step is None else f"{per_step / psi:.2f}")
         lines.append(f"| {name} | {median * 1e3:.1f} | {median / ddp_median:.2f}x | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Optimizer state includes ZeRO's fp32 master partition (formula K = 12 bytes: master + Adam's two moments),",
         "and Adam's per-parameter step counters. ddp's gradients are the `.grad` tensors; its internal all-reduce",
-        "buckets (another 4 Psi) are not counted.",
+        "buckets (another 4 Psi) are not counted. zero3's parameters are its shards; 'peak gathered' is the most",
+        "bytes of whole units alive at once (the root unit, the running block and the prefetched one). 'sent per",
+        "step' counts the elements each reduce-scatter reads and each all-gather writes: the ZeRO paper's 2 Psi",
+        "for stages 1 and 2 and 3 Psi for stage 3 (slightly less: the root unit is gathered once per step).",
         "",
         "The same run timed the collectives alone over Psi elements (median of 7): "
         + ", ".join(f"{k} {v:.1f} ms" for k, v in results["collectives"].items())

@@ -85,6 +85,7 @@ class ZeroStrategy(DDPStrategy):
         self._units: list[FlatUnit] = []
         self._stage3: Stage3Runtime | None = None
         self.sharded_init_peak_bytes: int | None = None  # stage 3 from the meta device: see initialize_sharded
+        self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
 
     # --- precision --------------------------------------------------------------------------------
     @property
@@ -223,6 +224,7 @@ class ZeroStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         if self._stage3 is not None:
+            self.peak_gathered_bytes = self._stage3.peak_gathered_bytes
             make_whole(self._stage3)  # the LightningModule leaves fit() with whole parameters
             self._stage3.remove_hooks(self.lightning_module)
             self._stage3 = None
@@ -245,8 +247,9 @@ class ZeroStrategy(DDPStrategy):
     def memory_bytes(self) -> dict[str, int]:
         """This rank's persistent bytes: parameters, gradients, master weights and optimizer state.
 
-        Parameters include frozen ones; gradients are the stage's persistent storage (stage 2's
-        in-flight buckets are transient and not counted).
+        Parameters include frozen ones (stage 3: the shards, not units gathered for a moment; see
+        ``peak_gathered_bytes``); gradients are the stage's persistent storage (in-flight buckets
+        are transient and not counted).
         """
         totals = {"parameters": 0, "gradients": 0, "master": 0, "optimizer_state": 0}
         for unit in self._units:

@@ -28,9 +28,14 @@ def test_console_script_help():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "config,precision", [("configs/gpt_zero2_cpu.yaml", "32-true"), ("configs/gpt_zero2_fp16.yaml", "16-mixed")]
+    "config,heading",
+    [
+        ("configs/gpt_zero2_cpu.yaml", "zero2: 2 ranks, precision 32-true"),
+        ("configs/gpt_zero2_fp16.yaml", "zero2: 2 ranks, precision 16-mixed"),
+        ("configs/gpt_zero3_cpu.yaml", "zero3: 2 ranks, precision 32-true"),
+    ],
 )
-def test_main_job_short_run(config, precision, tmp_path):
+def test_main_job_short_run(config, heading, tmp_path):
     result = _run(
         "fit",
         "--config",
@@ -43,6 +48,6 @@ def test_main_job_short_run(config, precision, tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout + result.stderr
-    assert f"zero2: 2 ranks, precision {precision}" in out
+    assert heading in out
     assert "throughput:" in out and "tokens/s" in out
     assert "rank 1" in out and "formula" in out

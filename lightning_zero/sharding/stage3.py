@@ -86,6 +86,7 @@ class Stage3Runtime:
         self._bwd_cursor: int | None = None
         self.in_step = False
         self.peak_live_numel = 0  # largest prefetch-bounded gathered size seen
+        self.peak_gathered_bytes = 0  # largest size of all gathered units together (root, persistent included)
         self._handles = []
         for unit, module in zip(units, modules):
             if module is not None:
@@ -120,6 +121,8 @@ class Stage3Runtime:
     def _start(self, unit: FlatUnit, *, async_op: bool) -> None:
         self._inflight[id(unit)] = unit.unshard(async_op=async_op, group=self.group)
         self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
+        gathered = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
     def _require(self, unit: FlatUnit) -> None:
         """Returns once ``unit`` is gathered and its data has arrived."""
