@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
+from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.config import ZeroConfig
 from lightning_zero.precision import ZeroPrecision, validate_precision
 from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
@@ -84,6 +85,7 @@ class ZeroStrategy(DDPStrategy):
         self._reducer: GradReducer | None = None
         self._units: list[FlatUnit] = []
         self._stage3: Stage3Runtime | None = None
+        self._loaded: checkpoint_io.LoadedCheckpoint | None = None  # between load_checkpoint and the restores
         self.sharded_init_peak_bytes: int | None = None  # stage 3 from the meta device: see initialize_sharded
         self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
 
@@ -138,7 +140,7 @@ class ZeroStrategy(DDPStrategy):
             self.optimizers, self._reducer = wrap_optimizers(
                 self.optimizers,
                 self._units,
-                {p: i for i, p in enumerate(names)},
+                names,
                 self.config,
                 world_size=self.world_size,
                 on_bucket_complete=self._stage3.release_after_backward if self._stage3 else None,
@@ -215,6 +217,51 @@ class ZeroStrategy(DDPStrategy):
             return step(*args, **kwargs)
         finally:
             self._stage3.end_step()
+
+    # --- checkpoints (lightning_zero.checkpoint) -------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # a sharded checkpoint is loaded into the units, which exist after set-up
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # sharded: each rank writes its own part in save_checkpoint; nothing is gathered
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Writes the checkpoint as a directory: each rank its own shards (collective; see checkpoint/format.py)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
+        checkpoint_io.save(
+            checkpoint,
+            filepath,
+            model=self.lightning_module,
+            units=self._units,
+            optimizers=[o for o in self.optimizers if isinstance(o, ZeroOptimizer)],
+            stage=self.config.stage,
+            rank=self.global_rank,
+            world_size=self.world_size,
+        )
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Checks a sharded checkpoint directory (saved at any world size and stage) on every rank."""
+        self._loaded = checkpoint_io.open_checkpoint(checkpoint_path, rank=self.global_rank, world_size=self.world_size)
+        return self._loaded.lightning
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module, loaded = self.lightning_module, self._loaded
+        if self._units:
+            checkpoint_io.check_model(loaded, {n: s for u in self._units for n, s in zip(u.names, u.shapes)})
+            checkpoint_io.load_units(loaded, self._units)
+            checkpoint_io.load_replicated(loaded, module)
+        else:
+            trainable = {n: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad}
+            checkpoint_io.check_model(loaded, trainable)
+            checkpoint_io.load_whole_model(loaded, module)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        zero_optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]
+        for index, optimizer in enumerate(zero_optimizers):
+            checkpoint_io.load_optimizer(self._loaded, index, optimizer)
+        self._loaded = None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full, unsharded state dict on every rank (stage 3 gathers it unit by unit, on the CPU)."""

@@ -206,11 +206,10 @@ def make_trainer(
         gradient_clip_val=clip,
         use_distributed_sampler=False,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=list(callbacks),
-        **kwargs,
+        **{"enable_checkpointing": False, **kwargs},
     )
 
 

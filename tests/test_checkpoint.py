@@ -1,67 +1,148 @@
-"""Lightning checkpoints of ZeRO runs hold the optimizer state in the unsharded layout, so they equal a
-single-process run's and resume at another world size and stage (zero2 at 2 ranks -> zero1 at 4,
-zero3 at 2) on the same trajectory."""
+"""Sharded checkpoints: exact resume, resharding to other world sizes and stages, and clear errors.
+
+Checkpoints are taken by ModelCheckpoint at an epoch boundary (step HALF of 2 * HALF): that is where
+Lightning itself resumes exactly with a plain DataLoader (mid-epoch it replays the epoch's start).
+"""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import EquivalenceModule, make_trainer, relative_error, spawn_ranks, zero_strategy
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-HALF = 10  # optimizer steps per epoch; the checkpoint is taken after the first epoch
+from lightning_zero.checkpoint.format import CheckpointError
+
+HALF = 5  # optimizer steps per epoch
 
 
-def _train_and_save(rank: int, world: int, ckpt) -> None:
+def _trainer(world: int, stage: int, dirpath=None):
+    callbacks = [ModelCheckpoint(dirpath, every_n_train_steps=HALF, save_top_k=-1)] if dirpath else []
+    strategy = zero_strategy(stage, reduce_bucket_size=40, param_persistence_threshold=0)
+    return make_trainer(strategy, world, steps=2 * HALF, callbacks=callbacks, enable_checkpointing=bool(dirpath))
+
+
+def _fit(world: int, stage: int, *, dirpath=None, ckpt=None) -> EquivalenceModule:
     pl.seed_everything(0)
-    trainer = make_trainer(zero_strategy(2, reduce_bucket_size=50), world, steps=HALF)
-    trainer.fit(EquivalenceModule("toy", steps=HALF))
-    trainer.save_checkpoint(ckpt)
+    module = EquivalenceModule("blocks", steps=HALF)
+    _trainer(world, stage, dirpath).fit(module, ckpt_path=ckpt)
+    return module
 
 
-def _resume(rank: int, world: int, ckpt, out, stage) -> None:
-    pl.seed_everything(0)
-    module = EquivalenceModule("toy", steps=HALF)
-    trainer = make_trainer(zero_strategy(stage, reduce_bucket_size=30), world, steps=2 * HALF)
-    trainer.fit(module, ckpt_path=ckpt)
-    assert trainer.global_step == 2 * HALF
-    if rank == 0:
-        torch.save(module.state_dict(), out)
+def _ckpt(dirpath) -> str:
+    return str(dirpath / f"epoch=0-step={HALF}.ckpt")
 
 
-def _assert_close(actual, expected, what):
-    err = relative_error(actual, expected)
-    assert err <= 1e-5, f"{what} differs by {err:.2e} relative"
+def _exact_worker(rank: int, world: int, root) -> None:
+    for stage in (1, 2, 3):
+        dirpath = root / f"stage{stage}"
+        whole = _fit(world, stage, dirpath=dirpath)
+        resumed = _fit(world, stage, ckpt=_ckpt(dirpath))
+        n = len(resumed.losses)
+        assert n == HALF * 2, n  # the second epoch's micro-batches
+        assert resumed.losses == whole.losses[-n:], f"stage {stage}: losses after resuming differ"
+        for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+            assert torch.equal(a, b), f"stage {stage}: {name} differs after resuming"
 
 
 @pytest.mark.slow
-def test_checkpoint_resumes_at_other_world_size_and_stage(tmp_path):
-    ckpt, out = tmp_path / "zero.ckpt", tmp_path / "resumed.pt"
-    spawn_ranks(_train_and_save, 2, ckpt)
+def test_resume_is_exact(tmp_path):
+    spawn_ranks(_exact_worker, 2, tmp_path)
 
+
+def _save_worker(rank: int, world: int, root, stages) -> None:
+    for stage in stages:
+        _fit(world, stage, dirpath=root / f"w{world}-z{stage}")
+
+
+def _resume_worker(rank: int, world: int, root, plan) -> None:
+    for source, stage in plan:
+        module = _fit(world, stage, ckpt=_ckpt(root / source))
+        if rank == 0:
+            torch.save(module.state_dict(), root / f"{source}-to-w{world}-z{stage}.pt")
+
+
+@pytest.mark.slow
+def test_reshard_to_other_world_sizes_and_stages(tmp_path):
+    spawn_ranks(_save_worker, 2, tmp_path, (2, 3))
+    spawn_ranks(_save_worker, 4, tmp_path, (2,))
+    spawn_ranks(_resume_worker, 4, tmp_path, [("w2-z2", 1)])  # 2 -> 4, zero2 -> zero1
+    spawn_ranks(_resume_worker, 1, tmp_path, [("w2-z2", 2)])  # 2 -> 1
+    spawn_ranks(_resume_worker, 2, tmp_path, [("w4-z2", 2), ("w2-z2", 3), ("w2-z3", 1)])  # 4 -> 2, z2 -> z3, z3 -> z1
     pl.seed_everything(0)
-    reference = EquivalenceModule("toy", steps=HALF)
-    ref_trainer = make_trainer("auto", 1, steps=HALF)
-    ref_trainer.fit(reference)
-    ref_trainer.save_checkpoint(tmp_path / "reference.ckpt")
-
-    saved = torch.load(ckpt, weights_only=False)
-    expected = torch.load(tmp_path / "reference.ckpt", weights_only=False)
-    (opt,), (ref_opt,) = saved["optimizer_states"], expected["optimizer_states"]
-    assert [g["params"] for g in opt["param_groups"]] == [g["params"] for g in ref_opt["param_groups"]]
-    assert [g["lr"] for g in opt["param_groups"]] == [g["lr"] for g in ref_opt["param_groups"]]
-    assert opt["state"].keys() == ref_opt["state"].keys()
-    for index, ref_state in ref_opt["state"].items():
-        assert opt["state"][index]["step"] == ref_state["step"]
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert opt["state"][index][key].shape == ref_state[key].shape
-            _assert_close(opt["state"][index][key], ref_state[key], f"state {index} {key}")
-    for name, value in expected["state_dict"].items():
-        _assert_close(saved["state_dict"][name], value, name)
-
-    make_trainer("auto", 1, steps=2 * HALF).fit(reference, ckpt_path=tmp_path / "reference.ckpt")
-    for world, stage in ((4, 1), (2, 3)):
-        spawn_ranks(_resume, world, ckpt, out, stage)
-        resumed = torch.load(out)
+    reference = EquivalenceModule("blocks", steps=HALF)
+    make_trainer("auto", 1, steps=2 * HALF).fit(reference)
+    results = sorted(tmp_path.glob("*-to-*.pt"))
+    assert len(results) == 5
+    for path in results:
+        resumed = torch.load(path)
         for name, value in reference.state_dict().items():
-            _assert_close(resumed[name], value, f"after resuming at world {world}, stage {stage}: {name}")
+            err = relative_error(resumed[name], value)
+            assert err <= 1e-5, f"{path.stem}: {name} differs from the uninterrupted run by {err:.2e}"
+
+
+def _break(ckpt, how: str, tmp) -> str:
+    """A damaged copy of the checkpoint directory ``ckpt``."""
+    broken = tmp / f"broken-{how}.ckpt"
+    shutil.copytree(ckpt, broken)
+    rank1 = broken / "rank-00001.pt"
+    if how == "missing":
+        rank1.unlink()
+    elif how == "truncated":
+        rank1.write_bytes(rank1.read_bytes()[:-100])
+    elif how == "corrupted":
+        data = bytearray(rank1.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        rank1.write_bytes(bytes(data))
+    elif how == "version":
+        meta = json.loads((broken / "metadata.json").read_text())
+        meta["version"] = 99
+        (broken / "metadata.json").write_text(json.dumps(meta))
+    elif how == "incomplete":
+        (broken / "COMPLETE").unlink()
+    return str(broken)
+
+
+class OtherModel(EquivalenceModule):
+    """BlocksNet with the embedding one row larger."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.net.emb = torch.nn.Embedding(14, 9)
+        self.net.head.weight = self.net.emb.weight
+
+
+ERRORS = {
+    "missing": r"rank-00001.pt: missing from the checkpoint",
+    "truncated": r"rank-00001.pt: truncated or changed: \d+ bytes, the metadata says \d+",
+    "corrupted": r"rank-00001.pt: corrupted: its sha256 does not match the metadata",
+    "version": r"checkpoint format version 99 is not supported \(this lightning_zero reads version 1\)",
+    "incomplete": r"incomplete checkpoint \(no COMPLETE marker\): its save was interrupted",
+}
+
+
+def _error_worker(rank: int, world: int, root) -> None:
+    _fit(world, 2, dirpath=root / "good")
+    ckpt = _ckpt(root / "good")
+    for how, message in ERRORS.items():
+        broken = _break(ckpt, how, root / f"rank{rank}") if rank == 0 else None
+        broken = [broken] if rank == 0 else [None]
+        torch.distributed.broadcast_object_list(broken, 0)
+        with pytest.raises(CheckpointError, match=message):
+            _trainer(world, 2).fit(EquivalenceModule("blocks", steps=HALF), ckpt_path=broken[0])
+    pl.seed_everything(0)
+    with pytest.raises(
+        CheckpointError, match=r"different model.*shapes differ: \['net.emb.weight: saved \(13, 9\), model \(14, 9\)'\]"
+    ):
+        _trainer(world, 2).fit(OtherModel("blocks", steps=HALF), ckpt_path=ckpt)
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_fail_clearly_on_every_rank(tmp_path):
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+    spawn_ranks(_error_worker, 2, tmp_path)

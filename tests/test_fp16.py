@@ -109,8 +109,7 @@ def _clip_worker(rank: int, world: int) -> None:
     config = ZeroConfig(stage=2, reduce_bucket_size=40)
     names = check_optimizer_params(module, [optimizer], rank=rank)
     units = units_per_param_group([optimizer], names, config, rank=rank, world_size=world)
-    position = {p: i for i, p in enumerate(names)}
-    (zero,), reducer = wrap_optimizers([optimizer], units, position, config, world_size=world)
+    (zero,), reducer = wrap_optimizers([optimizer], units, names, config, world_size=world)
     scale, max_norm = 2.0**10, 0.05
     x, y = module.data[rank * 8 : rank * 8 + 8]
     with torch.autocast("cpu", dtype=torch.float16):

@@ -66,7 +66,7 @@ def units_per_param_group(
 def wrap_optimizers(
     optimizers: Sequence[Optimizer],
     units: Sequence[FlatUnit],
-    model_position: dict,
+    names: dict,  # parameter -> name, in module order (as check_optimizer_params returns them)
     config: ZeroConfig,
     *,
     world_size: int,
@@ -85,11 +85,11 @@ def wrap_optimizers(
             )
     reducer = GradReducer(
         units,
-        model_position,
+        {p: i for i, p in enumerate(names)},
         reduce_in_backward=config.stage >= 2,
         overlap=config.overlap_comm,
         world_size=world_size,
         on_bucket_complete=on_bucket_complete,
         group=group,
     )
-    return [ZeroOptimizer(opt, locate, reducer, group=group) for opt in optimizers], reducer
+    return [ZeroOptimizer(opt, locate, names, reducer, group=group) for opt in optimizers], reducer

@@ -76,6 +76,9 @@ class FlatLayout:
     def padding_numel(self) -> int:
         return self.total_numel - sum(self.numels)
 
+    def bucket_bounds(self) -> list[list[int]]:
+        return [[b.first_param, b.end_param] for b in self.buckets]
+
     def pieces(self, rank: int) -> list[Piece]:
         """Rank ``rank``'s pieces in partition order; at most one per parameter."""
         pieces = []
@@ -95,30 +98,37 @@ def build_layout(numels: Sequence[int], world_size: int, bucket_numel: int) -> F
     A parameter larger than ``bucket_numel`` gets a bucket of its own; no parameter is split
     between buckets, so each gradient lands in exactly one bucket.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    bounds, first, filled = [], 0, 0
+    for i, n in enumerate(numels):
+        if filled and filled + n > bucket_numel:
+            bounds.append((first, i))
+            first, filled = i, 0
+        filled += n
+    bounds.append((first, len(numels)))
+    return layout_from_buckets(numels, world_size, bounds)
+
+
+def layout_from_buckets(numels: Sequence[int], world_size: int, bounds: Sequence[Sequence[int]]) -> FlatLayout:
+    """The layout of parameters grouped into the buckets ``[first_param, end_param)`` given, in order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not numels or any(n < 1 for n in numels):
         raise ValueError(f"a flat unit needs at least one parameter and no empty ones, got sizes {list(numels)}")
+    if [b[0] for b in bounds[1:]] != [b[1] for b in bounds[:-1]] or bounds[0][0] != 0 or bounds[-1][1] != len(numels):
+        raise ValueError(f"bucket bounds {list(bounds)} do not cover parameters 0..{len(numels)} in order")
     align = 2 * world_size
     offsets, param_bucket, buckets = [], [], []
     start = partition_offset = 0
-    first, filled = 0, 0
-
-    def close(end_param: int) -> None:
-        nonlocal start, partition_offset, first, filled
+    for first, end in bounds:
+        filled = 0
+        for i in range(first, end):
+            offsets.append(start + filled)
+            param_bucket.append(len(buckets))
+            filled += numels[i]
         padded = -(-filled // align) * align
-        buckets.append(Bucket(start, padded, first, end_param, partition_offset, world_size))
+        buckets.append(Bucket(start, padded, first, end, partition_offset, world_size))
         start += padded
         partition_offset += padded // world_size
-        first, filled = end_param, 0
-
-    for i, n in enumerate(numels):
-        if filled and filled + n > bucket_numel:
-            close(i)
-        offsets.append(start + filled)
-        param_bucket.append(len(buckets))
-        filled += n
-    close(len(numels))
     return FlatLayout(tuple(numels), tuple(offsets), tuple(param_bucket), tuple(buckets), world_size)

@@ -14,8 +14,8 @@ pieces (views into the unit's fp32 master partition). One optimizer step is:
    partition into the flat parameter buffer that the model's parameters view. ``skip_step``
    instead drops the gradients and leaves everything else as it was.
 
-``state_dict`` has the layout of the unsharded optimizer's (one entry per original parameter, full
-shapes), so a checkpoint loads at any world size: ``load_state_dict`` slices out this rank's pieces.
+Its state is saved and loaded per rank by ``lightning_zero.checkpoint`` (sharded checkpoints that
+load at any world size), never gathered in one place.
 """
 
 from __future__ import annotations
@@ -35,10 +35,6 @@ from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import Piece
 
-# With 16-bit model weights the checkpoint's state of each parameter also holds its fp32 master
-# weights under this key (the model's own state dict only has the rounded 16-bit copy).
-MASTER_KEY = "zero_master_fp32"
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -55,6 +51,7 @@ class ZeroOptimizer:
         self,
         optimizer: Optimizer,
         locate: Mapping[Parameter, tuple[FlatUnit, int]],
+        names: Mapping[Parameter, str],
         reducer: GradReducer,
         *,
         group=None,
@@ -71,6 +68,7 @@ class ZeroOptimizer:
         # For each group, each original parameter's slot (None when frozen); the numbering of the
         # unsharded optimizer's state dict follows these lists.
         self._slots: list[list[Slot | None]] = []
+        self._group_names = [[names[p] for p in g["params"]] for g in optimizer.param_groups]
         for param_group in optimizer.param_groups:
             slots = []
             for p in param_group["params"]:
@@ -86,7 +84,6 @@ class ZeroOptimizer:
         self._prepared = False
         self._found_inf = False
         self.last_step_skipped = False
-        self._consolidated: dict[str, Any] | None = None
 
     # --- what Lightning and LR schedulers read -----------------------------------------------------
     @property
@@ -199,105 +196,17 @@ class ZeroOptimizer:
         self._prepared = False
         self.last_step_skipped = True
 
-    # --- state dict in the unsharded layout --------------------------------------------------------
-    def _local_state(self) -> dict[tuple[int, int], dict[str, Any]]:
-        """This rank's optimizer state per (group, parameter), with the element range it covers."""
-        local = {}
-        for g, slots in enumerate(self._slots):
-            for j, slot in enumerate(slots):
-                if slot is None or slot.tensor is None or slot.tensor not in self.optimizer.state:
-                    continue
-                state = {
-                    k: v.detach().cpu() if torch.is_tensor(v) else v
-                    for k, v in self.optimizer.state[slot.tensor].items()
-                }
-                if slot.unit.param_dtype != slot.tensor.dtype:  # 16-bit model weights: keep the fp32 master too
-                    state[MASTER_KEY] = slot.tensor.detach().cpu()
-                shape = tuple(slot.unit.params[slot.index].shape)
-                local[(g, j)] = {"lo": slot.piece.lo, "hi": slot.piece.hi, "shape": shape, "state": state}
-        return local
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Collective: assembles the unsharded state dict on rank ``to`` (Lightning saves from rank 0)."""
-        gathered = collectives.gather_object(self._local_state(), dst=to, group=self.group)
-        if gathered is None:
-            self._consolidated = None
-            return
-        flat_index, state = 0, {}
-        groups = []
-        for g, param_group in enumerate(self.optimizer.param_groups):
-            indices = []
-            for j in range(len(self._slots[g])):
-                entries = [rank_state[(g, j)] for rank_state in gathered if (g, j) in rank_state]
-                if entries:
-                    state[flat_index] = _assemble(entries)
-                indices.append(flat_index)
-                flat_index += 1
-            groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": indices})
-        self._consolidated = {"state": state, "param_groups": groups}
+    # --- checkpoints --------------------------------------------------------------------------------
+    def param_names(self) -> list[list[str]]:
+        """Each param group's parameters by name (frozen ones included), as a checkpoint records them."""
+        return [list(names) for names in self._group_names]
 
     def state_dict(self) -> dict[str, Any]:
-        if self._consolidated is None:
-            raise RuntimeError(
-                "ZeroOptimizer.state_dict() needs consolidate_state_dict() to have run on every rank first,"
-                " and is only available on the rank it consolidated to"
-            )
-        consolidated, self._consolidated = self._consolidated, None
-        return consolidated
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads an unsharded optimizer state dict, keeping only this rank's pieces."""
-        saved_groups = state_dict["param_groups"]
-        expected = [len(slots) for slots in self._slots]
-        if [len(sg["params"]) for sg in saved_groups] != expected:
-            raise ValueError(
-                "optimizer state does not match this optimizer: saved parameter counts per group"
-                f" {[len(sg['params']) for sg in saved_groups]}, expected {expected}"
-            )
-        inner_state, inner_groups, inner_index = {}, [], 0
-        for saved, slots in zip(saved_groups, self._slots):
-            params = []
-            for j, slot in enumerate(slots):
-                if slot is None or slot.tensor is None:
-                    continue
-                saved_state = state_dict["state"].get(saved["params"][j])
-                if saved_state is not None:
-                    state = _slice(saved_state, slot.piece, slot.unit.layout.numels[slot.index])
-                    if MASTER_KEY in state:
-                        with torch.no_grad():
-                            slot.tensor.copy_(state.pop(MASTER_KEY))
-                    inner_state[inner_index] = state
-                params.append(inner_index)
-                inner_index += 1
-            inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": params})
-        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-        for unit in self.units:
-            unit.after_step()  # the loaded master weights become the parameters
+        raise RuntimeError(
+            "a ZeroOptimizer's state is sharded across ranks: save it with trainer.save_checkpoint(...), which"
+            " writes each rank's part (lightning_zero.checkpoint)"
+        )
 
     def state_nbytes(self) -> int:
         """Bytes of the wrapped optimizer's state on this rank (the master weights are the units')."""
         return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-
-
-def _is_elementwise(value: Any, numel: int) -> bool:
-    """Whether a state entry holds one value per parameter element (exp_avg, momentum_buffer, ...)."""
-    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
-
-
-def _assemble(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Joins the pieces of one parameter's state from several ranks into tensors of the parameter's shape."""
-    shape = entries[0]["shape"]
-    full: dict[str, Any] = {}
-    for key, value in entries[0]["state"].items():
-        if not _is_elementwise(value, entries[0]["hi"] - entries[0]["lo"]):
-            full[key] = value  # scalars such as Adam's step are equal on every piece
-            continue
-        tensor = torch.empty(shape, dtype=value.dtype)
-        for entry in entries:
-            tensor.view(-1)[entry["lo"] : entry["hi"]] = entry["state"][key]
-        full[key] = tensor
-    return full
-
-
-def _slice(state: dict[str, Any], piece, numel: int) -> dict[str, Any]:
-    return {k: v.reshape(-1)[piece.lo : piece.hi].clone() if _is_elementwise(v, numel) else v for k, v in state.items()}

@@ -1,0 +1,100 @@
+"""`lightning-zero consolidate`: a plain fp32 state dict (.pt and .safetensors) equal to the gathered
+parameters, loadable without lightning_zero, written with about one parameter of memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
+from kill_target import Wide, trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
+
+STEPS = 4
+
+
+def _fit_and_save(rank: int, world: int, root) -> None:
+    pl.seed_everything(0)
+    module = EquivalenceModule("blocks", steps=STEPS)
+    callbacks = [ModelCheckpoint(root / "ckpts", every_n_train_steps=STEPS)]
+    strategy = zero_strategy(3, param_persistence_threshold=0)
+    make_trainer(strategy, world, steps=STEPS, callbacks=callbacks, enable_checkpointing=True).fit(module)
+    if rank == 0:
+        torch.save(module.state_dict(), root / "gathered.pt")  # whole again after fit: the last step's values
+
+
+def _run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_consolidated_state_dict_equals_the_gathered_parameters(tmp_path):
+    spawn_ranks(_fit_and_save, 2, tmp_path)
+    (ckpt,) = (tmp_path / "ckpts").iterdir()
+    gathered = torch.load(tmp_path / "gathered.pt")
+    for out in (tmp_path / "model.pt", tmp_path / "model.safetensors"):
+        script = [sys.executable, "-m", "lightning_zero.cli", "consolidate", str(ckpt), str(out)]
+        result = subprocess.run(script, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        plain = load_file(out) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
+        assert list(plain) == list(gathered)
+        for key, value in gathered.items():
+            assert plain[key].dtype == torch.float32 and torch.equal(plain[key], value.float()), key
+        module = EquivalenceModule("blocks")
+        module.load_state_dict(plain)  # strict: every key, tied ones included
+        # Loadable by someone without lightning_zero:
+        loader = "load_file" if out.suffix == ".safetensors" else "lambda p: torch.load(p, weights_only=True)"
+        print(
+            _run(
+                "import sys; sys.modules['lightning_zero'] = None; import torch;"
+                " from safetensors.torch import load_file;"
+                f" sd = ({loader})({str(out)!r}); print(len(sd))"
+            )
+        )
+
+
+WIDTH, DEPTH = 512, 40  # 10.5M parameters, 42 MB in fp32; the largest is 1 MB
+
+
+def _fit_wide(rank: int, world: int, root) -> None:
+    pl.seed_everything(0)
+    trainer(world, str(root / "ckpts"), steps=1).fit(Wide(WIDTH, DEPTH))
+
+
+# Samples this process's resident memory while ``action`` runs; prints the growth over the start.
+MEASURE = """
+import threading, time
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
+peak, done = [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss()); time.sleep(0.0005)
+start = rss(); sampler = threading.Thread(target=sample); sampler.start()
+action()
+done.set(); sampler.join(); print(peak[0] - start)
+"""
+
+
+@pytest.mark.slow
+def test_consolidate_streams_with_about_one_parameter_of_memory(tmp_path):
+    spawn_ranks(_fit_wide, 2, tmp_path)
+    (ckpt,) = (tmp_path / "ckpts").iterdir()
+    model_bytes = sum(p.numel() for p in Wide(WIDTH, DEPTH).parameters()) * 4
+    imports = "import torch; from lightning_zero.checkpoint.consolidate import consolidate\n"
+    # The measurement must see a whole model when one is held: loading every shard at once does.
+    whole = f"action = lambda: [torch.load(p) for p in __import__('pathlib').Path({str(ckpt)!r}).glob('rank-*')]"
+    held = int(_run(imports + whole + MEASURE).split()[-1])
+    streamed = f"action = lambda: consolidate({str(ckpt)!r}, {str(tmp_path / 'wide.pt')!r})"
+    growth = int(_run(imports + streamed + MEASURE).split()[-1])
+    print(f"consolidate: resident memory grew {growth / 2**20:.1f} MiB for a {model_bytes / 2**20:.1f} MiB model")
+    assert held > model_bytes, "the measurement does not see memory that is held"
+    assert growth < model_bytes / 4, (growth, model_bytes)
+    assert Path(tmp_path / "wide.pt").stat().st_size >= model_bytes
