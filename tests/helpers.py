@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_zero
 from lightning_zero.data import SyntheticLanguage
 from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.sharding import collectives
 from lightning_zero.spawn import spawn_local_ranks
 
 COLLECTIVE_TIMEOUT_S = 120
@@ -192,6 +193,21 @@ class EquivalenceModule(pl.LightningModule):
         world, rank = self.trainer.world_size, self.trainer.global_rank
         sampler = DistributedSampler(self.data, num_replicas=world, rank=rank, shuffle=False)
         return DataLoader(self.data, batch_size=self.global_batch // world, sampler=sampler)
+
+
+class TrafficPerStep(pl.Callback):
+    """Elements each collective covered during the last optimizer step (all its micro-batches)."""
+
+    def __init__(self) -> None:
+        self.per_step: list[dict[str, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self._before = dict(collectives.traffic)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.per_step.append({k: v - self._before.get(k, 0) for k, v in collectives.traffic.items()})
 
 
 def make_trainer(

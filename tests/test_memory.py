@@ -8,7 +8,7 @@ import itertools
 
 import lightning.pytorch as pl
 import pytest
-from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
+from helpers import EquivalenceModule, TrafficPerStep, make_trainer, spawn_ranks, zero_strategy
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.memory import formula_bytes
@@ -16,21 +16,6 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 ACCUMULATE = 2
-
-
-class TrafficPerStep(pl.Callback):
-    """Elements each collective covered during the last optimizer step (all its micro-batches)."""
-
-    def __init__(self) -> None:
-        self.per_step: list[dict[str, int]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx % trainer.accumulate_grad_batches == 0:
-            self._before = dict(collectives.traffic)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.per_step.append({k: v - self._before.get(k, 0) for k, v in collectives.traffic.items()})
 
 
 def _worker(rank: int, world: int) -> None:

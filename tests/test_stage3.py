@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn as nn
-from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
+from helpers import EquivalenceModule, TrafficPerStep, make_trainer, spawn_ranks, zero_strategy
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.memory import formula_bytes
@@ -21,24 +21,13 @@ from lightning_zero.sharding import collectives
 ACCUMULATE, STEPS, LAYERS = 2, 3, 4
 
 
-class Observe(pl.Callback):
+class Observe(TrafficPerStep):
     """Records, while the strategy still shards, what the tests below assert on."""
-
-    def __init__(self) -> None:
-        self.traffic: list[dict[str, int]] = []
 
     def on_train_start(self, trainer, pl_module):
         runtime = trainer.strategy._stage3
         self.flat_bytes_at_start = [u.flat_param.untyped_storage().nbytes() for u in runtime.units]
         self.initial_state = trainer.strategy.lightning_module_state_dict()
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx % trainer.accumulate_grad_batches == 0:
-            self._before = dict(collectives.traffic)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.traffic.append({k: v - self._before.get(k, 0) for k, v in collectives.traffic.items()})
 
     def on_train_end(self, trainer, pl_module):
         runtime = trainer.strategy._stage3
@@ -88,7 +77,7 @@ def _bytes_and_traffic_worker(rank: int, world: int) -> None:
         # Per micro-batch: every block gathered for forward and again for backward, the root once;
         # one reduce-scatter of everything. About 3 Psi, the paper's number.
         root = seen.root.layout.total_numel
-        for step in seen.traffic:
+        for step in seen.per_step:
             assert step["reduce_scatter"] == ACCUMULATE * padded
             assert step["all_gather"] == ACCUMULATE * (2 * (padded - root) + root)
 
