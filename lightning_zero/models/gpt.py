@@ -26,6 +26,7 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2; False is a bit faster and better
+    fused: bool = False  # blocks computed with lightning_zero's fused kernels (models/fused_block.py)
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -81,7 +82,10 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        block = Block
+        if cfg.fused:
+            from lightning_zero.models.fused_block import FusedBlock as block  # it imports this module
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one-command GPU check: kernel parity tests, kernel benchmarks, zero2 training steps on CUDA.
+# Installs nothing (the GPU machine has torch, CuPy, Lightning and pytest). Writes a Markdown report to
+# $OUT (the device tool's output folder) or benchmarks/results/. `--dry-run` runs the same steps on the
+# CPU, where the GPU tests skip and the benchmark only exercises its code paths.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+dry=""; accelerator=gpu
+if [ "${1:-}" = "--dry-run" ]; then dry="--dry-run"; accelerator=cpu; fi
+out_dir=${OUT:-benchmarks/results}
+mkdir -p "$out_dir"
+report="$out_dir/gpu_check_$(date +%F).md"
+status=0
+run() {  # run TITLE COMMAND...: appends the command's output to the report
+  local title=$1; shift
+  { echo; echo "## $title"; echo; echo '```'; echo "\$ $*"; } >> "$report"
+  timeout 240 "$@" >> "$report" 2>&1 || { echo "(exit status $?)" >> "$report"; status=1; }
+  echo '```' >> "$report"
+}
+{
+  echo "# GPU check $(date -u +'%F %H:%M') UTC ${dry:+(DRY RUN on the CPU)}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  python3 -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__)"
+  python3 -c "import cupy; print('cupy', cupy.__version__)" 2>/dev/null || echo "no CuPy"
+} > "$report"
+run "Kernel parity tests" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py
+run "Kernel benchmarks" python3 benchmarks/bench_kernels.py $dry --out "$out_dir/kernels_$(date +%F).md"
+run "zero2 training steps" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40
+run "zero2 training steps, fused block" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40 --fused
+cat "$report"
+exit $status

@@ -1,0 +1,38 @@
+// y = residual + dropout(x + bias), bias broadcast over rows of [rows, cols]. Backward: dx = dy * mask
+// / (1 - p) with the mask regenerated from (seed, offset, index); d(residual) = dy; the bias gradient
+// is the column sum of dx (reduce.cu).
+#include "common.cuh"
+
+template <typename T>
+__device__ void bias_dropout_residual_fwd(const T* __restrict__ x, const float* __restrict__ bias,
+                                          const T* __restrict__ residual, T* __restrict__ y, i64 n, i64 cols,
+                                          float p_drop, unsigned long long seed, unsigned long long offset) {
+  const float keep_scale = 1.f / (1.f - p_drop);
+  const i64 stride = (i64)gridDim.x * blockDim.x;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    float v = to_f32(x[i]) + bias[i % cols];
+    if (p_drop > 0.f) v = philox_uniform(seed, offset, i) >= p_drop ? v * keep_scale : 0.f;
+    y[i] = from_f32<T>(to_f32(residual[i]) + v);
+  }
+}
+
+template <typename T>
+__device__ void dropout_bwd(const T* __restrict__ dy, T* __restrict__ dx, i64 n, float p_drop, unsigned long long seed,
+                            unsigned long long offset) {
+  const float keep_scale = 1.f / (1.f - p_drop);
+  const i64 stride = (i64)gridDim.x * blockDim.x;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    dx[i] = from_f32<T>(philox_uniform(seed, offset, i) >= p_drop ? to_f32(dy[i]) * keep_scale : 0.f);
+}
+
+#define LZ_BIAS_DROPOUT_RESIDUAL(T, N)                                                                               \
+  extern "C" __global__ void bias_dropout_residual_fwd_##N(const T* x, const float* bias, const T* residual, T* y,  \
+                                                           i64 n, i64 cols, float p_drop, unsigned long long seed,  \
+                                                           unsigned long long offset) {                             \
+    bias_dropout_residual_fwd<T>(x, bias, residual, y, n, cols, p_drop, seed, offset);                               \
+  }                                                                                                                  \
+  extern "C" __global__ void dropout_bwd_##N(const T* dy, T* dx, i64 n, float p_drop, unsigned long long seed,      \
+                                             unsigned long long offset) {                                           \
+    dropout_bwd<T>(dy, dx, n, p_drop, seed, offset);                                                                 \
+  }
+LZ_EXPORT_FLOATING(LZ_BIAS_DROPOUT_RESIDUAL)

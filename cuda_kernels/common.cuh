@@ -1,0 +1,75 @@
+// Shared device code for lightning_zero's kernels: dtype conversions, block reductions, the
+// counter-based RNG used by every fused dropout, and the per-dtype entry-point macro.
+//
+// Every kernel computes in fp32 whatever its storage type (float, __half, __nv_bfloat16), indexes
+// with 64-bit integers (ZeRO's flat buffers can pass 2^31 elements), and is exported once per dtype
+// as extern "C" <name>_<f32|f16|bf16> so that CuPy's cache never depends on template name mangling.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+typedef long long i64;
+
+// NVRTC has no <cmath>: infinity spelled out.
+#define LZ_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024). Every thread gets the
+// result. `scratch` holds 32 floats of shared memory; the call synchronizes the block.
+__device__ __forceinline__ float block_sum(float value, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  const int warps = (blockDim.x + 31) >> 5;
+  value = lane < warps ? scratch[lane] : 0.f;
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+__device__ __forceinline__ float block_max(float value, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  __syncthreads();
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  const int warps = (blockDim.x + 31) >> 5;
+  value = lane < warps ? scratch[lane] : -LZ_INF;
+  for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+// Philox4x32-10 (Salmon et al., SC'11): four 32-bit random words from a 64-bit key (the seed) and a
+// 128-bit counter (the element's index and the stream offset). The same (seed, offset, index) gives
+// the same bits on any device and in the pure-torch reference (kernels/reference.py).
+__device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
+  const unsigned M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    const unsigned hi0 = __umulhi(M0, counter.x), lo0 = M0 * counter.x;
+    const unsigned hi1 = __umulhi(M1, counter.z), lo1 = M1 * counter.z;
+    counter = make_uint4(hi1 ^ counter.y ^ key.x, lo1, hi0 ^ counter.w ^ key.y, lo0);
+    key.x += W0;
+    key.y += W1;
+  }
+  return counter;
+}
+
+// A uniform float in [0, 1) for element `index` of the dropout stream (seed, offset): the first word
+// of Philox at counter (index low, index high, offset low, offset high), its top 24 bits.
+__device__ __forceinline__ float philox_uniform(unsigned long long seed, unsigned long long offset, i64 index) {
+  const unsigned long long i = (unsigned long long)index;
+  const uint4 bits = philox4x32(make_uint4((unsigned)i, (unsigned)(i >> 32), (unsigned)offset, (unsigned)(offset >> 32)),
+                                make_uint2((unsigned)seed, (unsigned)(seed >> 32)));
+  return (bits.x >> 8) * (1.0f / 16777216.0f);
+}
+
+#define LZ_EXPORT_FLOATING(MACRO) MACRO(float, f32) MACRO(__half, f16) MACRO(__nv_bfloat16, bf16)

@@ -1,0 +1,70 @@
+// Scaled, masked / causal softmax with fused dropout, over the last dimension of attention scores
+// [rows = batch * heads * q_len, cols = k_len]. x = scores * scale + mask (mask: optional fp32
+// [batch, q_len, k_len], shared by the heads); causal hides key k > q + (k_len - q_len). A fully
+// hidden row gives zeros. Forward writes the probabilities (kept for backward) and, with dropout, the
+// dropped-out output; dropout regenerates its mask in backward from (seed, offset, row * cols + col).
+#include "common.cuh"
+
+template <typename T>
+__device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* __restrict__ mask, T* __restrict__ probs,
+                                    T* __restrict__ out, i64 cols, i64 heads, i64 q_len, float scale, int causal,
+                                    float p_drop, unsigned long long seed, unsigned long long offset) {
+  __shared__ float scratch[32];
+  const i64 row = blockIdx.x, q = row % q_len, batch = row / (heads * q_len);
+  const i64 visible = causal ? min(cols, q + (cols - q_len) + 1) : cols;
+  const float* mask_row = mask != nullptr ? mask + (batch * q_len + q) * cols : nullptr;
+  float row_max = -LZ_INF;
+  for (i64 c = threadIdx.x; c < visible; c += blockDim.x)
+    row_max = fmaxf(row_max, to_f32(scores[row * cols + c]) * scale + (mask_row ? mask_row[c] : 0.f));
+  row_max = block_max(row_max, scratch);
+  float sum = 0.f;
+  for (i64 c = threadIdx.x; c < visible; c += blockDim.x)
+    if (row_max != -LZ_INF)
+      sum += expf(to_f32(scores[row * cols + c]) * scale + (mask_row ? mask_row[c] : 0.f) - row_max);
+  sum = block_sum(sum, scratch);
+  const float inv_sum = sum > 0.f ? 1.f / sum : 0.f, keep_scale = 1.f / (1.f - p_drop);
+  for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
+    float p = 0.f;
+    if (c < visible && row_max != -LZ_INF)
+      p = expf(to_f32(scores[row * cols + c]) * scale + (mask_row ? mask_row[c] : 0.f) - row_max) * inv_sum;
+    probs[row * cols + c] = from_f32<T>(p);
+    if (p_drop > 0.f) {
+      const bool keep = philox_uniform(seed, offset, row * cols + c) >= p_drop;
+      out[row * cols + c] = from_f32<T>(keep ? p * keep_scale : 0.f);
+    }
+  }
+}
+
+template <typename T>
+__device__ void softmax_dropout_bwd(const T* __restrict__ dout, const T* __restrict__ probs, T* __restrict__ dscores,
+                                    i64 cols, float scale, float p_drop, unsigned long long seed,
+                                    unsigned long long offset) {
+  __shared__ float scratch[32];
+  const i64 row = blockIdx.x;
+  const float keep_scale = 1.f / (1.f - p_drop);
+  float dot = 0.f;
+  for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
+    float d = to_f32(dout[row * cols + c]);
+    if (p_drop > 0.f) d = philox_uniform(seed, offset, row * cols + c) >= p_drop ? d * keep_scale : 0.f;
+    dot += d * to_f32(probs[row * cols + c]);
+  }
+  dot = block_sum(dot, scratch);
+  for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
+    float d = to_f32(dout[row * cols + c]);
+    if (p_drop > 0.f) d = philox_uniform(seed, offset, row * cols + c) >= p_drop ? d * keep_scale : 0.f;
+    dscores[row * cols + c] = from_f32<T>(scale * to_f32(probs[row * cols + c]) * (d - dot));
+  }
+}
+
+#define LZ_SOFTMAX_DROPOUT(T, N)                                                                                   \
+  extern "C" __global__ void softmax_dropout_fwd_##N(const T* scores, const float* mask, T* probs, T* out, i64 cols, \
+                                                     i64 heads, i64 q_len, float scale, int causal, float p_drop,  \
+                                                     unsigned long long seed, unsigned long long offset) {         \
+    softmax_dropout_fwd<T>(scores, mask, probs, out, cols, heads, q_len, scale, causal, p_drop, seed, offset);     \
+  }                                                                                                                \
+  extern "C" __global__ void softmax_dropout_bwd_##N(const T* dout, const T* probs, T* dscores, i64 cols,         \
+                                                     float scale, float p_drop, unsigned long long seed,           \
+                                                     unsigned long long offset) {                                  \
+    softmax_dropout_bwd<T>(dout, probs, dscores, cols, scale, p_drop, seed, offset);                                 \
+  }
+LZ_EXPORT_FLOATING(LZ_SOFTMAX_DROPOUT)

@@ -1,0 +1,137 @@
+"""Pure-torch versions of every fused kernel: the CPU fallback and the GPU tests' oracle.
+
+They compute in fp32 (like the kernels) and return the input's dtype; their backward is torch's
+autograd. Dropout draws its mask from the same counter-based Philox stream as the kernels
+(``philox_uniform``), so a given (seed, offset) drops the same elements on any device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """High and low 32-bit words of a * b for a constant a and uint32 values b in int64 (no overflow)."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    low_part = a_lo * b  # < 2^48
+    high_part = a_hi * b  # < 2^48
+    lo_sum = low_part + ((high_part & 0xFFFF) << 16)
+    return (high_part >> 16) + (lo_sum >> 32), lo_sum & _MASK32
+
+
+def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[int, int]) -> tuple[Tensor, ...]:
+    """Philox4x32-10 on uint32 words held in int64 tensors, as common.cuh's philox4x32."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def philox_uniform(seed: int, offset: int, index: Tensor) -> Tensor:
+    """Uniform floats in [0, 1) for int64 ``index``; bit for bit what common.cuh's philox_uniform gives."""
+    counter = (
+        index & _MASK32,
+        (index >> 32) & _MASK32,
+        torch.full_like(index, offset & _MASK32),
+        torch.full_like(index, (offset >> 32) & _MASK32),
+    )
+    word = philox4x32(counter, (seed & _MASK32, (seed >> 32) & _MASK32))[0]
+    return (word >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def _keep(shape: torch.Size, p: float, seed: int, offset: int, device: torch.device) -> Tensor:
+    index = torch.arange(math.prod(shape), dtype=torch.int64, device=device).view(shape)
+    return philox_uniform(seed, offset, index) >= p
+
+
+def dropout(x: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    if p == 0.0:
+        return x
+    return torch.where(_keep(x.shape, p, seed, offset, x.device), x / (1.0 - p), torch.zeros_like(x))
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
+    return F.gelu(x.float() + bias.float(), approximate=approximate).to(x.dtype)
+
+
+def softmax_dropout(
+    scores: Tensor,
+    scale: float,
+    *,
+    causal: bool = False,
+    mask: Tensor | None = None,
+    p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+) -> Tensor:
+    """softmax(scores * scale + mask, hiding keys after the query when causal), then dropout.
+
+    ``scores`` is (batch, heads, q_len, k_len); ``mask`` is additive, (batch, 1, q_len, k_len) or
+    broadcastable to it. A row with every key hidden gives zeros.
+    """
+    x = scores.float() * scale
+    if mask is not None:
+        x = x + mask.float()
+    if causal:
+        q_len, k_len = scores.shape[-2:]
+        hidden = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).triu(k_len - q_len + 1)
+        x = x.masked_fill(hidden, float("-inf"))
+    all_hidden = torch.isneginf(x).all(dim=-1, keepdim=True)
+    probs = torch.softmax(x.masked_fill(all_hidden, 0.0), dim=-1)  # no NaN, in values or in gradients
+    probs = probs.masked_fill(all_hidden, 0.0)
+    return dropout(probs, p, seed, offset).to(scores.dtype)
+
+
+def bias_dropout_residual(x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return (residual.float() + dropout(x.float() + bias.float(), p, seed, offset)).to(dtype)
+
+
+@torch.no_grad()
+def adamw_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    inv_scale: float = 1.0,
+    found_inf: Tensor | None = None,
+    lowp_out: Tensor | None = None,
+) -> None:
+    """torch.optim.AdamW's update on fp32 ``param`` with moments in place; skipped while ``found_inf`` is set."""
+    if found_inf is not None and bool(found_inf.item()):
+        return
+    g = grad.float() * inv_scale
+    param.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2**step)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1**step))
+    if lowp_out is not None:
+        lowp_out.copy_(param)
+
+
+def check_finite_(grad: Tensor, found_inf: Tensor) -> None:
+    """Sets ``found_inf`` to 1 if ``grad`` holds an inf or nan (device-side, like the kernel)."""
+    found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(grad)).any().to(found_inf.dtype)))

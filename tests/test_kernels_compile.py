@@ -1,0 +1,67 @@
+"""Every CUDA kernel, for every dtype, compiles for sm_80 and sm_90 through NVRTC (the compiler CuPy uses)
+with warnings as errors, on a machine without a GPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from cuda.bindings import nvrtc
+
+from lightning_zero.kernels.loader import SOURCES, compile_options, source_dir
+
+DTYPES = ("f32", "f16", "bf16")
+ENTRY_POINTS = {
+    "adamw.cu": [f"adamw_{g}_{low}" for g in DTYPES for low in ("none", "f16", "bf16")]
+    + [f"check_finite_{d}" for d in DTYPES],
+    "bias_dropout_residual.cu": [f"{k}_{d}" for k in ("bias_dropout_residual_fwd", "dropout_bwd") for d in DTYPES],
+    "bias_gelu.cu": [f"{k}_{d}" for k in ("bias_gelu_fwd", "bias_gelu_bwd") for d in DTYPES],
+    "layer_norm.cu": [
+        f"{k}_{d}" for k in ("layer_norm_fwd", "layer_norm_bwd_input", "layer_norm_bwd_params") for d in DTYPES
+    ],
+    "reduce.cu": [f"column_sum_partial_{d}" for d in DTYPES],
+    "softmax_dropout.cu": [f"{k}_{d}" for k in ("softmax_dropout_fwd", "softmax_dropout_bwd") for d in DTYPES],
+}
+
+
+def _check(result) -> object:
+    status, *values = result
+    assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, status
+    return values[0] if values else None
+
+
+def _compile(source: str, arch: str) -> tuple[bytes, str]:
+    code = (source_dir() / source).read_bytes()
+    program = _check(nvrtc.nvrtcCreateProgram(code, source.encode(), 0, [], []))
+    options = [o.encode() for o in (*compile_options(), f"-arch={arch}", "--warning-as-error=all-warnings")]
+    status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
+    size = _check(nvrtc.nvrtcGetProgramLogSize(program))
+    log = bytearray(size)
+    _check(nvrtc.nvrtcGetProgramLog(program, log))
+    log = log.decode(errors="replace").strip("\0").strip()
+    assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{source} for {arch}:\n{log}"
+    getter = (
+        (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
+        if arch.startswith("compute")
+        else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
+    )
+    output = bytearray(_check(getter[0](program)))
+    _check(getter[1](program, output))
+    _check(nvrtc.nvrtcDestroyProgram(program))
+    return bytes(output), log
+
+
+def test_every_source_is_listed():
+    assert sorted(p.name for p in source_dir().glob("*.cu")) == sorted(SOURCES) == sorted(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90", "sm_80", "sm_90"])
+def test_kernels_compile_without_warnings(source, arch):
+    binary, log = _compile(source, arch)
+    assert log == "", f"{source} for {arch} compiled with messages:\n{log}"
+    if arch.startswith("compute"):  # PTX names every extern "C" entry point
+        entries = set(re.findall(rb"\.entry (\w+)", binary))
+        assert entries == {e.encode() for e in ENTRY_POINTS[source]}
+    else:
+        assert binary[:4] == b"\x7fELF"  # a cubin is an ELF image

@@ -1,0 +1,196 @@
+"""The CUDA kernels on a GPU (skipped without one): each against an fp64 reference with flash-attention's
+rule (its error at most twice that of torch's same-precision implementation), odd sizes, outputs and
+every gradient, fresh random inputs, output memory poisoned with NaN before each launch; fused AdamW
+against torch.optim.AdamW over 10 steps; dropout bit for bit the CPU reference's Philox stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_zero.kernels import loader, ops, reference
+from lightning_zero.kernels.adamw import FusedAdamW, check_finite_, fused_adamw_
+from lightning_zero.models.gpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or loader._cupy() is None, reason="needs a CUDA GPU and CuPy"
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ROWS_COLS = [(1, 1023), (3, 1500), (5, 997)]
+
+
+def _poison() -> None:
+    """Fills free allocator memory with NaN, so an output element a kernel forgets to write shows."""
+    block = torch.full((64 * 2**20,), float("nan"), device="cuda")
+    del block
+
+
+def _run(fn, inputs, grad_out):
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    _poison()
+    out = fn(*inputs)
+    _poison()
+    out.backward(grad_out.to(out.dtype))
+    return [out.detach()] + [t.grad for t in inputs if t.requires_grad]
+
+
+def _flash_rule(kernel, torch_same, exact, what):
+    for k, t, e, name in zip(kernel, torch_same, exact, ["out"] + [f"grad{i}" for i in range(len(kernel) - 1)]):
+        assert torch.isfinite(k).all(), f"{what} {name}: non-finite values (unwritten memory?)"
+        err_k = (k.double() - e).abs().max().item()
+        err_t = (t.double() - e).abs().max().item()
+        floor = 1e-6 * max(e.abs().max().item(), 1.0)
+        assert err_k <= 2 * err_t + floor, f"{what} {name}: kernel error {err_k:.3e} > 2 x torch's {err_t:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", ROWS_COLS)
+def test_layer_norm(dtype, rows, cols):
+    x = torch.randn(rows, 7, cols, device="cuda", dtype=dtype)
+    w, b = torch.randn(cols, device="cuda"), torch.randn(cols, device="cuda")
+    g = torch.randn(rows, 7, cols, device="cuda")
+    torch_ln = lambda x, w, b: F.layer_norm(x, (cols,), w.to(x.dtype), b.to(x.dtype))  # noqa: E731
+    kernel = _run(ops.layer_norm, [x, w, b], g)
+    same = _run(torch_ln, [x, w, b], g)
+    exact = _run(torch_ln, [x.double(), w.double(), b.double()], g.double())
+    _flash_rule(kernel, same, exact, f"layer_norm {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("rows,cols", ROWS_COLS)
+def test_bias_gelu(dtype, approximate, rows, cols):
+    x, b = torch.randn(rows, 9, cols, device="cuda", dtype=dtype), torch.randn(cols, device="cuda")
+    g = torch.randn(rows, 9, cols, device="cuda")
+    torch_fn = lambda x, b: F.gelu(x + b.to(x.dtype), approximate=approximate)  # noqa: E731
+    kernel = _run(lambda x, b: ops.bias_gelu(x, b, approximate), [x, b], g)
+    _flash_rule(
+        kernel,
+        _run(torch_fn, [x, b], g),
+        _run(torch_fn, [x.double(), b.double()], g.double()),
+        f"bias_gelu {approximate} {dtype}",
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,with_mask", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("q_len,k_len", [(17, 17), (13, 1023), (1, 1500)])
+def test_softmax(dtype, causal, with_mask, q_len, k_len):
+    scores = torch.randn(2, 3, q_len, k_len, device="cuda", dtype=dtype)
+    mask = (torch.rand(2, 1, q_len, k_len, device="cuda") < 0.2).float() * -1e4 if with_mask else None
+    g = torch.randn_like(scores, dtype=torch.float32)
+
+    def torch_fn(s):
+        x = s * 0.125 + (mask.to(s.dtype) if mask is not None else 0)
+        if causal:
+            hidden = torch.ones(q_len, k_len, dtype=torch.bool, device="cuda").triu(k_len - q_len + 1)
+            x = x.masked_fill(hidden, float("-inf"))
+        return torch.softmax(x, dim=-1)
+
+    kernel = _run(lambda s: ops.softmax_dropout(s, 0.125, causal=causal, mask=mask), [scores], g)
+    _flash_rule(kernel, _run(torch_fn, [scores], g), _run(torch_fn, [scores.double()], g.double()), f"softmax {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_dropout_residual_without_dropout(dtype):
+    x, b, r = (
+        torch.randn(3, 1023, device="cuda", dtype=dtype),
+        torch.randn(1023, device="cuda"),
+        torch.randn(3, 1023, device="cuda", dtype=dtype),
+    )
+    g = torch.randn(3, 1023, device="cuda")
+    torch_fn = lambda x, b, r: x + b.to(x.dtype) + r  # noqa: E731
+    kernel = _run(lambda x, b, r: ops.bias_dropout_residual(x, b, r), [x, b, r], g)
+    _flash_rule(
+        kernel,
+        _run(torch_fn, [x, b, r], g),
+        _run(torch_fn, [x.double(), b.double(), r.double()], g.double()),
+        f"bias_dropout_residual {dtype}",
+    )
+
+
+def test_dropout_is_the_cpu_references_philox_stream_with_the_right_keep_rate():
+    scores = torch.randn(4, 4, 64, 997, device="cuda")
+    out = ops.softmax_dropout(scores, 1.0, p=0.3, seed=12345, offset=6)
+    expected = reference.softmax_dropout(scores.cpu(), 1.0, p=0.3, seed=12345, offset=6)
+    assert torch.equal(out.cpu() != 0, expected != 0), "the kernel's dropout mask differs from the reference's"
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-7)
+    assert torch.equal(out, ops.softmax_dropout(scores, 1.0, p=0.3, seed=12345, offset=6))
+    assert abs(float((out != 0).float().mean()) - 0.7) < 0.005
+    x, b, r = torch.randn(8, 999, device="cuda"), torch.zeros(999, device="cuda"), torch.zeros(8, 999, device="cuda")
+    y = ops.bias_dropout_residual(x, b, r, p=0.5, seed=99)
+    assert torch.equal(y.cpu(), reference.bias_dropout_residual(x.cpu(), b.cpu(), r.cpu(), 0.5, 99, 0))
+
+
+@pytest.mark.parametrize("n", [1023, 1500, 4 * 997, 4096])  # odd sizes, and one the vectorized path takes
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+def test_fused_adamw_matches_torch_over_ten_steps(n, grad_dtype):
+    param = torch.randn(n, device="cuda")
+    theirs = param.clone()
+    m, v = torch.zeros_like(param), torch.zeros_like(param)
+    torch_opt = torch.optim.AdamW([theirs], lr=1e-2, weight_decay=0.1)
+    lowp = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    for step in range(1, 11):
+        grad = torch.randn(n, device="cuda").to(grad_dtype)
+        theirs.grad = grad.float()
+        torch_opt.step()
+        fused_adamw_(
+            param,
+            (grad.float() * 256).to(grad_dtype),
+            m,
+            v,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            step=step,
+            inv_scale=1 / 256,
+            lowp_out=lowp,
+        )
+    tol = 1e-5 if grad_dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(param, theirs, rtol=tol, atol=tol)
+    assert torch.equal(lowp, param.bfloat16())
+
+
+def test_fused_adamw_skips_on_a_device_flag_without_a_sync():
+    param, grad = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    grad[123] = float("nan")
+    m, v, flag = (
+        torch.zeros(1000, device="cuda"),
+        torch.zeros(1000, device="cuda"),
+        torch.zeros(1, dtype=torch.int32, device="cuda"),
+    )
+    before = param.clone()
+    check_finite_(grad, flag)
+    fused_adamw_(param, grad, m, v, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, found_inf=flag)
+    assert int(flag) == 1 and torch.equal(param, before) and not m.any()
+
+
+def test_fused_adamw_optimizer_on_gpu():
+    model = torch.nn.Linear(257, 129).cuda()
+    reference_model = torch.nn.Linear(257, 129).cuda()
+    reference_model.load_state_dict(model.state_dict())
+    mine, theirs = FusedAdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(reference_model.parameters(), lr=1e-3)
+    for _ in range(10):
+        x = torch.randn(33, 257, device="cuda")
+        for m, opt in ((model, mine), (reference_model, theirs)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_fused_block_on_gpu(dtype, tol):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=256)
+    plain, fused = GPT(GPTConfig(**cfg)).cuda(), GPT(GPTConfig(**cfg, fused=True)).cuda()
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(64, (4, 128), device="cuda")
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        out_plain, out_fused = plain(idx), fused(idx)
+    torch.testing.assert_close(out_fused.float(), out_plain.float(), rtol=tol, atol=tol)

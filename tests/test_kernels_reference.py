@@ -1,0 +1,199 @@
+"""The pure-torch references of the fused kernels (the CPU fallback and the GPU tests' oracle) against
+torch's own ops, gradients included; the Philox stream against Random123's known answers; FusedAdamW
+against torch.optim.AdamW; the fused GPT block against the plain one."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_zero.kernels import adamw as fused_adamw_module
+from lightning_zero.kernels import loader, ops, reference
+from lightning_zero.kernels.adamw import FusedAdamW, check_finite_, fused_adamw_
+from lightning_zero.models.gpt import GPT, GPTConfig
+
+
+def _words(*values):
+    return tuple(torch.tensor([v]) for v in values)
+
+
+@pytest.mark.parametrize(
+    "counter,key,expected",
+    [  # Random123's known-answer tests for philox4x32_10
+        ((0, 0, 0, 0), (0, 0), "6627e8d5 e169c58d bc57ac4c 9b00dbd8"),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, "408f276d 41c83b0e a20bc7c6 6d5451fd"),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            "d16cfe09 94fdcceb 5001e420 24126ea1",
+        ),
+    ],
+)
+def test_philox_matches_random123(counter, key, expected):
+    assert " ".join(f"{int(w):08x}" for w in reference.philox4x32(_words(*counter), key)) == expected
+
+
+def test_dropout_is_reproducible_with_the_right_keep_rate():
+    x = torch.ones(200, 1000)
+    a = reference.dropout(x, 0.3, seed=7, offset=0)
+    assert torch.equal(a, reference.dropout(x, 0.3, seed=7, offset=0))
+    assert not torch.equal(a, reference.dropout(x, 0.3, seed=7, offset=1))
+    assert not torch.equal(a, reference.dropout(x, 0.3, seed=8, offset=0))
+    kept = (a != 0).float().mean()
+    assert abs(float(kept) - 0.7) < 0.005  # 200k draws: 5 sigma is 0.005
+    assert torch.allclose(a[a != 0], torch.full_like(a[a != 0], 1 / 0.7))
+
+
+def _grads(fn, *inputs):
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*inputs)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return out.detach(), [t.grad for t in inputs if t.requires_grad]
+
+
+def _assert_same(a, b, tol=1e-6):
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    torch.testing.assert_close(out_a, out_b, rtol=tol, atol=tol)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 1023), (7, 64)])
+def test_layer_norm_reference(shape):
+    x, w, b = torch.randn(shape), torch.randn(shape[-1]), torch.randn(shape[-1])
+    module = torch.nn.LayerNorm(shape[-1])
+    torch_ln = lambda x, w, b: torch.func.functional_call(module, {"weight": w, "bias": b}, (x,))  # noqa: E731
+    _assert_same(_grads(ops.layer_norm, x, w, b), _grads(torch_ln, x, w, b))
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_bias_gelu_reference(approximate):
+    x, b = torch.randn(4, 9, 997), torch.randn(997)
+    gelu = torch.nn.GELU(approximate=approximate)
+    _assert_same(_grads(lambda x, b: ops.bias_gelu(x, b, approximate), x, b), _grads(lambda x, b: gelu(x + b), x, b))
+
+
+def test_causal_softmax_reference():
+    scores = torch.randn(2, 3, 17, 17)
+    hidden = torch.ones(17, 17, dtype=torch.bool).triu(1)
+    expected = lambda s: torch.softmax((s * 0.25).masked_fill(hidden, float("-inf")), dim=-1)  # noqa: E731
+    _assert_same(_grads(lambda s: ops.softmax_dropout(s, 0.25, causal=True), scores), _grads(expected, scores))
+
+
+def test_masked_softmax_reference_and_fully_masked_rows():
+    scores, mask = torch.randn(2, 3, 5, 11), torch.zeros(2, 1, 5, 11)
+    mask[0, 0, 1] = float("-inf")  # every key hidden for one query of batch 0
+    mask[1, 0, :, 4:] = -1e4
+    out, (grad,) = _grads(lambda s: ops.softmax_dropout(s, 1.0, mask=mask), scores)
+    assert torch.equal(out[0, :, 1], torch.zeros(3, 11)) and torch.isfinite(grad).all()
+    torch.testing.assert_close(out[1], torch.softmax(scores[1] + mask[1], dim=-1))
+
+
+def test_softmax_dropout_reference_drops_with_the_philox_stream():
+    scores = torch.randn(2, 2, 8, 8)
+    out = ops.softmax_dropout(scores, 1.0, p=0.5, seed=3, offset=2)
+    expected = reference.dropout(torch.softmax(scores, dim=-1), 0.5, seed=3, offset=2)
+    torch.testing.assert_close(out, expected)
+
+
+def test_bias_dropout_residual_reference():
+    x, b, r = torch.randn(4, 33), torch.randn(33), torch.randn(4, 33)
+    _assert_same(
+        _grads(lambda x, b, r: ops.bias_dropout_residual(x, b, r), x, b, r), _grads(lambda x, b, r: x + b + r, x, b, r)
+    )
+    dropped = ops.bias_dropout_residual(x, b, r, p=0.25, seed=11)
+    torch.testing.assert_close(dropped, r + reference.dropout(x + b, 0.25, seed=11, offset=0))
+
+
+def test_fused_adamw_matches_torch_adamw_over_ten_steps():
+    torch.manual_seed(0)
+    params = [torch.randn(1023), torch.randn(64, 17)]
+    mine, theirs = [p.clone() for p in params], [p.clone() for p in params]
+    opt_mine = FusedAdamW([{"params": mine[:1], "weight_decay": 0.1}, {"params": mine[1:], "lr": 3e-3}], lr=1e-2)
+    opt_theirs = torch.optim.AdamW(
+        [{"params": theirs[:1], "weight_decay": 0.1}, {"params": theirs[1:], "lr": 3e-3}], lr=1e-2
+    )
+    for _ in range(10):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(mine + theirs, grads + grads):
+            p.grad = g.clone()
+        opt_mine.step()
+        opt_theirs.step()
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert set(opt_mine.state[mine[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_fused_adamw_unscales_skips_on_overflow_and_writes_low_precision():
+    param, grad = torch.randn(100), torch.randn(100)
+    m, v = torch.zeros(100), torch.zeros(100)
+    expected = param.clone()
+    reference.adamw_(
+        expected, grad, m.clone(), v.clone(), lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1
+    )
+    found_inf, lowp = torch.zeros(1, dtype=torch.int32), torch.empty(100, dtype=torch.bfloat16)
+    check_finite_(grad * 1024, found_inf)
+    assert int(found_inf) == 0
+    fused_adamw_(
+        param,
+        (grad * 1024).half(),
+        m,
+        v,
+        lr=0.1,
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-8,
+        weight_decay=0.0,
+        step=1,
+        inv_scale=1 / 1024,
+        found_inf=found_inf,
+        lowp_out=lowp,
+    )
+    torch.testing.assert_close(param, expected, rtol=1e-3, atol=1e-3)  # the fp16 gradient's rounding
+    assert torch.equal(lowp, param.bfloat16())
+    before = param.clone()
+    check_finite_(torch.tensor([1.0, float("inf")]), found_inf)
+    assert int(found_inf) == 1
+    fused_adamw_(
+        param, grad, m, v, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=2, found_inf=found_inf
+    )
+    assert torch.equal(param, before)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_block_equals_block(bias):
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=64, bias=bias))
+    fused = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=64, bias=bias, fused=True))
+    fused.load_state_dict(plain.state_dict())
+    assert type(fused.blocks[0]).__name__ == "FusedBlock"
+    idx = torch.randint(32, (3, 16))
+    out_plain, out_fused = plain(idx), fused(idx)
+    torch.testing.assert_close(out_fused, out_plain, rtol=1e-5, atol=1e-5)
+    out_plain.square().mean().backward()
+    out_fused.square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_without_a_gpu_the_ops_fall_back_and_say_so_once(caplog):
+    loader.available.cache_clear()
+    with caplog.at_level(logging.INFO, logger="lightning_zero.kernels"):
+        for _ in range(3):
+            ops.layer_norm(torch.randn(2, 4), torch.ones(4), torch.zeros(4))
+    messages = [r.getMessage() for r in caplog.records if "pure-torch" in r.getMessage()]
+    assert len(messages) == 1 and "no CUDA device" in messages[0]
+
+
+def test_kernel_arguments_are_checked_with_clear_errors():
+    with pytest.raises(ValueError, match="x must be a CUDA tensor, got one on cpu"):
+        loader.tensor(torch.zeros(3), "x", dtypes=(torch.float32,))
+    with pytest.raises(ValueError, match="dropout p must be in \\[0, 1\\), got 1.0"):
+        ops.bias_dropout_residual(torch.zeros(2), torch.zeros(2), torch.zeros(2), p=1.0)
+    with pytest.raises(ValueError, match="approximate must be 'tanh' or 'none', got 'fast'"):
+        ops.bias_gelu(torch.zeros(2), torch.zeros(2), approximate="fast")
+    with pytest.raises(ValueError, match="scores must be \\(batch, heads, q_len, k_len\\), got shape \\(2, 3\\)"):
+        ops.softmax_dropout(torch.zeros(2, 3), 1.0)
+    assert fused_adamw_module.LOWP[None] == "none"
