@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_zero
 from lightning_zero.data import SyntheticLanguage
+from lightning_zero.kernels.adamw import FusedAdamW
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.sharding import collectives
 from lightning_zero.spawn import spawn_local_ranks
@@ -184,6 +185,8 @@ class EquivalenceModule(pl.LightningModule):
         ]
         if self.optimizer == "sgd":
             optimizer = torch.optim.SGD(groups, lr=self.lr * 30, momentum=0.9)
+        elif self.optimizer == "fusedadamw":
+            optimizer = FusedAdamW(groups, lr=self.lr)
         else:
             optimizer = torch.optim.AdamW(groups, lr=self.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)

@@ -3,7 +3,7 @@
 Stages 1, 2 and 3, world sizes 2 and 4, 20 AdamW steps (two param groups, a per-step LR schedule) with
 gradient accumulation and norm clipping, on the small GPT (built on the meta device and initialized
 shard by shard for stage 3), on ToyNet (tied weights, a frozen layer, odd sizes, parameters unused in
-some steps or on some ranks, a buffer; also with SGD + momentum and clipping by value) and on
+some steps or on some ranks, a buffer; also with SGD + momentum, FusedAdamW, and clipping by value) and on
 BlocksNet (stage 3's units: ties across units, a frozen parameter inside a unit, a unit run twice per
 forward, a unit run only on some steps, a parameter read outside its module). Small buckets put
 parameters across chunk and bucket borders.
@@ -27,6 +27,7 @@ RUNS = [
     ("gpt", "adamw", "norm", (1, 2, 3)),
     ("toy", "adamw", "norm", (1, 2, 3)),
     ("toy", "sgd", "norm", (1, 2)),
+    ("toy", "fusedadamw", "norm", (2,)),
     ("toy", "adamw", "value", (1, 2)),
     ("blocks", "adamw", "norm", (1, 2, 3)),
     ("blocks", "sgd", "value", (3,)),
