@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.config import ZeroConfig
+from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.precision import ZeroPrecision, validate_precision
 from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
 from lightning_zero.sharding.flat_unit import FlatUnit
@@ -88,6 +89,19 @@ class ZeroStrategy(DDPStrategy):
         self._loaded: checkpoint_io.LoadedCheckpoint | None = None  # between load_checkpoint and the restores
         self.sharded_init_peak_bytes: int | None = None  # stage 3 from the meta device: see initialize_sharded
         self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
+
+    @classmethod
+    def from_deepspeed_config(cls, source: Any, *, ignore: tuple[str, ...] = ()) -> ZeroStrategy:
+        """The strategy a DeepSpeed JSON config (path or dict) describes, its fp16 loss scaling included.
+
+        Trainer arguments it also sets (clipping, accumulation) come from
+        ``lightning_zero.deepspeed_config.read_deepspeed_config(source).trainer_kwargs()``.
+        """
+        settings = read_deepspeed_config(source, ignore=ignore)
+        strategy = cls(settings.zero)
+        if settings.precision is not None:
+            strategy.precision_plugin = ZeroPrecision(settings.precision, loss_scale=settings.loss_scale)
+        return strategy
 
     # --- precision --------------------------------------------------------------------------------
     @property

@@ -1,0 +1,168 @@
+"""A DeepSpeed JSON config, read into our typed configs and the Trainer's arguments.
+
+Every key is either mapped, accepted because it changes nothing here (listed in a warning with the
+reason), or refused: all refused keys are named in one error, so nothing is silently ignored.
+``"auto"`` (Hugging Face's convention: "take it from the trainer") leaves our default, or the
+Trainer's own value, in place. DeepSpeed-side optimizers and schedulers are refused unless the
+caller lists them in ``ignore``: with Lightning they come from ``configure_optimizers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_zero.config import LossScaleConfig, ZeroConfig
+
+# zero_optimization keys we map: DeepSpeed name -> ZeroConfig field
+ZERO_KEYS = {
+    "stage": "stage",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "overlap_comm": "overlap_comm",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+}
+# keys that change nothing here, and why
+NO_EFFECT = {
+    "zero_optimization.allgather_bucket_size": "parameters are all-gathered in the reduce buckets",
+    "zero_optimization.allgather_partitions": "partitions are always all-gathered",
+    "zero_optimization.reduce_scatter": "gradients are always reduce-scattered",
+    "zero_optimization.contiguous_gradients": "gradient storage is always contiguous",
+    "zero_optimization.round_robin_gradients": "buckets are reduced in one fixed order",
+    "zero_optimization.stage3_prefetch_bucket_size": "stage 3 prefetches the next unit within max_live_parameters",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoints are sharded; see consolidate",
+    "zero_optimization.stage3_max_reuse_distance": "units are freed after use and gathered again when needed",
+    "zero_optimization.sub_group_size": "the optimizer steps this rank's pieces directly",
+    "zero_optimization.memory_efficient_linear": "no linear layers are patched",
+    "fp16.auto_cast": "16-mixed always runs the forward under fp16 autocast",
+    "bf16.immediate_grad_update": "bf16-mixed keeps fp32 gradients",
+    "train_batch_size": "follows from the micro batch, the accumulation and the world size",
+    "steps_per_print": "Lightning's logger and progress bar report",
+    "wall_clock_breakdown": "Lightning's profilers report",
+    "zero_allow_untested_optimizer": "any elementwise torch optimizer is supported",
+    "prescale_gradients": "gradients are always divided by the world size before the reduction",
+}
+LOSS_SCALE_KEYS = {
+    "initial_scale_power": "initial_scale_power",
+    "loss_scale_window": "scale_window",
+    "hysteresis": "hysteresis",
+    "min_loss_scale": "min_loss_scale",
+    "consecutive_hysteresis": "consecutive_hysteresis",
+}
+
+
+@dataclass
+class DeepSpeedSettings:
+    """What a DeepSpeed config says, in our terms. None means: keep the Trainer's (or data's) own value."""
+
+    zero: ZeroConfig
+    precision: str | None = None  # "16-mixed", "bf16-mixed" or "32-true"
+    loss_scale: LossScaleConfig | None = None  # with fp16 enabled, or "auto" (for when the Trainer picks 16-mixed)
+    gradient_clip_val: float | None = None
+    accumulate_grad_batches: int | None = None
+    micro_batch_size: int | None = None
+    no_effect: list[str] = field(default_factory=list)  # keys accepted that change nothing
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``Trainer`` (the strategy and the fp16 plugin included)."""
+        from lightning_zero.precision import ZeroPrecision
+        from lightning_zero.strategy import ZeroStrategy
+
+        kwargs: dict[str, Any] = {"strategy": ZeroStrategy(self.zero)}
+        if self.precision == "16-mixed":
+            kwargs["plugins"] = [ZeroPrecision("16-mixed", loss_scale=self.loss_scale)]
+        elif self.precision is not None:
+            kwargs["precision"] = self.precision
+        if self.gradient_clip_val is not None:
+            kwargs["gradient_clip_val"] = self.gradient_clip_val
+        if self.accumulate_grad_batches is not None:
+            kwargs["accumulate_grad_batches"] = self.accumulate_grad_batches
+        return kwargs
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and key in ("zero_optimization", "fp16", "bf16"):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def _number(key: str, value: Any, kind: type) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or kind is int and value != int(value):
+        raise ValueError(
+            f"DeepSpeed config: {key} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+        )
+    return kind(value)
+
+
+def read_deepspeed_config(
+    source: str | os.PathLike | dict[str, Any], *, ignore: tuple[str, ...] = ()
+) -> DeepSpeedSettings:
+    """Reads a DeepSpeed config (a JSON file or its dict). ``ignore`` names top-level keys to drop on purpose."""
+    config = json.loads(Path(source).read_text()) if not isinstance(source, dict) else source
+    flat = {k: v for k, v in _flatten(config).items() if k.split(".")[0] not in ignore}
+    zero: dict[str, Any] = {}
+    loss_scale: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    unsupported, no_effect = [], []
+    fp16 = flat.get("fp16.enabled")  # True, False, "auto" (the Trainer decides) or None (absent)
+    bf16_enabled = flat.get("bf16.enabled") is True
+    for key, value in flat.items():
+        section, _, name = key.rpartition(".")
+        if value == "auto" or key in ("fp16.enabled", "bf16.enabled"):
+            continue
+        if section == "zero_optimization" and name in ZERO_KEYS:
+            kind = bool if name == "overlap_comm" else int
+            zero[ZERO_KEYS[name]] = value if kind is bool else _number(key, value, int)
+            if name == "stage" and value == 0:
+                raise ValueError(
+                    "DeepSpeed config: zero_optimization.stage 0 is plain data parallelism: use strategy='ddp'"
+                )
+        elif key == "fp16.loss_scale":
+            loss_scale["static_loss_scale"] = _number(key, value, float)
+        elif section == "fp16" and name in LOSS_SCALE_KEYS:
+            kind = bool if name == "consecutive_hysteresis" else (float if name == "min_loss_scale" else int)
+            loss_scale[LOSS_SCALE_KEYS[name]] = value if kind is bool else _number(key, value, kind)
+        elif key == "gradient_clipping":
+            settings["gradient_clip_val"] = _number(key, value, float) or None
+        elif key == "gradient_accumulation_steps":
+            settings["accumulate_grad_batches"] = _number(key, value, int)
+        elif key == "train_micro_batch_size_per_gpu":
+            settings["micro_batch_size"] = _number(key, value, int)
+        elif key in NO_EFFECT:
+            no_effect.append(f"{key} ({NO_EFFECT[key]})")
+        elif key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param") and (
+            isinstance(value, dict) and value.get("device", "none") == "none"
+        ):
+            no_effect.append(f"{key} (device 'none': nothing is offloaded)")
+        else:
+            unsupported.append(key)
+    if unsupported:
+        raise ValueError(
+            f"DeepSpeed config: these keys are not supported: {', '.join(sorted(unsupported))}. Remove them, or for"
+            " whole sections handled elsewhere (optimizer, scheduler: configure_optimizers) pass ignore=(...)"
+        )
+    if fp16 is True and bf16_enabled:
+        raise ValueError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; choose one")
+    precision = {True: "16-mixed", False: None if bf16_enabled else "32-true"}.get(fp16)
+    precision = "bf16-mixed" if bf16_enabled else precision
+    if loss_scale and fp16 not in (True, "auto"):
+        raise ValueError(f"DeepSpeed config: fp16 loss-scale keys {sorted(loss_scale)} need fp16.enabled: true")
+    if no_effect:
+        warnings.warn("DeepSpeed config keys accepted with no effect: " + "; ".join(no_effect), stacklevel=2)
+    return DeepSpeedSettings(
+        zero=dataclasses.replace(ZeroConfig(), **zero),
+        precision=precision,
+        loss_scale=LossScaleConfig(**loss_scale) if fp16 in (True, "auto") else None,
+        no_effect=no_effect,
+        **settings,
+    )

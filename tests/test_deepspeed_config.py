@@ -1,0 +1,187 @@
+"""DeepSpeed JSON configs read into our config and the Trainer's arguments, table-driven, with configs
+shaped like those popular projects ship for ZeRO-2 and ZeRO-3."""
+
+from __future__ import annotations
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_zero import LossScaleConfig, ZeroConfig, ZeroPrecision, ZeroStrategy
+from lightning_zero.deepspeed_config import read_deepspeed_config
+
+# In the style of the ZeRO-2 config Hugging Face's trainer documentation ships
+ZERO2 = {
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto"}},
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+# ZeRO-3 in bf16 with explicit values, in the style of large-model fine-tuning repositories
+ZERO3 = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "none"},
+        "offload_param": {"device": "none"},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "train_micro_batch_size_per_gpu": 8,
+}
+FP16_STATIC = {"fp16": {"enabled": True, "loss_scale": 128}, "zero_optimization": {"stage": 1}}
+
+
+@pytest.mark.parametrize(
+    "config,ignore,expected",
+    [
+        (
+            ZERO2,
+            ("optimizer", "scheduler"),
+            dict(
+                zero=ZeroConfig(stage=2, reduce_bucket_size=200_000_000),
+                precision=None,
+                gradient_clip_val=None,
+                accumulate_grad_batches=None,
+                micro_batch_size=None,
+            ),
+        ),
+        (
+            ZERO3,
+            (),
+            dict(
+                zero=ZeroConfig(stage=3, max_live_parameters=1_000_000_000, param_persistence_threshold=10_000),
+                precision="bf16-mixed",
+                gradient_clip_val=1.0,
+                accumulate_grad_batches=4,
+                micro_batch_size=8,
+            ),
+        ),
+        (
+            FP16_STATIC,
+            (),
+            dict(zero=ZeroConfig(stage=1), precision="16-mixed", loss_scale=LossScaleConfig(static_loss_scale=128.0)),
+        ),
+        (
+            {
+                "fp16": {
+                    "enabled": True,
+                    "initial_scale_power": 12,
+                    "loss_scale_window": 500,
+                    "hysteresis": 1,
+                    "min_loss_scale": 0.5,
+                },
+                "zero_optimization": {"stage": 2, "overlap_comm": False},
+            },
+            (),
+            dict(
+                zero=ZeroConfig(stage=2, overlap_comm=False),
+                precision="16-mixed",
+                loss_scale=LossScaleConfig(initial_scale_power=12, scale_window=500, hysteresis=1, min_loss_scale=0.5),
+            ),
+        ),
+        ({"fp16": {"enabled": False}, "gradient_clipping": 0.0}, (), dict(precision="32-true", gradient_clip_val=None)),
+    ],
+)
+def test_mapping(config, ignore, expected, tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    with (
+        pytest.warns(UserWarning, match="accepted with no effect")
+        if any(k in json.dumps(config) for k in ("allgather", "contiguous", "steps_per_print"))
+        else _no_warning()
+    ):
+        settings = read_deepspeed_config(path, ignore=ignore)
+    for key, value in expected.items():
+        assert getattr(settings, key) == value, key
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_no_effect_keys_are_reported_with_reasons():
+    with pytest.warns(UserWarning) as record:
+        settings = read_deepspeed_config(ZERO2, ignore=("optimizer", "scheduler"))
+    message = str(record[0].message)
+    assert "zero_optimization.allgather_bucket_size (parameters are all-gathered in the reduce buckets)" in message
+    assert "steps_per_print" in message and len(settings.no_effect) == 6
+
+
+def test_unsupported_keys_are_listed_in_one_error():
+    config = {
+        **ZERO3,
+        "zero_optimization": {**ZERO3["zero_optimization"], "offload_optimizer": {"device": "cpu"}},
+        "activation_checkpointing": {"partition_activations": True},
+        "optimizer": {"type": "Adam"},
+    }
+    with pytest.raises(ValueError) as info:
+        read_deepspeed_config(config)
+    assert str(info.value).startswith(
+        "DeepSpeed config: these keys are not supported: activation_checkpointing, optimizer,"
+        " zero_optimization.offload_optimizer."
+    )
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"zero_optimization": {"stage": 0}}, "stage 0 is plain data parallelism"),
+        ({"zero_optimization": {"stage": 4}}, "zero.stage must be one of 1, 2, 3, got 4"),
+        ({"zero_optimization": {"reduce_bucket_size": 2.5}}, "zero_optimization.reduce_bucket_size must be an integer"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true; choose one"),
+        ({"fp16": {"hysteresis": 2}}, "need fp16.enabled: true"),
+        ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_deepspeed_values(config, message):
+    with pytest.raises(ValueError, match=message):
+        read_deepspeed_config(config)
+
+
+def test_strategy_and_trainer_from_a_deepspeed_config(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ZERO3))
+    with pytest.warns(UserWarning):
+        strategy = ZeroStrategy.from_deepspeed_config(path)
+    assert strategy.config.stage == 3 and strategy.precision_plugin.precision == "bf16-mixed"
+    kwargs = read_deepspeed_config(FP16_STATIC | {"gradient_clipping": 0.5}).trainer_kwargs()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, logger=False, **kwargs)
+    assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.stage == 1
+    assert isinstance(trainer.precision_plugin, ZeroPrecision) and trainer.precision_plugin.scaler.scale == 128.0
+    assert trainer.gradient_clip_val == 0.5
