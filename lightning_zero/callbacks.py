@@ -1,70 +1,131 @@
-"""ZeroSummary: the end-of-fit report of the main job: throughput and per-rank memory against the formula."""
+"""ZeroMetrics: the training metrics of the ZeRO strategies, in the progress bar, the logger and a summary.
+
+It is Lightning's ``ThroughputMonitor`` (tokens/s, samples/s, and MFU when the LightningModule sets
+``flops_per_batch`` and the device's peak FLOP/s is known or given as ``peak_flops``) for batches
+``(x, y)`` whose ``x`` is (batch, tokens), plus: each rank's bytes of parameters / gradients /
+optimizer state against the ZeRO formula, peak memory (the CUDA allocator's, or the process's RSS on
+the CPU), and at the end of ``fit`` a summary table. fp16's loss scale and skipped steps are logged by
+the precision plugin.
+"""
 
 from __future__ import annotations
 
-import time
+import resource
+from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
+import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_zero.memory import formula_bytes
 from lightning_zero.sharding import collectives
 from lightning_zero.strategy import ZeroStrategy
 
 
-def _mb(n: float) -> str:
-    return f"{n / 2**20:9.2f}"
+def _samples(batch: Any) -> int:
+    return batch[0].shape[0]
 
 
-class ZeroSummary(pl.Callback):
-    """Times training batches (validation excluded) and prints tokens/s and each rank's bytes at the end.
+def _tokens(batch: Any) -> int:
+    return batch[0].numel()
 
-    A batch is ``(x, y)`` with ``x`` of shape (B, T): every element of ``x`` is one token.
-    """
 
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.samples = 0
-        self.seconds = 0.0
-        self.first_loss = None
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.seconds += time.perf_counter() - self._start
-        x = batch[0]
-        self.tokens += x.numel() * trainer.world_size
-        self.samples += x.shape[0] * trainer.world_size
-        if self.first_loss is None and "train_loss" in trainer.callback_metrics:
-            self.first_loss = float(trainer.callback_metrics["train_loss"])
+class ZeroMetrics(ThroughputMonitor):
+    def __init__(self, peak_flops: float | None = None, window_size: int = 50) -> None:
+        """``peak_flops``: the device's peak FLOP/s for MFU where Lightning does not know it (CPUs)."""
+        super().__init__(batch_size_fn=_samples, length_fn=_tokens, window_size=window_size)
+        self.peak_flops = peak_flops
+        self.last: dict[str, float] = {}
+        self.memory: list[dict[str, int]] = []
+        self.first_loss: float | None = None
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, ZeroStrategy):
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.peak_flops:
+            self.available_flops = int(self.peak_flops)
+            for throughput in self._throughputs.values():
+                throughput.available_flops = self.available_flops
+
+    @rank_zero_only
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.first_loss is None and isinstance(outputs, dict) and "loss" in outputs:
+            self.first_loss = float(outputs["loss"])
+        if trainer.fit_loop._should_accumulate():
             return
-        ranks = collectives.all_gather_object(strategy.memory_bytes())
+        metrics = self._throughputs[trainer.state.stage].compute()
+        self.last.update({k: float(v) for k, v in metrics.items()})
+        shown = {"tokens_per_sec": metrics.get("items_per_sec"), "mfu": metrics.get("device/mfu")}
+        shown["peak_mem_GiB"] = peak_memory_bytes(trainer.strategy.root_device) / 2**30
+        for name, value in shown.items():
+            if value is not None:
+                to_logger = trainer.logger is not None and name == "peak_mem_GiB"  # throughput is logged already
+                pl_module.log(name, float(value), prog_bar=True, logger=to_logger, rank_zero_only=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if isinstance(trainer.strategy, ZeroStrategy):  # every rank takes part in the gather
+            self.memory = collectives.all_gather_object(trainer.strategy.memory_bytes())
+        if not trainer.is_global_zero:
+            return
+        if self.memory and trainer.logger is not None:
+            trainer.logger.log_metrics({f"memory/rank0_{k}_bytes": float(v) for k, v in self.memory[0].items()})
+        self._summary(trainer, pl_module)
+
+    def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
         trainable = [p for p in pl_module.parameters() if p.requires_grad]
         psi = sum(p.numel() for p in trainable)
-        name = f"zero{strategy.config.stage}"
-        formula = formula_bytes(name, psi, trainer.world_size, trainable[0].element_size())
-        lines = [
-            f"{name}: {trainer.world_size} ranks, precision {trainer.precision}, {psi:,} trainable parameters (Psi)",
-            f"throughput: {self.tokens / self.seconds:,.0f} tokens/s, {self.samples / self.seconds:,.1f} samples/s"
-            f" ({trainer.global_step} optimizer steps, {self.seconds:.1f} s in training batches)",
-            "per-rank MiB   parameters  gradients  optimizer state (master + optimizer)",
-        ]
-        if self.first_loss is not None and "train_loss" in trainer.callback_metrics:
+        strategy = trainer.strategy
+        name = f"zero{strategy.config.stage}" if isinstance(strategy, ZeroStrategy) else type(strategy).__name__
+        title = f"{name}: {trainer.world_size} ranks, precision {trainer.precision}, {psi:,} trainable parameters"
+        table = Table(title=title, title_justify="left")
+        table.add_column("")
+        for column in ("parameters MiB", "gradients MiB", "optimizer state MiB", "peak memory MiB"):
+            table.add_column(column, justify="right")
+        mib = 2**20
+        for rank, mem in enumerate(self.memory):
+            peak = f"{peak_memory_bytes(strategy.root_device) / mib:.1f}" if rank == 0 else ""
+            table.add_row(
+                f"rank {rank}",
+                f"{mem['parameters'] / mib:.2f}",
+                f"{mem['gradients'] / mib:.2f}",
+                f"{(mem['master'] + mem['optimizer_state']) / mib:.2f}",
+                peak,
+            )
+        if self.memory and name.startswith("zero"):
+            f = formula_bytes(name, psi, trainer.world_size, trainable[0].element_size())
+            table.add_row("formula", *(f"{f[k] / mib:.2f}" for k in ("parameters", "gradients", "optimizer_state")), "")
+        console = Console()
+        console.print(table)
+        stage = pl.trainer.states.RunningStage.TRAINING
+        seconds = self._throughputs[stage]._time[-1] if self._throughputs[stage]._time else 0.0
+        if seconds:
+            world = trainer.world_size
+            mfu = f", MFU {100 * self.last['device/mfu']:.1f}% (last steps)" if "device/mfu" in self.last else ""
+            console.print(
+                f"throughput: {self._lengths[stage] * world / seconds:,.0f} tokens/s,"
+                f" {self._samples[stage] * world / seconds:,.1f} samples/s over {seconds:.1f} s of training{mfu}"
+            )
+        last = trainer.callback_metrics.get("train_loss")
+        if self.first_loss is not None and last is not None:
             floor = getattr(trainer.datamodule, "loss_floor", None)
             reachable = f" (lowest reachable: {floor:.3f})" if floor is not None else ""
-            last = float(trainer.callback_metrics["train_loss"])
-            lines.insert(1, f"train loss: {self.first_loss:.3f} at the first step, {last:.3f} at the last{reachable}")
-        for rank, mem in enumerate(ranks):
-            state = mem["master"] + mem["optimizer_state"]
-            lines.append(f"rank {rank:<8} {_mb(mem['parameters'])}  {_mb(mem['gradients'])}  {_mb(state)}")
-        f = formula
-        lines.append(
-            f"formula       {_mb(f['parameters'])}  {_mb(f['gradients'])}  {_mb(f['optimizer_state'])}"
-            "   (Adam; see lightning_zero/memory.py)"
-        )
-        rank_zero_info("\n".join(lines))
+            console.print(
+                f"train loss: {self.first_loss:.3f} at the first step, {float(last):.3f} at the last{reachable}"
+            )
+        if trainer.precision == "16-mixed" and "loss_scale" in trainer.callback_metrics:
+            console.print(
+                f"fp16 loss scale {float(trainer.callback_metrics['loss_scale']):g},"
+                f" {int(trainer.callback_metrics['skipped_steps'])} steps skipped"
+            )

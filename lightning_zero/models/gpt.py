@@ -162,6 +162,7 @@ class GPTModule(pl.LightningModule):
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.flops_per_batch = batch[0].numel() * self.gpt.flops_per_token()  # read by ThroughputMonitor (MFU)
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss

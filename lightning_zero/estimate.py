@@ -1,0 +1,135 @@
+"""Per-rank memory of ddp / zero1 / zero2 / zero3 before a run, exactly as the strategies allocate it.
+
+The layouts are the strategies' own (``layout.py``, ``stage3_setup.py``): padding, bucket bounds, units
+and which rank owns which elements, so a model's numbers equal what ``ZeroStrategy.memory_bytes()``
+reports after set-up, rank by rank. Counted: parameters, gradients, and optimizer state (the fp32
+master and Adam's two moments and step counters). Not counted: activations, and what lives only for
+a moment (buckets in flight, stage 3's gathered units, the fp32 copy of a 16-bit gradient at the step).
+
+DeepSpeed's own estimator charges 18 bytes per sharded parameter in stage 2 (2 Psi + 18 Psi / N): it
+counts an fp32 gradient partition. Here the gradient partition has the parameters' dtype (2 bytes in
+fp16) and the fp32 copy exists only during the step, so stage 2 is 2 Psi + 14 Psi / N, the paper's number.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn import Module
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.sharding.layout import FlatLayout, build_layout
+from lightning_zero.sharding.stage3_setup import assign_units, unit_modules
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    parameters: int
+    gradients: int
+    optimizer_state: int  # master weights + the optimizer's state
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about a model: trainable sizes by optimizer param group, by
+    stage-3 unit, and the bytes of what is not sharded (frozen parameters, buffers)."""
+
+    groups: list[list[int]]
+    units: list[list[int]]
+    frozen_elements: int
+
+    @property
+    def psi(self) -> int:
+        return sum(map(sum, self.groups))
+
+
+def shape_of_count(psi: int) -> ModelShape:
+    """A model known only by its parameter count: one parameter group, one stage-3 unit."""
+    return ModelShape([[psi]], [[psi]], 0)
+
+
+def shape_of_module(module: Module, groups: Sequence[Sequence[torch.Tensor]], config: ZeroConfig) -> ModelShape:
+    """The shape of a (meta or real) module whose optimizer has these param groups."""
+    params = list(dict.fromkeys(module.parameters()))
+    trainable_groups = [[p.numel() for p in g if p.requires_grad] for g in groups]
+    units = [
+        [p.numel() for p in ps] for _, ps in assign_units(module, unit_modules(module, config.unit_module_classes))
+    ]
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    return ModelShape([g for g in trainable_groups if g], units, frozen)
+
+
+def _owned(layouts: Sequence[FlatLayout], rank: int) -> tuple[int, int]:
+    """Elements and pieces rank ``rank`` owns over ``layouts``."""
+    pieces = [pc for layout in layouts for pc in layout.pieces(rank)]
+    return sum(pc.numel for pc in pieces), len(pieces)
+
+
+def estimate(shape: ModelShape, world_size: int, precision: str, config: ZeroConfig) -> dict[str, list[RankBytes]]:
+    """Bytes per rank (index = rank) for each strategy; parameters in fp32 unless precision is 16-mixed."""
+    b = 2 if precision == "16-mixed" else 4
+    n = world_size
+    frozen = shape.frozen_elements * b
+    group_layouts = [build_layout(g, n, config.reduce_bucket_size) for g in shape.groups]
+    unit_layouts = [build_layout(u, n, sum(u)) for u in shape.units]
+    padded = sum(layout.total_numel for layout in group_layouts)
+    padded3 = sum(layout.total_numel for layout in unit_layouts)
+    out: dict[str, list[RankBytes]] = {
+        "ddp": [RankBytes(4 * shape.psi + frozen, 4 * shape.psi, 8 * shape.psi + 4 * sum(map(len, shape.groups)))] * n
+    }
+    for stage in (1, 2):
+        rows = []
+        for rank in range(n):
+            owned, pieces = _owned(group_layouts, rank)
+            grads = b * padded if stage == 1 else b * padded // n
+            rows.append(RankBytes(b * padded + frozen, grads, 4 * padded // n + 8 * owned + 4 * pieces))
+        out[f"zero{stage}"] = rows
+    rows = []
+    for rank in range(n):
+        owned, pieces = _owned(unit_layouts, rank)
+        master = 4 * padded3 // n if b == 2 else 0  # fp32 parameter shards double as the master
+        rows.append(RankBytes(b * padded3 // n + frozen, b * padded3 // n, master + 8 * owned + 4 * pieces))
+    out["zero3"] = rows
+    return out
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' (10^9), '80GiB' (2^30), '512MB', '1e9' ..."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
+    if not match:
+        raise ValueError(f"device memory must look like 80GB, 80GiB or 1e9 (bytes), got {text!r}")
+    unit = match.group(2) or "B"
+    power = "BKMGT".index(unit[0])
+    return int(float(match.group(1)) * (1024**power if "i" in unit else 1000**power))
+
+
+def smallest_fitting(table: dict[str, list[RankBytes]], capacity: int) -> str | None:
+    for name in STRATEGIES:
+        if max(r.total for r in table[name]) <= capacity:
+            return name
+    return None
+
+
+def format_table(table: dict[str, list[RankBytes]], capacity: int | None = None) -> str:
+    gib = 2**30
+    lines = [
+        f"{'strategy':<9}{'parameters':>12}{'gradients':>12}{'optimizer':>12}{'total GiB':>12}"
+        + (f"{'fits':>8}" if capacity else "")
+    ]
+    for name in STRATEGIES:
+        worst = max(table[name], key=lambda r: r.total)  # the rank that needs the most
+        fits = ("   yes" if worst.total <= capacity else "    no") if capacity else ""
+        lines.append(
+            f"{name:<9}{worst.parameters / gib:>12.3f}{worst.gradients / gib:>12.3f}"
+            f"{worst.optimizer_state / gib:>12.3f}{worst.total / gib:>12.3f}{fits:>8}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""`lightning-zero estimate`'s numbers are the bytes the strategies allocate, rank by rank, for the same model
+and world size; a model given by its config is built on the meta device."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
+from lightning.pytorch.core.optimizer import _configure_optimizers
+
+from lightning_zero import ZeroPrecision
+from lightning_zero.config import ZeroConfig
+from lightning_zero.estimate import estimate, shape_of_count, shape_of_module
+from lightning_zero.estimate_model import shape_of_config
+
+
+def _worker(rank: int, world: int) -> None:
+    for stage, precision in itertools.product((1, 2, 3), ("32-true", "16-mixed")):
+        config = {"reduce_bucket_size": 3000, "param_persistence_threshold": 0}
+        pl.seed_everything(0)
+        module = EquivalenceModule("gpt", steps=1, lazy=True)
+        trainer = make_trainer(zero_strategy(stage, **config), world, steps=1, plugins=[ZeroPrecision(precision)])
+        trainer.fit(module)
+        measured = trainer.strategy.memory_bytes()
+
+        fresh = EquivalenceModule("gpt", lazy=True)
+        fresh.configure_model()
+        optimizers, _, _ = _configure_optimizers(fresh.configure_optimizers())
+        groups = [g["params"] for g in optimizers[0].param_groups]
+        shape = shape_of_module(fresh, groups, ZeroConfig(stage=stage, **config))
+        row = estimate(shape, world, precision, ZeroConfig(stage=stage, **config))[f"zero{stage}"][rank]
+        assert row.parameters == measured["parameters"], (stage, precision, row, measured)
+        assert row.gradients == measured["gradients"], (stage, precision, row, measured)
+        assert row.optimizer_state == measured["master"] + measured["optimizer_state"], (
+            stage,
+            precision,
+            row,
+            measured,
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_estimate_equals_what_the_strategy_allocates(world):
+    spawn_ranks(_worker, world)
+
+
+def test_count_only_estimate_follows_the_formulas():
+    psi, n = 10_000_003, 8
+    table = estimate(shape_of_count(psi), n, "16-mixed", ZeroConfig())
+    padded = psi + (-psi % (2 * n))
+    assert table["zero2"][0].parameters == 2 * padded and table["zero2"][0].gradients == 2 * padded // n
+    assert table["zero3"][0].total == pytest.approx(16 * psi / n, rel=1e-5)  # plus padding and a step counter
+    assert table["ddp"][0].total == pytest.approx(16 * psi, rel=1e-5)
+
+
+def test_model_from_a_config_is_built_on_the_meta_device():
+    shape, config = shape_of_config("configs/gpt.yaml")
+    assert shape.psi == 805_632 and config.stage == 2 and config.reduce_bucket_size == 200_000
+    assert [len(u) for u in shape.units] == [6] * 4 + [5]  # four blocks and the root (embeddings, final norm)
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_zero.cli", "estimate", "--model", "configs/gpt.yaml", "--devices", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "805,632 trainable parameters on 4 ranks" in out.stdout
