@@ -61,7 +61,7 @@ def test_count_only_estimate_follows_the_formulas():
 def test_model_from_a_config_is_built_on_the_meta_device():
     shape, config = shape_of_config("configs/gpt.yaml")
     assert shape.psi == 805_632 and config.stage == 2 and config.reduce_bucket_size == 200_000
-    assert [len(u) for u in shape.units] == [6] * 4 + [5]  # four blocks and the root (embeddings, final norm)
+    assert [len(u) for u in shape.units] == [12] * 4 + [4]  # four blocks and the root (embeddings, final norm)
     out = subprocess.run(
         [sys.executable, "-m", "lightning_zero.cli", "estimate", "--model", "configs/gpt.yaml", "--devices", "4"],
         capture_output=True,
