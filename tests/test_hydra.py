@@ -7,9 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import hydra  # noqa: F401  (the optional extra 'hydra'; the test extra installs it)
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["model=tiny", "model.max_steps=8", "trainer.val_check_interval=4", "trainer.limit_val_batches=2"]
