@@ -224,11 +224,10 @@ def make_trainer(
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
         use_distributed_sampler=False,
-        logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=list(callbacks),
-        **{"enable_checkpointing": False, **kwargs},
+        **{"enable_checkpointing": False, "logger": False, **kwargs},
     )
 
 
