@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import emit
 
 from lightning_zero.kernels import loader, ops
 from lightning_zero.kernels.adamw import fused_adamw_
@@ -208,10 +209,7 @@ def main() -> None:
         f" {t_layer * 1e3:.3f} ms vs eager block {t_plain * 1e3:.3f} ms ({t_plain / t_layer:.2f}x)."
     )
     lines.append(f"\ncommand: `python benchmarks/bench_kernels.py {' '.join(sys.argv[1:])}`")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from common import QUIET, emit
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroConfig, ZeroStrategy
@@ -134,11 +135,7 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
                 accelerator="cpu",
                 devices=world,
                 max_steps=args.steps,
-                limit_val_batches=0,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
+                **QUIET,
                 callbacks=[timer],
             )
             trainer.fit(model, data)
@@ -224,11 +221,7 @@ def main() -> None:
         out_file = str(Path(tmp) / "results.json")
         spawn_local_ranks(_worker, args.world_size, args, out_file, timeout_s=600)
         results = json.loads(Path(out_file).read_text())
-    table = _table(results, args.world_size, args)
-    print(table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
+    emit(_table(results, args.world_size, args), args.out)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from common import QUIET, emit
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.checkpoint.consolidate import consolidate
@@ -39,11 +40,7 @@ def _save(rank: int, world: int, stage: int, cfg: GPTConfig, path: str) -> None:
         accelerator="cpu",
         devices=world,
         max_steps=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(GPTModule(cfg, max_steps=2), SyntheticTextDataModule(batch_size=4, num_train=64, seed=0))
     trainer.save_checkpoint(path)
@@ -106,10 +103,7 @@ def main() -> None:
                 f"| {stage} | {world} | {rank_bytes / MIB:.2f} | {rank_bytes / (4 * psi):.2f} |"
                 f" {12 * psi / world / MIB:.2f} | {total / MIB:.2f} | {growth / MIB:.2f} | {seconds:.2f} |"
             )
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from common import QUIET, emit
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.data import SyntheticTextDataModule
@@ -66,11 +67,7 @@ def _train(rank: int, world: int, cfg: GPTConfig, live: int, out: str) -> None:
         accelerator="cpu",
         devices=world,
         max_steps=3,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(module, SyntheticTextDataModule(block_size=cfg.block_size, batch_size=2, num_train=64, seed=0))
     report = {"memory": trainer.strategy.memory_bytes(), "peak_gathered": trainer.strategy.peak_gathered_bytes}
@@ -130,10 +127,7 @@ def main() -> None:
         f" gathered units; the count's transient part also holds the gradient buckets in flight."
         f" Reported by category: {reported['memory']}."
     )
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

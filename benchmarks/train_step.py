@@ -11,6 +11,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
+from common import QUIET
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.data import SyntheticTextDataModule
@@ -41,11 +42,7 @@ def main() -> None:
         devices=1,
         precision=args.precision,
         max_steps=args.steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         callbacks=[record],
     )
     began = time.perf_counter()
