@@ -52,13 +52,6 @@ def all_gather_object(obj: object, *, group=None) -> list:
     return out
 
 
-def gather_object(obj: object, *, dst: int = 0, group=None) -> list | None:
-    """Every rank's ``obj`` on ``dst`` (None elsewhere)."""
-    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
-    return out
-
-
 def wait(work: dist.Work | None) -> None:
     if work is not None:
         work.wait()

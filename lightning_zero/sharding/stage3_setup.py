@@ -14,8 +14,9 @@ ever holding it whole: modules are visited in ``Module.apply`` order; each one's
 parameters are created full-size for a moment (filled with NaN), initialized by
 ``lightning_module.init_module(module, generator)`` when the LightningModule defines it, else by
 ``module.reset_parameters()``, and only this rank's piece is kept. Every rank draws from a generator
-seeded with rank 0's ``torch.initial_seed()``, so the values equal those of a non-sharded model
-initialized by the same procedure with the same seed (``init_module_tree``). A parameter left NaN
+seeded with rank 0's ``torch.initial_seed()``, so the values equal those of a whole model initialized
+by the same procedure with the same seed (``model.apply(lambda m: init(m, generator))``, as the GPT's
+``init_weights`` does). A parameter left NaN
 was not initialized by its module: that is an error, not silent garbage.
 """
 
@@ -126,12 +127,6 @@ def _apply_order(module: Module) -> Iterator[Module]:
 def default_init(module: Module, generator: torch.Generator) -> None:
     if hasattr(module, "reset_parameters"):
         module.reset_parameters()
-
-
-def init_module_tree(model: Module, init: InitFn, generator: torch.Generator) -> None:
-    """The non-sharded initialization that ``initialize_sharded`` reproduces piece by piece."""
-    for module in _apply_order(model):
-        init(module, generator)
 
 
 def initialize_sharded(
