@@ -170,8 +170,11 @@ class FlatUnit:
         """1 if this rank's reduced gradient holds an inf or nan, else 0 (a device tensor: no sync)."""
         return (~torch.isfinite(self.reduced)).any().to(torch.uint8).reshape(1)
 
-    def attach_grads(self, used: Tensor) -> None:
-        """Points each piece's ``.grad`` at its fp32 reduced gradient, or None where no rank produced one."""
+    def attach_grads(self, used: Sequence[int]) -> None:
+        """Points each piece's ``.grad`` at its fp32 reduced gradient, or None where no rank produced one.
+
+        ``used`` is on the host (one flag per parameter): indexing a device tensor here would sync per piece.
+        """
         self.step_grad = self.reduced if self.reduced.dtype == self.master.dtype else self.reduced.to(self.master.dtype)
         for piece, tensor in zip(self.pieces, self.piece_tensors):
             lo = piece.partition_offset

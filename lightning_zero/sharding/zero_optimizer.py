@@ -135,12 +135,13 @@ class ZeroOptimizer:
             flags = [u.used for u in self.units]
             if check_finite:
                 flags.append(torch.stack([u.nonfinite() for u in self.units]).amax(dim=0))
-            flags = collectives.all_reduce(torch.cat(flags), dist.ReduceOp.MAX, group=self.group)
-            self._found_inf = check_finite and bool(flags[-1])
+            flags = collectives.all_reduce(torch.cat(flags), dist.ReduceOp.MAX, group=self.group).tolist()
+            self._found_inf = check_finite and flags[-1] > 0
             if not self._found_inf:
-                sizes = [len(u.params) for u in self.units]
-                for unit, used in zip(self.units, flags[: sum(sizes)].split(sizes)):
-                    unit.attach_grads(used)
+                start = 0
+                for unit in self.units:
+                    unit.attach_grads(flags[start : start + len(unit.params)])
+                    start += len(unit.params)
         self._multiplier: float | Tensor = 1.0 / loss_scale
         self._prepared = True
         return self._found_inf
