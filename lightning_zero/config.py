@@ -43,6 +43,10 @@ class ZeroConfig:
         max_live_parameters: stage 3: prefetching never holds more than this many elements of gathered
             units at once (the unit about to run is gathered regardless).
         param_persistence_threshold: stage 3: units of at most this many elements stay gathered.
+        check_collectives: debug mode: record every collective the strategy issues and, before each
+            step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
+            the sequences when they differ): a rank that would issue a different collective fails with
+            an error naming the first difference instead of hanging later.
     """
 
     stage: int = 2
@@ -52,6 +56,7 @@ class ZeroConfig:
     unit_module_classes: list[str] = field(default_factory=list)
     max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
+    check_collectives: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -80,6 +85,9 @@ class ZeroConfig:
             "zero.max_live_parameters",
             self.max_live_parameters,
             "an integer > 0 (elements)",
+        )
+        _check(
+            isinstance(self.check_collectives, bool), "zero.check_collectives", self.check_collectives, "true or false"
         )
         _check(
             _integer(self.param_persistence_threshold) and self.param_persistence_threshold >= 0,

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.config import LossScaleConfig
+from lightning_zero.grad_norms import sharded_grads
 from lightning_zero.loss_scaler import DynamicLossScaler
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
@@ -81,7 +82,11 @@ class ZeroPrecision(Precision):
 
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         tensor = super().pre_backward(tensor, module)
-        return tensor * self.scaler.scale if self.scaler is not None else tensor
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        for optimizer in module.trainer.strategy.optimizers:
+            if isinstance(optimizer, ZeroOptimizer):
+                optimizer.loss_scale = scale  # so grad_norm() can unscale gradients anywhere in the step
+        return tensor * scale if self.scaler is not None else tensor
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any):
         zero = unwrap_optimizer(optimizer)
@@ -99,7 +104,8 @@ class ZeroPrecision(Precision):
                     f" {scale:g} -> {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)"
                 )
         else:
-            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+            with sharded_grads(model, [zero]):
+                self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
             zero.step(**kwargs)
             if self.scaler is not None:
                 self.scaler.update(overflow=False)

@@ -8,6 +8,7 @@ the user's optimizers become ZeroOptimizers and gradients are reduce-scattered b
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -27,16 +28,19 @@ from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.precision import ZeroPrecision, validate_precision
+from lightning_zero.sharding import collectives
+from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import (
+    ShardedModule,
     build_units,
     default_init,
     full_state_dict,
+    gather_module,
     initialize_sharded,
-    make_whole,
 )
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
@@ -86,6 +90,9 @@ class ZeroStrategy(DDPStrategy):
         self._reducer: GradReducer | None = None
         self._units: list[FlatUnit] = []
         self._stage3: Stage3Runtime | None = None
+        self._backward_end = BackwardEnd()
+        self._collective_log: list | None = None  # with config.check_collectives
+        self._checked = 0
         self._loaded: checkpoint_io.LoadedCheckpoint | None = None  # between load_checkpoint and the restores
         self.sharded_init_peak_bytes: int | None = None  # stage 3 from the meta device: see initialize_sharded
         self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
@@ -132,19 +139,27 @@ class ZeroStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
-        self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
+        sharded = ShardedModule.of(module)  # still sharded by an earlier stage-3 run
+        if sharded is None:
+            self.model = self.precision_plugin.convert_module(self.model)
         on_meta = any(p.is_meta for p in module.parameters())
-        if on_meta and self.config.stage != 3:
-            raise ValueError(
-                "the model has parameters on the meta device, which only stage 3 can materialize;"
-                f" zero.stage is {self.config.stage}"
+        if (on_meta or sharded is not None) and self.config.stage != 3:
+            what = (
+                "parameters on the meta device, which only stage 3 can materialize"
+                if on_meta
+                else "parameters sharded by an earlier zero3 run (call trainer.strategy.gather_module() after it)"
             )
-        if not on_meta:
+            raise ValueError(f"the model has {what}; zero.stage is {self.config.stage}")
+        if not on_meta and sharded is None:
             self.model_to_device()
             _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
+        self._backward_end = BackwardEnd()
+        if self.config.check_collectives and self._collective_log is None:
+            self._recording = collectives.record()
+            self._collective_log, self._checked = self._recording.__enter__(), 0
         if self.config.stage == 3:
-            self._setup_stage3(fitting, on_meta)
+            self._setup_stage3(fitting, on_meta, sharded)
         if fitting:
             self.setup_optimizers(trainer)
             names = check_optimizer_params(module, self.optimizers, rank=self.global_rank)
@@ -157,31 +172,43 @@ class ZeroStrategy(DDPStrategy):
                 names,
                 self.config,
                 world_size=self.world_size,
-                on_bucket_complete=self._stage3.release_after_backward if self._stage3 else None,
+                backward_end=self._backward_end,
+                model=module,
             )
+            if self._stage3 is not None:
+                self._stage3.reducer = self._reducer
             if self.precision_plugin.scaler is not None:
                 self._hold_schedulers_on_skipped_steps()
         self.setup_precision_plugin()
 
-    def _setup_stage3(self, fitting: bool, on_meta: bool) -> None:
+    def _setup_stage3(self, fitting: bool, on_meta: bool, sharded: ShardedModule | None) -> None:
         module = self.lightning_module
-        self._units, modules = build_units(
-            module,
-            self.config,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            device=self.root_device,
-            trainable=fitting,
-        )
-        if on_meta:
-            init = getattr(module, "init_module", default_init)
-            self.sharded_init_peak_bytes = initialize_sharded(module, self._units, init, device=self.root_device)
-            self.model_to_device()
+        if sharded is not None:  # fit, then validate/test/predict (or fit again): keep the shards
+            sharded.check(world_size=self.world_size, rank=self.global_rank)
+            if fitting:
+                for unit in sharded.units:
+                    unit.make_trainable()
+        else:
+            units, modules = build_units(
+                module,
+                self.config,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                device=self.root_device,
+                trainable=fitting,
+            )
+            sharded = ShardedModule.attach(module, units, modules, world_size=self.world_size, rank=self.global_rank)
+            if on_meta:
+                init = getattr(module, "init_module", default_init)
+                self.sharded_init_peak_bytes = initialize_sharded(module, units, init, device=self.root_device)
+                self.model_to_device()
+        self._units = sharded.units
         self._stage3 = Stage3Runtime(
-            self._units,
-            modules,
+            sharded.units,
+            sharded.modules,
             max_live_parameters=self.config.max_live_parameters,
             param_persistence_threshold=self.config.param_persistence_threshold,
+            backward_end=self._backward_end,
         )
         self._stage3.install_access_hooks(module)
 
@@ -201,17 +228,26 @@ class ZeroStrategy(DDPStrategy):
                 config.scheduler = SkipAwareScheduler(config.scheduler, zero)
 
     # --- steps -----------------------------------------------------------------------------------
-    # [Note: stage-3 steps] A step gathers the root unit first; it ends after backward (post_backward)
-    # or, without backward, right after the step. Units used by the step are gathered by hooks.
+    # [Note: stage-3 steps] A step gathers the root unit first; the forward ends when the step returns
+    # (the schedule then serves the units this rank did not run), and the step ends after backward
+    # (automatic optimization) or when the step returns (manual optimization, whose backward calls
+    # happen inside it). The end of every backward reduces what is left (backward_end.py).
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._stage3 is not None:
-            self._stage3.begin_step()
-        return super().training_step(*args, **kwargs)
+        self._check_collectives()
+        if self._stage3 is None:
+            return super().training_step(*args, **kwargs)
+        self._stage3.begin_step()
+        output = super().training_step(*args, **kwargs)
+        self._stage3.end_forward()
+        if not self.lightning_module.automatic_optimization:
+            self._stage3.end_step()
+        return output
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        self._backward_end.arm_on(closure_loss)  # the end-of-backward callback belongs to this backward
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._reducer is not None:
-            self._reducer.finish_backward()
-        if self._stage3 is not None:
+        if self._stage3 is not None and self.lightning_module.automatic_optimization:
             self._stage3.end_step()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -224,13 +260,38 @@ class ZeroStrategy(DDPStrategy):
         return self._forward_only_step(super().predict_step, *args, **kwargs)
 
     def _forward_only_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """Stage 3: one forward-only step of a Join (see [Note: uneven inputs] in sharding/stage3.py)."""
+        self._check_collectives()
         if self._stage3 is None:
             return step(*args, **kwargs)
+        self._vote(1)
         self._stage3.begin_step()
         try:
-            return step(*args, **kwargs)
+            output = step(*args, **kwargs)
+            self._stage3.end_forward()
         finally:
             self._stage3.end_step()
+        loop = self.lightning_module.trainer._active_loop
+        if loop is not None and loop.batch_progress.is_last_batch:
+            while self._vote(0) > 0:  # others still have batches: issue what their forwards issue
+                self._stage3.shadow_step()
+        return output
+
+    def _vote(self, has_batch: int) -> int:
+        flag = torch.tensor([has_batch], dtype=torch.int32, device=self.root_device)
+        return int(collectives.all_reduce(flag, torch.distributed.ReduceOp.SUM).item())
+
+    def _check_collectives(self) -> None:
+        """With ``check_collectives``: every rank's collectives since the last check must be the same."""
+        if self._collective_log is None:
+            return
+        sequence = self._collective_log[self._checked :]
+        self._checked = len(self._collective_log)
+        digests = collectives.all_gather_object((len(sequence), hash(tuple(sequence))))
+        if len(set(digests)) > 1:
+            problem = collectives.first_divergence(collectives.all_gather_object(sequence))
+            step = self.lightning_module.trainer.global_step
+            raise RuntimeError(f"the ranks issued different collectives before global step {step}: {problem}")
 
     # --- checkpoints (lightning_zero.checkpoint) -------------------------------------------------
     @property
@@ -278,24 +339,46 @@ class ZeroStrategy(DDPStrategy):
         self._loaded = None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full, unsharded state dict on every rank (stage 3 gathers it unit by unit, on the CPU)."""
+        """The full, unsharded state dict on every rank; stage 3 gathers it unit by unit, on the CPU
+        (collective: call it on every rank). For Lightning's own checkpoint dump nothing is gathered: the
+        sharded checkpoint writes each rank's shards (see ``save_checkpoint``)."""
+        if self._stage3 is None:
+            return super().lightning_module_state_dict()
+        module = self.lightning_module
+        if sys._getframe(1).f_code.co_name == "_get_lightning_module_state_dict":  # Trainer.save_checkpoint
+            sharded = {id(p) for u in self._units for p in u.params}
+            return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) not in sharded}
+        return full_state_dict(module, self._stage3)
+
+    def gather_module(self, device: str | torch.device = "cpu") -> pl.LightningModule:
+        """Stage 3, after ``fit``/``validate``/...: makes the LightningModule whole on ``device``, one unit
+        gathered at a time (collective: call it on every rank). Other stages' modules are whole already."""
+        module = self.lightning_module
         if self._stage3 is not None:
-            return full_state_dict(self.lightning_module, self._stage3)
-        return super().lightning_module_state_dict()
+            if self._stage3.in_step:
+                raise RuntimeError("gather_module() is for after a Trainer run, not inside a step")
+            gather_module(self._stage3, torch.device(device))
+            ShardedModule.detach(module)
+            self._stage3, self._units = None, []
+        return module.to(device)
 
     def teardown(self) -> None:
+        """Releases hooks; a stage-3 module stays sharded where it is (nothing is gathered, even after an
+        error): ``lightning_module_state_dict()`` or ``gather_module()`` make it whole when asked."""
+        module = self.lightning_module
         if self._stage3 is not None:
             self.peak_gathered_bytes = self._stage3.peak_gathered_bytes
-            make_whole(self._stage3)  # the LightningModule leaves fit() with whole parameters
-            self._stage3.remove_hooks(self.lightning_module)
-            self._stage3 = None
+            self._stage3.abandon()
+            self._stage3.remove_hooks(module)
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None
-        module = self.lightning_module
-        if module is not None and any(p.is_meta for p in module.parameters()):
-            # Set-up failed before materializing the model: there is nothing to move to the CPU, and
-            # trying would replace the set-up's error with "Cannot copy out of meta tensor".
+        if self._collective_log is not None:
+            self._recording.__exit__(None, None, None)
+            self._collective_log = None
+        if module is not None and (self._stage3 is not None or any(p.is_meta for p in module.parameters())):
+            # Lightning would move the module to the CPU: a sharded module stays put, and one whose set-up
+            # failed before materializing has nothing to move ("Cannot copy out of meta tensor").
             self._lightning_module = None
             try:
                 super().teardown()

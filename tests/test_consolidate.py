@@ -23,9 +23,11 @@ def _fit_and_save(rank: int, world: int, root) -> None:
     module = EquivalenceModule("blocks", steps=STEPS)
     callbacks = [ModelCheckpoint(root / "ckpts", every_n_train_steps=STEPS)]
     strategy = zero_strategy(3, param_persistence_threshold=0)
-    make_trainer(strategy, world, steps=STEPS, callbacks=callbacks, enable_checkpointing=True).fit(module)
+    trainer = make_trainer(strategy, world, steps=STEPS, callbacks=callbacks, enable_checkpointing=True)
+    trainer.fit(module)
+    state = trainer.strategy.lightning_module_state_dict()  # gathered unit by unit: the last step's values
     if rank == 0:
-        torch.save(module.state_dict(), root / "gathered.pt")  # whole again after fit: the last step's values
+        torch.save(state, root / "gathered.pt")
 
 
 def _run(code: str) -> str:

@@ -15,6 +15,7 @@ from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
 
 from lightning_zero import LossScaleConfig, ZeroConfig, ZeroPrecision
 from lightning_zero.sharding import collectives
+from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
 
 INJECT_AT, STEPS = 3, 6
@@ -109,13 +110,14 @@ def _clip_worker(rank: int, world: int) -> None:
     config = ZeroConfig(stage=2, reduce_bucket_size=40)
     names = check_optimizer_params(module, [optimizer], rank=rank)
     units = units_per_param_group([optimizer], names, config, rank=rank, world_size=world)
-    (zero,), reducer = wrap_optimizers([optimizer], units, names, config, world_size=world)
+    (zero,), reducer = wrap_optimizers(
+        [optimizer], units, names, config, world_size=world, backward_end=BackwardEnd(), model=module
+    )
     scale, max_norm = 2.0**10, 0.05
     x, y = module.data[rank * 8 : rank * 8 + 8]
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.cross_entropy(module.net(x, use_branch=True).float(), y)
-    (loss * scale).backward()
-    reducer.finish_backward()
+    (loss * scale).backward()  # outside the Trainer: the end of backward reduces the last buckets itself
     assert not zero.prepare_grads(check_finite=True, loss_scale=scale)
     scaled = torch.cat([u.step_grad for u in zero.units]).clone()
     # Reference: the same reduced gradients, unscaled in fp32, clipped by torch over all ranks' pieces.

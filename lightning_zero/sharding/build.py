@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import collectives
+from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import build_layout
+from lightning_zero.sharding.optimizer_check import check_elementwise
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
@@ -70,10 +72,13 @@ def wrap_optimizers(
     config: ZeroConfig,
     *,
     world_size: int,
-    on_bucket_complete: Callable[[FlatUnit], None] | None = None,
+    backward_end: BackwardEnd,
+    model: Module,
     group=None,
 ) -> tuple[list[ZeroOptimizer], GradReducer]:
     """One gradient reducer over all units and a ZeroOptimizer around each user optimizer."""
+    for optimizer in optimizers:
+        check_elementwise(optimizer)
     locate = {p: (u, i) for u in units for i, p in enumerate(u.params)}
     holder = {id(p): k for k, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
     for unit in units:
@@ -86,10 +91,11 @@ def wrap_optimizers(
     reducer = GradReducer(
         units,
         {p: i for i, p in enumerate(names)},
-        reduce_in_backward=config.stage >= 2,
+        stage=config.stage,
         overlap=config.overlap_comm,
         world_size=world_size,
-        on_bucket_complete=on_bucket_complete,
+        backward_end=backward_end,
+        model=model,
         group=group,
     )
     return [ZeroOptimizer(opt, locate, names, reducer, group=group) for opt in optimizers], reducer

@@ -83,40 +83,53 @@ class FlatUnit:
         nan = torch.full((1,), float("nan"), dtype=self.param_dtype, device=device)
         self._placeholders = [nan.expand(shape) for shape in self.shapes]
 
-        partition = layout.partition_numel
-        fp32 = torch.float32
-        self.master = torch.empty(partition, dtype=fp32, device=device) if trainable else None
         self.param_shard = None
         if shard_params:
-            aliased = self.master is not None and self.param_dtype == fp32
-            self.param_shard = self.master if aliased else torch.empty(partition, dtype=self.param_dtype, device=device)
+            self.param_shard = torch.empty(layout.partition_numel, dtype=self.param_dtype, device=device)
             self.param_shard.copy_(self.param_chunk(layout.buckets[0]))
             self.reshard()
-        if self.master is not None and self.master is not self.param_shard:
-            for bucket in layout.buckets:
-                self.master_chunk(bucket).copy_(self.param_chunk(bucket) if not shard_params else self.param_shard)
-
-        # [Note: gradient storage]
-        # Gradients are stored in the parameters' dtype (fp32, or fp16 under 16-mixed). Stage 1
-        # accumulates full gradients across micro-batches in ``flat_grad`` and reduce-scatters them once
-        # per step into a transient ``reduced`` partition. Stages 2 and 3 reduce-scatter every backward
-        # and accumulate only this rank's partition, which is ``reduced`` at all times. At the step the
-        # optimizer gets ``step_grad``: ``reduced`` itself when it is fp32, else an fp32 copy that lives
-        # until the step is done. The padding stays zero, since no gradient is ever written there, so
-        # it never reaches a norm.
-        grads = trainable and full_grad
-        self.flat_grad = torch.zeros(layout.total_numel, dtype=self.param_dtype, device=device) if grads else None
-        self.grad_partition = (
-            torch.zeros(partition, dtype=self.param_dtype, device=device) if trainable and not full_grad else None
-        )
-        self.reduced: Tensor | None = self.grad_partition
-        self.step_grad: Tensor | None = None
-        self.pieces: list[Piece] = layout.pieces(rank) if trainable else []
-        self.piece_tensors: list[Tensor] = [
-            self.master[pc.partition_offset : pc.partition_offset + pc.numel] for pc in self.pieces
-        ]
-        self._piece_index = {pc.param: k for k, pc in enumerate(self.pieces)}
         self.used = torch.zeros(len(self.params), dtype=torch.uint8, device=device)
+        self.master: Tensor | None = None
+        self.flat_grad: Tensor | None = None
+        self.grad_partition: Tensor | None = None
+        self.reduced: Tensor | None = None
+        self.step_grad: Tensor | None = None
+        self.pieces: list[Piece] = []
+        self.piece_tensors: list[Tensor] = []
+        self._piece_index: dict[int, int] = {}
+        if trainable:
+            self.make_trainable(full_grad=full_grad)
+
+    def make_trainable(self, *, full_grad: bool = False) -> None:
+        """Adds what training needs: the fp32 master partition, gradient storage and the pieces.
+
+        [Note: gradient storage]
+        Gradients are stored in the parameters' dtype (fp32, or fp16 under 16-mixed). Stage 1
+        accumulates full gradients across micro-batches in ``flat_grad`` and reduce-scatters them once
+        per step into a transient ``reduced`` partition. Stages 2 and 3 reduce-scatter every backward
+        and accumulate only this rank's partition, which is ``reduced`` at all times. At the step the
+        optimizer gets ``step_grad``: ``reduced`` itself when it is fp32, else an fp32 copy that lives
+        until the step is done. The padding stays zero, since no gradient is ever written there, so
+        it never reaches a norm.
+        """
+        if self.master is not None:
+            return
+        layout, device, fp32 = self.layout, self.flat_param.device, torch.float32
+        partition = layout.partition_numel
+        if self.param_shard is not None:  # stage 3: fp32 shards are the master themselves
+            self.master = self.param_shard if self.param_dtype == fp32 else self.param_shard.to(fp32)
+        else:
+            self.master = torch.empty(partition, dtype=fp32, device=device)
+            for bucket in layout.buckets:
+                self.master_chunk(bucket).copy_(self.param_chunk(bucket))
+        if full_grad:
+            self.flat_grad = torch.zeros(layout.total_numel, dtype=self.param_dtype, device=device)
+        else:
+            self.grad_partition = torch.zeros(partition, dtype=self.param_dtype, device=device)
+        self.reduced = self.grad_partition
+        self.pieces = layout.pieces(self.rank)
+        self.piece_tensors = [self.master[pc.partition_offset : pc.partition_offset + pc.numel] for pc in self.pieces]
+        self._piece_index = {pc.param: k for k, pc in enumerate(self.pieces)}
 
     # --- views -------------------------------------------------------------------------------------
     def param_chunk(self, bucket: Bucket) -> Tensor:

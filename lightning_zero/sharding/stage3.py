@@ -1,40 +1,40 @@
 """Stage 3 at run time: each unit's parameters exist in full only around the code that uses them.
 
-Every rank keeps only its shard of every unit (``FlatUnit.param_shard``). A unit is gathered
-(all-gather of the shards into its flat buffer) right before its module's forward and again before
-its backward, and freed after each; the gather of the unit expected next is started early
-(prefetch) so it overlaps with compute.
-
-[Note: collectives must match across ranks]
-Each gather is a collective, so every rank must issue the same gathers in the same order. All
-decisions below depend only on what every rank sees alike: the sequence of unit forwards in this
-step and the previous one (a model whose control flow differs *between ranks* within one step
-cannot be run by any ZeRO-3; one whose control flow differs between steps can). Prefetch guesses the
-next unit from the previous step's order; a wrong guess costs memory until the step ends, never a
-hang or a wrong result, because nothing is used before it is required (``_require``).
+Every rank keeps only its shard of every unit (``FlatUnit.param_shard``). Module hooks report the
+events of a step (a unit's forward starts or ends, the first gradient reaches a unit's outputs, a
+parameter is read outside its unit, backward ends) to the ``Schedule`` of stage3_schedule.py, which
+decides from them alone which unit to gather, free or reduce, identically on every rank (see
+[Note: one schedule on every rank] there); this module carries those decisions out.
 
 [Note: what a freed parameter looks like]
 While its unit is freed, the flat buffer has no storage and a parameter's ``.data`` is one NaN
 expanded to the parameter's shape (stride 0): code that looks at shapes (param groups by
 ``p.dim()``, parameter counts) works as on the whole model, writing into it fails, and reading it
 outside a step gives NaN, never stale or plausible numbers. Autograd holds the parameter objects
-themselves, which are whole again by the time their backward runs.
+and views of the flat buffer, whose storage is the same object again (resized) once the schedule
+gathers the unit for its backward.
 
 [Note: when a unit is gathered]
 - the root unit (parameters of no unit module, e.g. embeddings tied to the output head) for a whole
   step, from ``begin_step`` to ``end_step``;
 - a unit no larger than ``param_persistence_threshold`` for the whole run;
-- any other unit from its forward pre-hook to its forward hook, and from the first gradient reaching
-  one of its outputs until all of its parameters' gradients are accumulated (``release_after_backward``);
-- a unit whose parameter is read through a module attribute while the unit is freed (a parameter
-  used outside its own module) from then until the step ends.
+- any other unit from its forward until the schedule's next entry, and in backward from the first
+  gradient reaching its outputs (or its recomputation by activation checkpointing) until backward
+  moves past it; a unit whose parameter is read outside its own forward, until the step ends.
 Prefetching never takes more than ``max_live_parameters`` elements of gathered units (the root and
 persistent units not counted); a unit that is about to run is gathered regardless.
+
+[Note: uneven inputs]
+Validation, test and predict loops can give ranks different numbers of batches (Lightning's predict
+sampler does not pad). A rank that has run out keeps issuing what the others' forwards issue until
+all are done, like torch's ``Join``: before each forward-only step every rank all-reduces whether it
+still has a batch; a rank without one replays the gathers of its own last step (``shadow_step``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -43,10 +43,32 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
-from torch.utils._pytree import tree_leaves
 
 from lightning_zero.sharding import collectives
+from lightning_zero.sharding.backward_end import BackwardEnd, in_backward
 from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.stage3_schedule import Schedule
+
+
+def output_tensors(output: Any, depth: int = 0) -> Iterator[Tensor]:
+    """The tensors in a module's output: nested tuples, lists, dicts (a Hugging Face ``ModelOutput``),
+    dataclasses and plain objects' attributes."""
+    if isinstance(output, Tensor):
+        yield output
+    elif depth > 8 or output is None or isinstance(output, (str, bytes, int, float, bool)):
+        return
+    elif isinstance(output, Mapping):
+        for value in output.values():
+            yield from output_tensors(value, depth + 1)
+    elif isinstance(output, (tuple, list, set)):
+        for value in output:
+            yield from output_tensors(value, depth + 1)
+    elif dataclasses.is_dataclass(output):
+        for field in dataclasses.fields(output):
+            yield from output_tensors(getattr(output, field.name), depth + 1)
+    elif hasattr(output, "__dict__") and not isinstance(output, Module):
+        for value in vars(output).values():
+            yield from output_tensors(value, depth + 1)
 
 
 class _GatherOnAccess(dict):
@@ -70,31 +92,40 @@ class Stage3Runtime:
         *,
         max_live_parameters: int,
         param_persistence_threshold: int,
+        backward_end: BackwardEnd,
         group=None,
     ) -> None:
-        """``modules[i]`` is the module whose forward uses ``units[i]``; None marks the root unit."""
+        """``modules[i]`` is the module whose forward uses ``units[i]``; None marks the root unit. Units
+        come in registration order (the schedule's ``S``)."""
         self.units = list(units)
         self.group = group
-        self.max_live = max_live_parameters
         self.root = next((u for u, m in zip(units, modules) if m is None), None)
-        self.persistent = {id(u) for u in units if u.layout.total_numel <= param_persistence_threshold}
+        self.scheduled = [u for u, m in zip(units, modules) if m is not None]
+        self._index = {id(u): k for k, u in enumerate(self.scheduled)}
         self._owner = {id(p): u for u in units for p in u.params}
+        persistent = {k for k, u in enumerate(self.scheduled) if u.layout.total_numel <= param_persistence_threshold}
+        self.schedule = Schedule([u.layout.total_numel for u in self.scheduled], persistent, max_live_parameters, self)
+        self.reducer = None  # set by the strategy once the optimizers are wrapped (fitting only)
+        self.backward_end = backward_end
+        backward_end.on_begin.append(self.schedule.begin_backward)
+        backward_end.on_end.insert(0, self._end_backward)  # before the reducer waits for every reduction
         self._inflight: dict[int, dist.Work | None] = {}
-        self._pinned: set[int] = set()
-        self._order: list[FlatUnit] = []  # unit forwards of this step, in order
-        self._last_order: list[FlatUnit] = []
-        self._bwd_cursor: int | None = None
         self.in_step = False
-        self.peak_live_numel = 0  # largest prefetch-bounded gathered size seen
+        self._forward_only_gathers: list[FlatUnit] = []  # this forward-only step's gathers, for shadow_step
+        self._last_forward_only: list[FlatUnit] | None = None
         self.peak_gathered_bytes = 0  # largest size of all gathered units together (root, persistent included)
         self._handles = []
-        for unit, module in zip(units, modules):
-            if module is not None:
-                self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, unit)))
-                self._handles.append(module.register_forward_hook(partial(self._post_forward, unit)))
-        for unit in units:
-            if id(unit) in self.persistent:
-                self._require(unit)
+        for k, module in enumerate(m for m in modules if m is not None):
+            self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, k)))
+            self._handles.append(module.register_forward_hook(partial(self._post_forward, k)))
+        for k in sorted(persistent):
+            self._start(self.scheduled[k])
+            self.wait(k)
+
+    @property
+    def peak_live_numel(self) -> int:
+        """Most elements of gathered units at once (the root and persistent units not counted)."""
+        return self.schedule.peak_live
 
     def install_access_hooks(self, model: Module) -> None:
         """Lets modules that register sharded parameters gather them on attribute access."""
@@ -109,74 +140,82 @@ class Stage3Runtime:
         for module in model.modules():
             if isinstance(module._parameters, _GatherOnAccess):
                 module._parameters = dict(module._parameters)
+        for callbacks, fn in (
+            (self.backward_end.on_begin, self.schedule.begin_backward),
+            (self.backward_end.on_end, self._end_backward),
+        ):
+            if fn in callbacks:
+                callbacks.remove(fn)
 
-    # --- gather and free --------------------------------------------------------------------------
-    def _live_numel(self) -> int:
-        return sum(
-            u.layout.total_numel
-            for u in self.units
-            if u.gathered and u is not self.root and id(u) not in self.persistent
-        )
-
-    def _start(self, unit: FlatUnit, *, async_op: bool) -> None:
-        self._inflight[id(unit)] = unit.unshard(async_op=async_op, group=self.group)
-        self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
+    # --- the schedule's executor -------------------------------------------------------------------
+    def _start(self, unit: FlatUnit) -> None:
+        if unit.gathered:
+            return
+        self._inflight[id(unit)] = unit.unshard(async_op=True, group=self.group)
+        if self.in_step and not torch.is_grad_enabled():
+            self._forward_only_gathers.append(unit)
         gathered = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
-    def _require(self, unit: FlatUnit) -> None:
-        """Returns once ``unit`` is gathered and its data has arrived."""
-        if id(unit) not in self._inflight and not unit.gathered:
-            self._start(unit, async_op=False)
+    def _wait(self, unit: FlatUnit) -> None:
         if id(unit) in self._inflight:
             collectives.wait(self._inflight.pop(id(unit)))
 
-    def _prefetch(self, unit: FlatUnit | None) -> None:
-        if unit is None or unit.gathered or id(unit) in self._inflight:
-            return
-        if self._live_numel() + unit.layout.total_numel <= self.max_live:
-            self._start(unit, async_op=True)
+    def _free(self, unit: FlatUnit) -> None:
+        self._wait(unit)
+        if unit.gathered:
+            unit.reshard()
 
-    def _release(self, unit: FlatUnit) -> None:
-        if unit is self.root or id(unit) in self.persistent or id(unit) in self._pinned or not unit.gathered:
-            return
-        if id(unit) in self._inflight:
-            collectives.wait(self._inflight.pop(id(unit)))
-        unit.reshard()
+    def gather(self, k: int) -> None:
+        self._start(self.scheduled[k])
+
+    def wait(self, k: int) -> None:
+        self._wait(self.scheduled[k])
+
+    def free(self, k: int) -> None:
+        self._free(self.scheduled[k])
+
+    def reduce(self, k: int) -> None:
+        if self.reducer is not None:
+            self.reducer.reduce_unit(self.scheduled[k])
 
     # --- hooks ------------------------------------------------------------------------------------
-    def _pre_forward(self, unit: FlatUnit, module: Module, args: Any) -> None:
-        self._order.append(unit)
-        self._require(unit)
-        position = len(self._order)
-        self._prefetch(self._last_order[position] if position < len(self._last_order) else None)
+    def _pre_forward(self, k: int, module: Module, args: Any) -> None:
+        if not self.in_step:  # a forward outside the Trainer's steps: gathered for the call (every rank alike)
+            self._start(self.scheduled[k])
+            self.wait(k)
+        elif in_backward():  # activation checkpointing recomputes the unit's forward inside its backward
+            self.schedule.backward(self.schedule.entry_for_recompute(k))
+        else:
+            self.schedule.enter(k)
 
-    def _post_forward(self, unit: FlatUnit, module: Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            for tensor in tree_leaves(output):
-                if isinstance(tensor, Tensor) and tensor.requires_grad:
-                    tensor.register_hook(partial(self._pre_backward, unit))
-        self._release(unit)
+    def _post_forward(self, k: int, module: Module, args: Any, output: Any) -> None:
+        if not self.in_step:
+            if k not in self.schedule.persistent:
+                self.free(k)
+            return
+        entry = self.schedule.entry_for_recompute(k) if in_backward() else self.schedule.exit(k)
+        if torch.is_grad_enabled() and entry >= 0:
+            for tensor in output_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(partial(self._pre_backward, entry))
 
-    def _pre_backward(self, unit: FlatUnit, grad: Tensor) -> None:
-        self._require(unit)
-        # Backward runs the step's unit forwards in reverse: prefetch the one before this occurrence.
-        cursor = len(self._order) if self._bwd_cursor is None else self._bwd_cursor
-        k = next((i for i in range(cursor - 1, -1, -1) if self._order[i] is unit), None)
-        if k is not None:
-            self._bwd_cursor = k
-            self._prefetch(self._order[k - 1] if k > 0 else None)
-
-    def release_after_backward(self, unit: FlatUnit) -> None:
-        """Called once every parameter of ``unit`` has its gradient accumulated."""
-        self._release(unit)
+    def _pre_backward(self, entry: int, grad: Tensor) -> None:
+        self.backward_end.arm()
+        self.schedule.backward(entry)
 
     def on_access(self, param: Tensor) -> None:
         unit = self._owner.get(id(param))
-        if unit is None or not self.in_step or (unit.gathered and id(unit) not in self._inflight):
+        if unit is None or unit is self.root or not self.in_step or in_backward():
             return
-        self._require(unit)
-        self._pinned.add(id(unit))
+        k = self._index[id(unit)]
+        if self.schedule.active_unit() != k:
+            self.schedule.access(k)
+
+    def _end_backward(self) -> None:
+        self.schedule.end_backward()
+        if self.root is not None and self.reducer is not None:
+            self.reducer.reduce_unit(self.root)
 
     # --- step boundaries --------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -184,34 +223,48 @@ class Stage3Runtime:
         if self.in_step:  # the last step had no backward (training_step returned None)
             self.end_step()
         self.in_step = True
+        self._forward_only_gathers = []
+        self.schedule.begin_step()
         if self.root is not None:
-            self._require(self.root)
+            self._start(self.root)
+            self._wait(self.root)
+
+    def end_forward(self) -> None:
+        """The step's forward returned: the schedule serves the units this rank did not run."""
+        if self.in_step:
+            self.schedule.end_forward()
 
     def end_step(self) -> None:
         """After the step's backward (or forward when there is none): everything not persistent is freed."""
-        self._pinned.clear()
-        for unit in self.units:
-            if id(unit) in self._inflight:
-                collectives.wait(self._inflight.pop(id(unit)))
-            if id(unit) not in self.persistent and unit.gathered:
-                unit.reshard()
-        if self._order:
-            self._last_order = self._order
-        self._order, self._bwd_cursor, self.in_step = [], None, False
+        if self._forward_only_gathers and not torch.is_grad_enabled():
+            self._last_forward_only = self._forward_only_gathers
+        self.schedule.end_step()
+        if self.root is not None:
+            self._free(self.root)
+        self.in_step = False
+
+    def shadow_step(self) -> None:
+        """Issues the gathers of a forward-only step without running the model (see [Note: uneven inputs])."""
+        default = ([self.root] if self.root is not None else []) + [
+            u for k, u in enumerate(self.scheduled) if k not in self.schedule.persistent
+        ]
+        for unit in self._last_forward_only if self._last_forward_only is not None else default:
+            self._start(unit)
+            self._free(unit)
+
+    def abandon(self) -> None:
+        """After an error: forget pending work without waiting on peers that may never come."""
+        self._inflight.clear()
+        self.in_step = False
 
     @contextmanager
     def gathered(self, unit: FlatUnit) -> Iterator[None]:
         """Keeps ``unit`` gathered inside the block (outside the step hooks, e.g. for a state dict)."""
         was_gathered = unit.gathered
-        self._require(unit)
+        self._start(unit)
+        self._wait(unit)
         try:
             yield
         finally:
             if not was_gathered:
                 unit.reshard()
-
-    def gather_all(self) -> None:
-        """Gathers every unit and leaves it so (end of training: the module becomes whole again)."""
-        self.end_step()
-        for unit in self.units:
-            self._require(unit)

@@ -1,10 +1,12 @@
-"""Stage 3 set-up: which unit owns which parameter, sharded initialization from the meta device, and the
-full state dict gathered unit by unit.
+"""Stage 3 set-up: which unit owns which parameter, sharded initialization from the meta device, the
+full state dict gathered unit by unit, and ``load_state_dict`` into the shards.
 
 [Note: unit ownership]
 Units are modules: those whose class name is in ``unit_module_classes``, or by default every child of
-an ``nn.ModuleList`` (transformer blocks). A parameter belongs to the innermost unit that encloses
-every module registering it; parameters of no unit form the root unit, gathered for the whole step.
+an ``nn.ModuleList`` (transformer blocks); a candidate inside another one belongs to the outer unit,
+so units never nest and their forwards never overlap (which the schedule relies on). A parameter
+belongs to the unit that encloses every module registering it; parameters of no unit form the root
+unit, gathered for the whole step.
 A weight tied between the embedding and the output head therefore lands in the unit enclosing both
 (the root), so each of its uses finds it gathered. Frozen parameters and buffers are not sharded.
 
@@ -23,6 +25,7 @@ was not initialized by its module: that is an error, not silent garbage.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -36,16 +39,67 @@ from lightning_zero.sharding.stage3 import Stage3Runtime
 InitFn = Callable[[Module, torch.Generator], None]
 
 
+@dataclass
+class ShardedModule:
+    """A LightningModule's stage-3 shards, kept on the module between Trainer runs (``fit`` then
+    ``validate``, or a second ``fit``): the module stays sharded, and a later zero3 run on the same
+    ranks continues from these shards instead of the NaN placeholders."""
+
+    units: list[FlatUnit]
+    modules: list[Module | None]
+    world_size: int
+    rank: int
+    load_hooks: list
+
+    _ATTRIBUTE = "_lightning_zero_shards"
+
+    @classmethod
+    def of(cls, module: Module) -> ShardedModule | None:
+        return module.__dict__.get(cls._ATTRIBUTE)
+
+    @classmethod
+    def attach(cls, module: Module, units, modules, *, world_size: int, rank: int) -> ShardedModule:
+        sharded = cls(list(units), list(modules), world_size, rank, install_load_hooks(module, units))
+        module.__dict__[cls._ATTRIBUTE] = sharded
+        return sharded
+
+    @classmethod
+    def detach(cls, module: Module) -> None:
+        sharded = module.__dict__.pop(cls._ATTRIBUTE, None)
+        for handle in sharded.load_hooks if sharded is not None else ():
+            handle.remove()
+
+    def check(self, *, world_size: int, rank: int) -> None:
+        if (world_size, rank) != (self.world_size, self.rank):
+            raise ValueError(
+                f"the model is sharded by an earlier zero3 run as rank {self.rank} of {self.world_size}, not rank"
+                f" {rank} of {world_size}; call trainer.strategy.gather_module() after that run, or resume from its"
+                " checkpoint"
+            )
+
+
 def unit_modules(model: Module, unit_module_classes: Sequence[str]) -> list[Module]:
-    """The modules that become units, in ``model.modules()`` order."""
+    """The modules that become units, in ``model.modules()`` order; a candidate inside another one
+    belongs to the outer unit (units never nest: an expert inside a block is gathered with the block)."""
     if unit_module_classes:
         found = [m for m in model.modules() if m is not model and type(m).__name__ in unit_module_classes]
         missing = set(unit_module_classes) - {type(m).__name__ for m in found}
         if missing:
             raise ValueError(f"zero.unit_module_classes names {sorted(missing)}, which the model does not contain")
-        return found
-    children = [c for m in model.modules() if isinstance(m, ModuleList) for c in m.children()]
-    return list({id(c): c for c in children}.values())
+    else:
+        found = [c for m in model.modules() if isinstance(m, ModuleList) for c in m.children()]
+    candidates = {id(c) for c in found}
+    outermost: list[Module] = []
+
+    def walk(module: Module, inside: bool) -> None:
+        if id(module) in candidates and not inside:
+            outermost.append(module)
+            inside = True
+        for child in module.children():
+            walk(child, inside)
+
+    walk(model, False)
+    return list({id(m): m for m in outermost}.values())
 
 
 def _unit_chains(model: Module, units: Sequence[Module]) -> Iterator[tuple[Module, tuple[Module, ...]]]:
@@ -188,10 +242,46 @@ def full_state_dict(model: Module, runtime: Stage3Runtime) -> dict[str, Tensor]:
     return {k: out[k] for k in entries}
 
 
-def make_whole(runtime: Stage3Runtime) -> None:
-    """Ends sharding of the parameters: each becomes a plain tensor with its full value."""
-    runtime.gather_all()
+def gather_module(runtime: Stage3Runtime, device: torch.device) -> None:
+    """Ends sharding: every parameter becomes a plain tensor on ``device`` with its full value, one unit
+    gathered at a time (collective)."""
     for unit in runtime.units:
-        for p in unit.params:
-            p.data = p.data.clone()
-        unit.flat_param.untyped_storage().resize_(0)
+        with runtime.gathered(unit):
+            whole = [p.data.to(device, copy=True) for p in unit.params]
+        for p, value in zip(unit.params, whole):
+            p.data = value
+
+
+def install_load_hooks(model: Module, units: Sequence[FlatUnit]) -> list:
+    """Lets ``model.load_state_dict`` write sharded parameters: each rank keeps its own piece of every
+    value (in the shard and the master); the placeholders are never written. Returns the hook handles."""
+    locate = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
+    handles = []
+    for module in model.modules():
+        if not any(id(p) in locate for p in dict.values(module._parameters) if p is not None):
+            continue
+        taken: dict[str, list] = {}
+
+        def before(module: Module, state_dict: dict, prefix: str, *args, taken=taken) -> None:
+            """Writes the sharded values and hides them (and their keys) from the default copy."""
+            taken["order"] = list(dict.items(module._parameters))
+            for name, p in taken["order"]:
+                key = prefix + name
+                value = state_dict.get(key)
+                if p is None or id(p) not in locate or value is None or tuple(value.shape) != tuple(p.shape):
+                    continue  # torch reports what is missing or of the wrong shape
+                unit, index = locate[id(p)]
+                unit.write_owned(index, value)
+                if unit.gathered:
+                    with torch.no_grad():
+                        p.data.copy_(value)
+                del state_dict[key]
+                dict.__delitem__(module._parameters, name)
+
+        def after(module: Module, incompatible_keys, taken=taken) -> None:
+            dict.clear(module._parameters)
+            dict.update(module._parameters, taken.pop("order", []))
+
+        handles.append(module.register_load_state_dict_pre_hook(before))
+        handles.append(module.register_load_state_dict_post_hook(after))
+    return handles

@@ -83,7 +83,9 @@ class ZeroOptimizer:
         self.units = list({id(s.unit): s.unit for slots in self._slots for s in slots if s is not None}.values())
         self._prepared = False
         self._found_inf = False
+        self._multiplier: float | Tensor = 1.0
         self.last_step_skipped = False
+        self.loss_scale = 1.0  # the fp16 loss scale backward used (the precision plugin keeps it current)
 
     # --- what Lightning and LR schedulers read -----------------------------------------------------
     @property
@@ -101,6 +103,10 @@ class ZeroOptimizer:
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.optimizer!r})"
 
+    def module_params(self) -> list[Parameter]:
+        """The model's trainable parameters this optimizer steps, in its param groups' order."""
+        return [s.unit.params[s.index] for slots in self._slots for s in slots if s is not None]
+
     # --- the step ----------------------------------------------------------------------------------
     # [Note: one pass to unscale and clip]
     # ``prepare_grads`` leaves the fp32 gradients as backward produced them: scaled by the fp16 loss
@@ -112,6 +118,7 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:
             unit.zero_grad()
+        self._prepared = False
 
     def prepare_grads(self, *, check_finite: bool = False, loss_scale: float = 1.0) -> bool:
         """Reduces the gradients, tells which parameters got one on any rank, and hands them to the pieces.
@@ -122,11 +129,6 @@ class ZeroOptimizer:
         """
         if self._prepared:
             return self._found_inf
-        if self.reducer.backward_pending():
-            raise RuntimeError(
-                "a backward ran outside the Trainer's backward, so its gradients were never reduced; call"
-                " `self.manual_backward(loss)` instead of `loss.backward()`"
-            )
         stage1_units = [u for u in self.units if u.flat_grad is not None]
         if stage1_units:
             self.reducer.reduce_accumulated(stage1_units)
@@ -142,20 +144,59 @@ class ZeroOptimizer:
                 for unit in self.units:
                     unit.attach_grads(flags[start : start + len(unit.params)])
                     start += len(unit.params)
-        self._multiplier: float | Tensor = 1.0 / loss_scale
+        self._multiplier = 1.0 / loss_scale
         self._prepared = True
         return self._found_inf
 
     def grad_norm(self) -> Tensor:
-        """The global L2 norm of the true (unscaled, clipped so far) gradients: the unsharded model's."""
-        self.prepare_grads()
+        """The global L2 norm of the true (unscaled, clipped so far) gradients: the unsharded model's.
+
+        Safe anywhere in a step, and changes nothing: before the step it is the norm of the gradients
+        accumulated so far (stage 1 reduce-scatters them into a temporary for it). Collective: every
+        rank must call it (as every rank runs the same Lightning hooks).
+        """
+        if self._prepared:
+            grads, multiplier = [u.step_grad for u in self.units if u.step_grad is not None], self._multiplier
+        else:
+            grads, multiplier = self._current_grads(), 1.0 / self.loss_scale
         device = self.units[0].master.device if self.units else torch.device("cpu")
         squares = torch.zeros((), dtype=torch.float64, device=device)
-        for unit in self.units:
-            if unit.step_grad is not None:
-                squares += torch.linalg.vector_norm(unit.step_grad, dtype=torch.float64).square()
+        for grad in grads:
+            squares += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
         norm = collectives.all_reduce(squares, dist.ReduceOp.SUM, group=self.group).sqrt()
-        return (norm * self._multiplier).float()
+        return (norm * multiplier).float()
+
+    def _current_grads(self) -> list[Tensor]:
+        """This rank's reduced gradient partitions as accumulated so far, without preparing the step."""
+        pending = [u for u in self.units if u.reduced is None]  # stage 1 outside the step
+        reduced: dict[int, Tensor] = {}
+        if pending:
+            self.reducer.reduce_accumulated(pending, into=reduced)
+        return [reduced.get(id(u), u.reduced) for u in self.units]
+
+    def grad_norms_by_param(self, norm_type: float = 2.0) -> dict[str, Tensor]:
+        """Each parameter's gradient norm and the total, keyed like Lightning's ``grad_norm`` utility.
+
+        One all-reduce of a vector of per-parameter partial sums; nothing is gathered. Collective.
+        """
+        if norm_type <= 0 or norm_type == float("inf"):
+            raise ValueError(f"norm_type must be a finite number > 0, got {norm_type!r}")
+        grads = {id(u): g for u, g in zip(self.units, self._current_grads())}
+        names = [n for slots, ns in zip(self._slots, self._group_names) for s, n in zip(slots, ns) if s is not None]
+        slots = [s for slots in self._slots for s in slots if s is not None]
+        device = self.units[0].master.device if self.units else torch.device("cpu")
+        partial = torch.zeros(len(slots), dtype=torch.float64, device=device)
+        for k, slot in enumerate(slots):
+            if slot.piece is not None:
+                lo = slot.piece.partition_offset
+                piece = grads[id(slot.unit)][lo : lo + slot.piece.numel]
+                partial[k] = piece.double().abs().pow(norm_type).sum()
+        collectives.all_reduce(partial, dist.ReduceOp.SUM, group=self.group)
+        scale = 1.0 / self.loss_scale
+        norms = (partial.pow(1.0 / norm_type) * scale).float()
+        out = {f"grad_{float(norm_type)}_norm/{n}": norms[k] for k, n in enumerate(names)}
+        out[f"grad_{float(norm_type)}_norm_total"] = (partial.sum().pow(1.0 / norm_type) * scale).float()
+        return out
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scales all gradients by min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_``.

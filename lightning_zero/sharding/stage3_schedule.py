@@ -1,0 +1,251 @@
+"""Stage 3's collective schedule: which unit is gathered, freed and reduced, decided from events every
+rank sees in the same order. Pure bookkeeping over unit indices; ``Stage3Runtime`` executes it.
+
+[Note: one schedule on every rank]
+Collectives are matched across ranks by issue order, so every decision below is a function of
+events that happen identically on every rank, never of which unit this rank happened to run:
+- Units are numbered in registration order (``S``). A forward pass walks a cursor along ``S``: when a
+  unit at or after the cursor runs, every unit the cursor skips over is gathered too ("served": this
+  rank does not need it, another rank may run it), and when the forward ends the rest of ``S`` is
+  served. So each forward pass gathers every unit once, in ``S`` order, whichever units a rank runs:
+  a unit skipped on some ranks (an expert no token was routed to, a data-dependent branch, layer
+  drop) costs a gather there and nothing else. The cursor's stops are the pass's *entries*.
+- A unit called again right after itself stays in its entry (no gather). A unit called after a
+  later-registered one ran is a new entry gathered on the spot: such out-of-order calls must happen
+  the same way on every rank (the README's contract), as must parameter reads outside a unit's own
+  forward (``access``), which keep the unit gathered ("pinned") until the step ends.
+- Backward walks the entries in reverse. Each entry is gathered again ("started") when the first
+  gradient reaches its outputs, and is finished when backward reaches an earlier entry, or at the end
+  of backward: then its unit's gradients are reduce-scattered (at the unit's first entry of the pass,
+  zeros for parameters without a gradient on this rank) and the unit is freed. Entries no event
+  reached on this rank are started and finished on the way, so every rank issues the same gathers
+  and reduce-scatters. Autograd runs a single-device graph in decreasing creation order, so when the
+  hook of an entry's output fires, every node created after that entry's forward ended has run: the
+  gradients of later entries are complete (pinned units are reduced at the end of backward instead).
+- Prefetch (forward and backward) starts the next units in schedule order while the live budget
+  allows; whether a unit is gathered is itself a function of the schedule, so prefetch is too.
+Frees and waits are local: they change memory and timing, never the sequence.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Executor(Protocol):
+    def gather(self, unit: int) -> None: ...  # start the all-gather of ``unit`` (asynchronously)
+
+    def wait(self, unit: int) -> None: ...  # return once ``unit``'s parameters are whole
+
+    def free(self, unit: int) -> None: ...  # release the gathered parameters (waiting for a pending gather)
+
+    def reduce(self, unit: int) -> None: ...  # start the reduce-scatter of ``unit``'s gradients
+
+
+class Schedule:
+    def __init__(self, sizes: Sequence[int], persistent: set[int], max_live: int, executor: Executor) -> None:
+        self.sizes = list(sizes)
+        self.persistent = set(persistent)
+        self.max_live = max_live
+        self.run = executor
+        self.gathered: set[int] = set(self.persistent)  # persistent units are gathered at set-up
+        self.pinned: set[int] = set()
+        self.peak_live = 0
+        self._reset_pass()
+        self._open = False
+
+    # --- state -------------------------------------------------------------------------------------
+    def _reset_pass(self) -> None:
+        self.entries: list[int] = []  # unit of each entry of this pass
+        self._cursor = 0  # next unit of S the forward has not reached
+        self._first: dict[int, int] = {}  # unit -> its first entry
+        self._latest: dict[int, int] = {}  # unit -> its latest entry
+        self._forward_done = False
+        self._in_backward = False
+        self._top = 0  # the entry backward is in (len(entries): none yet)
+        self._state: list[str] = []  # per entry: "", "started" or "finished"
+        self._need: Counter[int] = Counter()  # started, unfinished entries per unit
+        self._active: list[tuple[int, int]] = []  # (unit, entry) of each unit whose forward is running
+
+    def live_numel(self) -> int:
+        return sum(self.sizes[u] for u in self.gathered if u not in self.persistent)
+
+    def _gather(self, unit: int) -> None:
+        if unit not in self.gathered:
+            self.gathered.add(unit)
+            self.run.gather(unit)
+            self.peak_live = max(self.peak_live, self.live_numel())
+
+    def _free(self, unit: int) -> None:
+        if unit in self.gathered and unit not in self.persistent and unit not in self.pinned:
+            self.gathered.discard(unit)
+            self.run.free(unit)
+
+    # --- a step --------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.end_step()
+        self._open = True
+
+    def end_step(self) -> None:
+        """Frees everything not persistent (after backward, or after a forward-only step)."""
+        self.pinned.clear()
+        for unit in sorted(self.gathered):
+            self._free(unit)
+        self._reset_pass()
+        self._open = False
+
+    @property
+    def in_forward(self) -> bool:
+        return bool(self._active)
+
+    def active_unit(self) -> int | None:
+        return self._active[-1][0] if self._active else None
+
+    # --- forward ---------------------------------------------------------------------------------------
+    def enter(self, unit: int) -> int:
+        """A unit's forward starts; returns its entry (the tag of its outputs' backward hooks)."""
+        if not self._open or self._forward_done:
+            self._reset_pass()
+            self._open = True
+        if self._active:  # called from inside another unit's forward: gathered with it, for the step
+            self.access(unit)
+            self._active.append((unit, -1))  # no entry: pinned units are reduced at the end of backward
+            return -1
+        if unit >= self._cursor:
+            first, self._cursor = self._cursor, unit + 1
+            self._free_behind(first)
+            for served in range(first, unit):  # skipped here, maybe run elsewhere
+                self._append(served)
+                self._free(served)
+            self._append(unit)
+        elif self._latest.get(unit) != len(self.entries) - 1:
+            self._free_behind(self._cursor)
+            self._append(unit)  # out of order: must be so on every rank
+        self._prefetch_forward()
+        self.run.wait(unit)
+        self._active.append((unit, self._latest[unit]))
+        return self._latest[unit]
+
+    def exit(self, unit: int) -> int:
+        """A unit's forward returned; returns the entry its outputs belong to (-1: none)."""
+        if self._active and self._active[-1][0] == unit:
+            return self._active.pop()[1]
+        return -1
+
+    def access(self, unit: int) -> None:
+        """A parameter of ``unit`` is read outside the unit's own forward: keep it whole until the step ends."""
+        self._gather(unit)
+        self.run.wait(unit)
+        self.pinned.add(unit)
+
+    def _append(self, unit: int) -> None:
+        self._latest[unit] = len(self.entries)
+        self._first.setdefault(unit, len(self.entries))
+        self.entries.append(unit)
+        self._gather(unit)
+
+    def _free_behind(self, below: int) -> None:
+        """Frees the gathered units before position ``below`` of S (prefetched ones lie after it)."""
+        for unit in sorted(self.gathered):
+            if unit < below:
+                self._free(unit)
+
+    def _prefetch_forward(self) -> None:
+        for unit in range(self._cursor, len(self.sizes)):
+            if unit in self.gathered:
+                continue
+            if self.live_numel() + self.sizes[unit] > self.max_live:
+                return
+            self._gather(unit)
+
+    def end_forward(self) -> None:
+        """The forward pass is over (the step returned, or backward starts): serve the rest of S."""
+        if not self._open or self._forward_done:
+            return
+        self._free_behind(self._cursor)
+        for unit in range(self._cursor, len(self.sizes)):
+            self._append(unit)
+            self._free(unit)  # served: gathered for the ranks that run it, freed at once
+        self._cursor = len(self.sizes)
+        self._forward_done = True
+        self._active.clear()
+
+    # --- backward --------------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self.end_forward()
+        if not self._in_backward:
+            self._in_backward = True
+            self._top = len(self.entries)  # the entry backward is in (none yet)
+            self._state = [""] * len(self.entries)
+
+    def entry_for_recompute(self, unit: int) -> int:
+        """The entry whose backward re-runs ``unit``'s forward (activation checkpointing)."""
+        self.begin_backward()
+        if self._top < len(self.entries) and self.entries[self._top] == unit:
+            return self._top
+        below = [k for k in range(self._top - 1, -1, -1) if self.entries[k] == unit]
+        return below[0] if below else self._latest.get(unit, -1)
+
+    def backward(self, entry: int) -> None:
+        """The first gradient reached an output of ``entry`` (or ``entry`` is recomputed): gather it.
+
+        Entries above it that no event reached on this rank get their events now, in order, as on the
+        ranks where they ran."""
+        self.begin_backward()
+        if entry < 0:
+            return
+        if entry > self._top:  # an entry already finished needs its unit again: on demand (as everywhere else)
+            self._gather(self.entries[entry])
+        for k in range(self._top - 1, entry - 1, -1):
+            self._event(k)
+        self.run.wait(self.entries[entry])
+
+    def _event(self, k: int) -> None:
+        """Backward reaches entry ``k``: the entry above is finished, ``k`` is gathered, later ones prefetched."""
+        if self._top < len(self.entries):
+            self._finish(self._top)
+        self._top = k
+        self._start(k)
+        self._prefetch_backward()
+
+    def _start(self, k: int) -> None:
+        if self._state[k] == "":
+            self._state[k] = "started"
+            self._need[self.entries[k]] += 1
+            self._gather(self.entries[k])
+
+    def _finish(self, k: int) -> None:
+        unit = self.entries[k]
+        self._state[k] = "finished"
+        self._need[unit] -= 1
+        if self._first[unit] == k and unit not in self.pinned:
+            self.run.reduce(unit)
+        if self._need[unit] == 0:
+            self._free(unit)
+
+    def _prefetch_backward(self) -> None:
+        for k in range(self._top - 1, -1, -1):
+            if self._state[k]:
+                continue
+            unit = self.entries[k]
+            if unit not in self.gathered and self.live_numel() + self.sizes[unit] > self.max_live:
+                return
+            self._start(k)
+
+    def end_backward(self) -> None:
+        """End of backward: finish every entry left, reduce the pinned units, free what is not pinned."""
+        self.begin_backward()
+        for k in range(self._top - 1, -1, -1):
+            self._event(k)
+        if self._top < len(self.entries):
+            self._finish(self._top)
+        for unit in sorted(self.pinned):
+            self.run.reduce(unit)
+        for unit in sorted(self.gathered):
+            self._free(unit)
+        pinned = self.pinned
+        self._reset_pass()
+        self.pinned = pinned
+        self._open = False

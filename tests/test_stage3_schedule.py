@@ -1,0 +1,113 @@
+"""The stage-3 schedule on its own (no processes): ranks that run different subsets of the units, in
+registration order with repeats, issue the same gathers and reduce-scatters in the same order; each
+unit runs gathered, is reduced once per backward after its last gradient, and the live budget holds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightning_zero.sharding.stage3_schedule import Schedule
+
+
+class Recorder:
+    """The executor: records the collectives (gather, reduce) and tracks what is gathered."""
+
+    def __init__(self) -> None:
+        self.sequence: list[tuple[str, int]] = []
+        self.gathered: set[int] = set()
+
+    def gather(self, unit: int) -> None:
+        assert unit not in self.gathered
+        self.gathered.add(unit)
+        self.sequence.append(("gather", unit))
+
+    def wait(self, unit: int) -> None:
+        assert unit in self.gathered
+
+    def free(self, unit: int) -> None:
+        self.gathered.discard(unit)
+
+    def reduce(self, unit: int) -> None:
+        self.sequence.append(("reduce", unit))
+
+
+def _run_rank(calls, sizes, persistent, max_live, *, pinned_at=None):
+    """One training step: forward ``calls`` (units), then backward in reverse; returns the recorder."""
+    recorder = Recorder()
+    recorder.gathered.update(persistent)
+    schedule = Schedule(sizes, persistent, max_live, recorder)
+    schedule.begin_step()
+    tags = []
+    for position, unit in enumerate(calls):
+        if pinned_at is not None and position == pinned_at[0]:
+            schedule.access(pinned_at[1])
+        schedule.enter(unit)
+        assert unit in recorder.gathered
+        assert schedule.live_numel() <= max(max_live, sizes[unit]) + (sizes[pinned_at[1]] if pinned_at else 0)
+        tags.append((unit, schedule.exit(unit)))
+    schedule.end_forward()
+    reduced_at = {}
+    for unit, tag in reversed(tags):
+        assert not any(op == ("reduce", unit) for op in recorder.sequence), f"unit {unit} reduced before its backward"
+        schedule.backward(tag)
+        assert unit in recorder.gathered
+        reduced_at[unit] = len(recorder.sequence)
+    schedule.end_backward()
+    schedule.end_step()
+    reduces = [u for op, u in recorder.sequence if op == "reduce"]
+    assert sorted(reduces) == list(range(len(sizes))), "every unit is reduced exactly once"
+    assert recorder.gathered == set(persistent)
+    return recorder
+
+
+def _patterns(seed: int, n: int, ranks: int):
+    rng = random.Random(seed)
+    base = []
+    for unit in range(n):
+        base += [unit] * rng.choice([1, 1, 1, 2])  # some units run twice in a row
+    return [[u for u in base if rng.random() > 0.3] for _ in range(ranks)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ranks_that_skip_different_units_issue_the_same_collectives(seed):
+    rng = random.Random(1000 + seed)
+    n = rng.randint(1, 7)
+    sizes = [rng.randint(1, 5) for _ in range(n)]
+    persistent = {u for u in range(n) if rng.random() < 0.2}
+    max_live = rng.choice([1, 4, 10, 100])
+    sequences = [_run_rank(calls, sizes, persistent, max_live).sequence for calls in _patterns(seed, n, 4)]
+    assert all(s == sequences[0] for s in sequences), sequences
+    gathers = [u for op, u in sequences[0] if op == "gather"]
+    non_persistent = [u for u in range(n) if u not in persistent]
+    # Forward gathers every unit once in order; backward once more per entry.
+    assert gathers[: len(non_persistent)] == non_persistent
+
+
+def test_out_of_order_calls_made_alike_on_every_rank_match():
+    sizes, persistent = [3, 3, 3, 3], set()
+    # rank 1 skips unit 2; both call unit 0 again after unit 1 (an out-of-order call every rank makes)
+    a = _run_rank([0, 1, 0, 2, 3], sizes, persistent, 6)
+    b = _run_rank([0, 1, 0, 3], sizes, persistent, 6)
+    assert a.sequence == b.sequence
+    # unit 0 is reduced after both of its calls' backward: last among the reductions of this pass
+    assert [u for op, u in a.sequence if op == "reduce"] == [3, 2, 1, 0]
+
+
+def test_a_parameter_read_outside_its_unit_pins_the_unit_until_the_end_of_backward():
+    sizes = [2, 2, 2, 2]
+    a = _run_rank([0, 1, 2, 3], sizes, set(), 2, pinned_at=(2, 3))
+    b = _run_rank([0, 1, 3], sizes, set(), 2, pinned_at=(2, 3))
+    assert a.sequence == b.sequence
+    assert [u for op, u in a.sequence if op == "reduce"][-1] == 3  # pinned: reduced at the end of backward
+
+
+def test_prefetch_fills_the_live_budget_and_no_more():
+    for budget in (2, 4, 6):
+        recorder = Recorder()
+        schedule = Schedule([2] * 6, set(), budget, recorder)
+        schedule.begin_step()
+        schedule.enter(0)
+        assert schedule.live_numel() == budget
+        assert recorder.sequence == [("gather", u) for u in range(budget // 2)]
