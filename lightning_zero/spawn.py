@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -35,9 +36,20 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn, args
         dist.destroy_process_group()
 
 
-def spawn_local_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
+def spawn_local_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, deadline_s: float = 1200.0) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes; re-raises a rank's failure.
 
     ``fn`` must be importable by name (a module-level function), as the processes are spawned.
+    ``timeout_s`` bounds each collective (the process group's timeout); ``deadline_s`` the whole run:
+    processes still running then are killed and a TimeoutError is raised, so nothing waits forever.
     """
-    mp.spawn(_rank_main, args=(world_size, _free_port(), timeout_s, fn, args), nprocs=world_size, join=True)
+    context = mp.start_processes(
+        _rank_main, args=(world_size, _free_port(), timeout_s, fn, args), nprocs=world_size, join=False
+    )
+    deadline = time.monotonic() + deadline_s
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish within {deadline_s:.0f} s")
