@@ -1,16 +1,17 @@
 """lightning_zero: DeepSpeed's ZeRO optimizations as a native PyTorch Lightning strategy.
 
-Importing the package registers the strategy names ``zero1`` and ``zero2`` in Lightning's registry,
-so ``Trainer(strategy="zero2")`` works after ``import lightning_zero``.
+Importing the package registers the strategy names ``zero1``, ``zero2`` and ``zero3`` in Lightning's
+registry, so ``Trainer(strategy="zero2")`` works after ``import lightning_zero``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.grad_norms import grad_norm
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
 
-__all__ = ["LossScaleConfig", "ZeroConfig", "ZeroPrecision", "ZeroStrategy"]
+__all__ = ["LossScaleConfig", "ZeroConfig", "ZeroPrecision", "ZeroStrategy", "grad_norm"]
 __version__ = "0.1.0"
 
 if "zero1" not in StrategyRegistry:

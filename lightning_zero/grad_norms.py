@@ -76,7 +76,7 @@ def sharded_grads(module: pl.LightningModule, optimizers: Sequence[Any]) -> Iter
     cache: dict[tuple[int, float], dict[str, Tensor]] = {}
     names = {id(p): n for n, p in module.named_parameters()}
     zeros = [z for z in optimizers if isinstance(z, ZeroOptimizer)]
-    params = [(p, z) for z in zeros for p in z.module_params()]
+    params = [(p, z) for z in zeros for p in z.params_with_grads()]
 
     def norms_for(zero: ZeroOptimizer) -> Callable[[float], dict[str, Tensor]]:
         def norms(norm_type: float) -> dict[str, Tensor]:

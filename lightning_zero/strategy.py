@@ -8,6 +8,7 @@ the user's optimizers become ZeroOptimizers and gradients are reduce-scattered b
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import sys
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
@@ -287,7 +288,8 @@ class ZeroStrategy(DDPStrategy):
             return
         sequence = self._collective_log[self._checked :]
         self._checked = len(self._collective_log)
-        digests = collectives.all_gather_object((len(sequence), hash(tuple(sequence))))
+        digest = hashlib.sha1(repr(sequence).encode()).hexdigest()  # not hash(): salted per process
+        digests = collectives.all_gather_object((len(sequence), digest))
         if len(set(digests)) > 1:
             problem = collectives.first_divergence(collectives.all_gather_object(sequence))
             step = self.lightning_module.trainer.global_step

@@ -87,3 +87,25 @@ def test_dynamic_models_match_single_process_with_one_collective_schedule(world,
                     assert torch.equal(result["state"][key], results[0]["state"][key]), (kind, name, key, r)
                     err = relative_error(result["state"][key], ref)
                     assert err <= 1e-5, f"{kind} {name} world {world}: {key} differs from one process by {err:.2e}"
+
+
+class Diverge(pl.Callback):
+    """Makes rank 0's record of collectives differ before step 3 (as a rank-dependent collective would)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 4 and trainer.global_rank == 0:
+            trainer.strategy._collective_log.append(("all_reduce", "world", 1, "torch.float32"))
+
+
+def _check_worker(rank: int, world: int) -> None:
+    pl.seed_everything(0)
+    strategy = zero_strategy(3, param_persistence_threshold=0, check_collectives=True)
+    make_trainer(strategy, world, steps=STEPS).fit(DynamicModule("experts", steps=STEPS))  # no false alarm
+    strategy = zero_strategy(3, param_persistence_threshold=0, check_collectives=True)
+    with pytest.raises(RuntimeError, match=r"different collectives before global step 2: collective #\d+ differs"):
+        make_trainer(strategy, world, steps=STEPS, callbacks=[Diverge()]).fit(DynamicModule("experts", steps=STEPS))
+
+
+@pytest.mark.slow
+def test_check_collectives_names_the_first_difference_on_every_rank():
+    spawn_ranks(_check_worker, 2)

@@ -94,6 +94,7 @@ class FlatUnit:
         self.grad_partition: Tensor | None = None
         self.reduced: Tensor | None = None
         self.step_grad: Tensor | None = None
+        self.used_anywhere: list[bool] | None = None  # per parameter, at the step: got a gradient on some rank
         self.pieces: list[Piece] = []
         self.piece_tensors: list[Tensor] = []
         self._piece_index: dict[int, int] = {}
@@ -188,6 +189,7 @@ class FlatUnit:
 
         ``used`` is on the host (one flag per parameter): indexing a device tensor here would sync per piece.
         """
+        self.used_anywhere = [bool(flag) for flag in used]
         self.step_grad = self.reduced if self.reduced.dtype == self.master.dtype else self.reduced.to(self.master.dtype)
         for piece, tensor in zip(self.pieces, self.piece_tensors):
             lo = piece.partition_offset
@@ -197,6 +199,7 @@ class FlatUnit:
         for tensor in self.piece_tensors:
             tensor.grad = None
         self.step_grad = None
+        self.used_anywhere = None
         if self.flat_grad is not None:
             self.reduced = None
 

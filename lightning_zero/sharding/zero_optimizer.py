@@ -107,6 +107,15 @@ class ZeroOptimizer:
         """The model's trainable parameters this optimizer steps, in its param groups' order."""
         return [s.unit.params[s.index] for slots in self._slots for s in slots if s is not None]
 
+    def params_with_grads(self) -> list[Parameter]:
+        """Inside the step: the model's parameters that got a gradient on some rank (DDP's non-None ``.grad``)."""
+        return [
+            s.unit.params[s.index]
+            for slots in self._slots
+            for s in slots
+            if s is not None and (s.unit.used_anywhere is None or s.unit.used_anywhere[s.index])
+        ]
+
     # --- the step ----------------------------------------------------------------------------------
     # [Note: one pass to unscale and clip]
     # ``prepare_grads`` leaves the fp32 gradients as backward produced them: scaled by the fp16 loss
