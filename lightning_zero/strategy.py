@@ -169,7 +169,7 @@ class ZeroStrategy(DDPStrategy):
                 self._units = units_per_param_group(self.optimizers, names, self.config, **kwargs)
             self.optimizers, self._reducer = wrap_optimizers(
                 self.optimizers,
-                self._units,
+                [u for u in self._units if u.trainable],  # stage 3's frozen units need no gradients
                 names,
                 self.config,
                 world_size=self.world_size,
@@ -188,7 +188,8 @@ class ZeroStrategy(DDPStrategy):
             sharded.check(world_size=self.world_size, rank=self.global_rank)
             if fitting:
                 for unit in sharded.units:
-                    unit.make_trainable()
+                    if unit.requires_grad:
+                        unit.make_trainable()
         else:
             units, modules = build_units(
                 module,
@@ -404,7 +405,10 @@ class ZeroStrategy(DDPStrategy):
         for optimizer in self.optimizers:
             if isinstance(optimizer, ZeroOptimizer):
                 totals["optimizer_state"] += optimizer.state_nbytes()
-        totals["parameters"] += sum(p.nbytes for p in self.lightning_module.parameters() if not p.requires_grad)
+        sharded = {id(p) for u in self._units for p in u.params}
+        totals["parameters"] += sum(
+            p.nbytes for p in self.lightning_module.parameters() if not p.requires_grad and id(p) not in sharded
+        )
         return totals
 
     @classmethod

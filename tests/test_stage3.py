@@ -76,7 +76,7 @@ def _bytes_and_traffic_worker(rank: int, world: int) -> None:
         assert abs(footprint - formula) <= 20 * (padded - psi), (precision, footprint, formula)
         # Per micro-batch: every block gathered for forward and again for backward, the root once;
         # one reduce-scatter of everything. About 3 Psi, the paper's number.
-        root = seen.root.layout.total_numel
+        root = sum(u.layout.total_numel for u in seen.root)
         for step in seen.per_step:
             assert step["reduce_scatter"] == ACCUMULATE * padded
             assert step["all_gather"] == ACCUMULATE * (2 * (padded - root) + root)
@@ -94,7 +94,7 @@ def _live_bound_worker(rank: int, world: int) -> None:
         numel = sum(p.numel() for p in probe.net.blocks[0].parameters())
         block = -(-numel // (2 * world)) * 2 * world  # padded as the layout pads
         _, _, seen = _fit(world, max_live_parameters=blocks * block)
-        assert {u.layout.total_numel for u in seen.units if u is not seen.root} == {block}
+        assert {u.layout.total_numel for u in seen.units if u not in seen.root} == {block}
         # Prefetch fills the bound and never passes it.
         assert seen.peak_live_numel == blocks * block, (blocks, seen.peak_live_numel, block)
 

@@ -47,9 +47,11 @@ def _is_elementwise(value: Any, numel: int) -> bool:
 
 
 def _unit_payload(unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only: bool) -> dict[str, Any]:
-    if unit.master is None:
+    if unit.master is None and unit.requires_grad:
         raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
-    payload: dict[str, Any] = {"master": unit.master.cpu()}
+    # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
+    master = unit.master if unit.master is not None else unit.param_shard.float()
+    payload: dict[str, Any] = {"master": master.cpu()}
     if weights_only or optimizer is None:
         return payload
     state: dict[str, Tensor] = {}
@@ -201,6 +203,8 @@ def load_units(loaded: LoadedCheckpoint, units: Sequence[FlatUnit]) -> None:
             unit.after_step()  # the parameters follow the loaded master
         elif unit.param_shard is None:
             raise CheckpointError("a unit without master or shard cannot be loaded into")
+        elif unit.gathered:  # a frozen unit kept whole: gather the loaded shards
+            collectives.wait(unit.unshard(async_op=False))
 
 
 def load_replicated(loaded: LoadedCheckpoint, model: Module) -> None:

@@ -132,6 +132,15 @@ class FlatUnit:
         self.piece_tensors = [self.master[pc.partition_offset : pc.partition_offset + pc.numel] for pc in self.pieces]
         self._piece_index = {pc.param: k for k, pc in enumerate(self.pieces)}
 
+    @property
+    def trainable(self) -> bool:
+        """Whether the unit has master weights and gradients (frozen and evaluation-only units do not)."""
+        return self.master is not None
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(p.requires_grad for p in self.params)
+
     # --- views -------------------------------------------------------------------------------------
     def param_chunk(self, bucket: Bucket) -> Tensor:
         lo, hi = bucket.chunk_range(self.rank)

@@ -95,16 +95,25 @@ class Stage3Runtime:
         backward_end: BackwardEnd,
         group=None,
     ) -> None:
-        """``modules[i]`` is the module whose forward uses ``units[i]``; None marks the root unit. Units
-        come in registration order (the schedule's ``S``)."""
+        """``modules[i]`` is the module whose forward uses ``units[i]`` (several units may share one: its
+        trainable and frozen parameters); None marks the root. Modules come in registration order (the
+        schedule's ``S``)."""
         self.units = list(units)
         self.group = group
-        self.root = next((u for u, m in zip(units, modules) if m is None), None)
-        self.scheduled = [u for u, m in zip(units, modules) if m is not None]
-        self._index = {id(u): k for k, u in enumerate(self.scheduled)}
+        self.root = [u for u, m in zip(units, modules) if m is None]
+        by_module: dict[int, list[FlatUnit]] = {}
+        self._modules: list[Module] = []
+        for unit, module in zip(units, modules):
+            if module is not None:
+                if id(module) not in by_module:
+                    self._modules.append(module)
+                by_module.setdefault(id(module), []).append(unit)
+        self.scheduled = [by_module[id(m)] for m in self._modules]  # the flat units of each scheduled module
+        self._index = {id(u): k for k, group_ in enumerate(self.scheduled) for u in group_}
         self._owner = {id(p): u for u in units for p in u.params}
-        persistent = {k for k, u in enumerate(self.scheduled) if u.layout.total_numel <= param_persistence_threshold}
-        self.schedule = Schedule([u.layout.total_numel for u in self.scheduled], persistent, max_live_parameters, self)
+        sizes = [sum(u.layout.total_numel for u in group_) for group_ in self.scheduled]
+        persistent = {k for k, size in enumerate(sizes) if size <= param_persistence_threshold}
+        self.schedule = Schedule(sizes, persistent, max_live_parameters, self)
         self.reducer = None  # set by the strategy once the optimizers are wrapped (fitting only)
         self.backward_end = backward_end
         backward_end.on_begin.append(self.schedule.begin_backward)
@@ -115,11 +124,11 @@ class Stage3Runtime:
         self._last_forward_only: list[FlatUnit] | None = None
         self.peak_gathered_bytes = 0  # largest size of all gathered units together (root, persistent included)
         self._handles = []
-        for k, module in enumerate(m for m in modules if m is not None):
+        for k, module in enumerate(self._modules):
             self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, k)))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, k)))
         for k in sorted(persistent):
-            self._start(self.scheduled[k])
+            self.gather(k)
             self.wait(k)
 
     @property
@@ -167,22 +176,26 @@ class Stage3Runtime:
             unit.reshard()
 
     def gather(self, k: int) -> None:
-        self._start(self.scheduled[k])
+        for unit in self.scheduled[k]:
+            self._start(unit)
 
     def wait(self, k: int) -> None:
-        self._wait(self.scheduled[k])
+        for unit in self.scheduled[k]:
+            self._wait(unit)
 
     def free(self, k: int) -> None:
-        self._free(self.scheduled[k])
+        for unit in self.scheduled[k]:
+            self._free(unit)
 
     def reduce(self, k: int) -> None:
-        if self.reducer is not None:
-            self.reducer.reduce_unit(self.scheduled[k])
+        for unit in self.scheduled[k]:
+            if self.reducer is not None and unit.trainable:
+                self.reducer.reduce_unit(unit)
 
     # --- hooks ------------------------------------------------------------------------------------
     def _pre_forward(self, k: int, module: Module, args: Any) -> None:
         if not self.in_step:  # a forward outside the Trainer's steps: gathered for the call (every rank alike)
-            self._start(self.scheduled[k])
+            self.gather(k)
             self.wait(k)
         elif in_backward():  # activation checkpointing recomputes the unit's forward inside its backward
             self.schedule.backward(self.schedule.entry_for_recompute(k))
@@ -206,7 +219,7 @@ class Stage3Runtime:
 
     def on_access(self, param: Tensor) -> None:
         unit = self._owner.get(id(param))
-        if unit is None or unit is self.root or not self.in_step or in_backward():
+        if unit is None or unit in self.root or not self.in_step or in_backward():
             return
         k = self._index[id(unit)]
         if self.schedule.active_unit() != k:
@@ -214,8 +227,9 @@ class Stage3Runtime:
 
     def _end_backward(self) -> None:
         self.schedule.end_backward()
-        if self.root is not None and self.reducer is not None:
-            self.reducer.reduce_unit(self.root)
+        for unit in self.root:
+            if self.reducer is not None and unit.trainable:
+                self.reducer.reduce_unit(unit)
 
     # --- step boundaries --------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -225,9 +239,10 @@ class Stage3Runtime:
         self.in_step = True
         self._forward_only_gathers = []
         self.schedule.begin_step()
-        if self.root is not None:
-            self._start(self.root)
-            self._wait(self.root)
+        for unit in self.root:
+            self._start(unit)
+        for unit in self.root:
+            self._wait(unit)
 
     def end_forward(self) -> None:
         """The step's forward returned: the schedule serves the units this rank did not run."""
@@ -239,16 +254,14 @@ class Stage3Runtime:
         if self._forward_only_gathers and not torch.is_grad_enabled():
             self._last_forward_only = self._forward_only_gathers
         self.schedule.end_step()
-        if self.root is not None:
-            self._free(self.root)
+        for unit in self.root:
+            self._free(unit)
         self.in_step = False
 
     def shadow_step(self) -> None:
         """Issues the gathers of a forward-only step without running the model (see [Note: uneven inputs])."""
-        default = ([self.root] if self.root is not None else []) + [
-            u for k, u in enumerate(self.scheduled) if k not in self.schedule.persistent
-        ]
-        for unit in self._last_forward_only if self._last_forward_only is not None else default:
+        scheduled = [u for k, units in enumerate(self.scheduled) if k not in self.schedule.persistent for u in units]
+        for unit in self._last_forward_only if self._last_forward_only is not None else self.root + scheduled:
             self._start(unit)
             self._free(unit)
 

@@ -6,9 +6,11 @@ Units are modules: those whose class name is in ``unit_module_classes``, or by d
 an ``nn.ModuleList`` (transformer blocks); a candidate inside another one belongs to the outer unit,
 so units never nest and their forwards never overlap (which the schedule relies on). A parameter
 belongs to the unit that encloses every module registering it; parameters of no unit form the root
-unit, gathered for the whole step.
+unit, gathered for the whole step. Frozen parameters are sharded too: a unit's frozen parameters form
+a flat unit of their own (its shard only: no master weights, gradients or optimizer state), gathered
+with the trainable one.
 A weight tied between the embedding and the output head therefore lands in the unit enclosing both
-(the root), so each of its uses finds it gathered. Frozen parameters and buffers are not sharded.
+(the root), so each of its uses finds it gathered. Buffers are not sharded.
 
 [Note: sharded initialization]
 A model built on the meta device (``configure_model`` under the strategy) is materialized without
@@ -116,14 +118,14 @@ def _unit_chains(model: Module, units: Sequence[Module]) -> Iterator[tuple[Modul
 
 
 def assign_units(model: Module, units: Sequence[Module]) -> list[tuple[Module | None, list[Parameter]]]:
-    """Trainable parameters grouped by owning unit (see [Note: unit ownership]); None is the root."""
+    """Parameters grouped by owning unit (see [Note: unit ownership]); None is the root."""
     chains: dict[int, list[tuple[Module, ...]]] = {}
     for module, chain in _unit_chains(model, units):
         for p in module._parameters.values():
-            if p is not None and p.requires_grad:
+            if p is not None:
                 chains.setdefault(id(p), []).append(chain)
     owned: dict[int, list[Parameter]] = {}
-    for p in dict.fromkeys(p for p in model.parameters() if p.requires_grad):
+    for p in dict.fromkeys(model.parameters()):
         common = chains[id(p)][0]
         for chain in chains[id(p)][1:]:
             n = 0
@@ -156,14 +158,26 @@ def build_units(
             raise RuntimeError(f"rank {rank} and rank {r} see different models: their stage-3 units differ")
     units, modules, replaced = [], [], {}
     for module, params in assignment:
-        numels = [p.numel() for p in params]
-        layout = build_layout(numels, world_size, bucket_numel=sum(numels))
-        unit = FlatUnit(
-            params, [names[p] for p in params], layout, rank, shard_params=True, trainable=trainable, device=device
-        )
-        units.append(unit)
-        modules.append(module)
-        replaced.update({id(old): new for old, new in unit.replaced.items()})
+        # One flat unit per kind of parameter the module owns: trainable ones (master weights, gradients)
+        # and frozen ones (the shard only), one per dtype; all are gathered together.
+        kinds: dict[tuple[bool, torch.dtype], list[Parameter]] = {}
+        for p in params:
+            kinds.setdefault((p.requires_grad, p.dtype), []).append(p)
+        for (requires_grad, _), members in kinds.items():
+            numels = [p.numel() for p in members]
+            layout = build_layout(numels, world_size, bucket_numel=sum(numels))
+            unit = FlatUnit(
+                members,
+                [names[p] for p in members],
+                layout,
+                rank,
+                shard_params=True,
+                trainable=trainable and requires_grad,
+                device=device,
+            )
+            units.append(unit)
+            modules.append(module)
+            replaced.update({id(old): new for old, new in unit.replaced.items()})
     if replaced:
         for m in model.modules():
             for name, p in m._parameters.items():
@@ -195,7 +209,7 @@ def initialize_sharded(
     locate = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     real: dict[int, Parameter] = {}
-    for module in model.modules():  # frozen parameters and buffers are replicated: make them real
+    for module in model.modules():  # parameters of no unit and buffers are replicated: make them real
         for name, p in module._parameters.items():
             if p is not None and p.is_meta:
                 if id(p) not in real:
