@@ -325,15 +325,7 @@ class ZeroStrategy(DDPStrategy):
         return self._loaded.lightning
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        module, loaded = self.lightning_module, self._loaded
-        if self._units:
-            checkpoint_io.check_model(loaded, {n: s for u in self._units for n, s in zip(u.names, u.shapes)})
-            checkpoint_io.load_units(loaded, self._units)
-            checkpoint_io.load_replicated(loaded, module)
-        else:
-            trainable = {n: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad}
-            checkpoint_io.check_model(loaded, trainable)
-            checkpoint_io.load_whole_model(loaded, module)
+        checkpoint_io.load_model(self._loaded, self.lightning_module, self._units)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         zero_optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]

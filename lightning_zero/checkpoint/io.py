@@ -173,13 +173,30 @@ def open_checkpoint(path: str | os.PathLike, *, rank: int, world_size: int) -> L
     return LoadedCheckpoint(path, meta, lightning, ShardReader(path, meta))
 
 
-def check_model(loaded: LoadedCheckpoint, params: dict[str, tuple[int, ...]]) -> None:
-    """Raises if the sharded parameters of the model (name -> shape) differ from the checkpoint's."""
+def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit]) -> None:
+    """Loads every parameter and buffer of ``model``, whichever of them the checkpoint sharded and this
+    run shards: this rank's pieces of sharded parameters (``units``), whole values of the others.
+
+    Raises one CheckpointError listing every name and shape that differs before anything is written."""
+    entries = model.state_dict(keep_vars=True)
+    keys_of: dict[int, list[str]] = {}
+    for key, value in entries.items():
+        keys_of.setdefault(id(value), []).append(key)
+    replicated = loaded.lightning["state_dict"]
     saved = {p.name: tuple(p.shape) for u in loaded.meta.units for p in u.params}
-    missing = sorted(set(params) - set(saved))
-    unexpected = sorted(set(saved) - set(params))
+    saved.update({k: tuple(v.shape) for k, v in replicated.items()})
+    params = dict(model.named_parameters())
+    param_ids = {id(p) for p in params.values()}
+    buffers = {k: v for k, v in entries.items() if id(v) not in param_ids}
+    wanted = {n: tuple(p.shape) for n, p in {**params, **buffers}.items()}
+    found = {n: next((k for k in [n, *keys_of.get(id(params[n]), [])] if k in saved), None) for n in params}
+    found.update({k: k if k in saved else None for k in buffers})
+    missing = sorted(n for n, k in found.items() if k is None)
+    used = {k for k in found.values() if k is not None}
+    tied = {k for n in params for k in keys_of.get(id(params[n]), [])}
+    unexpected = sorted(k for k in saved if k not in used and k not in tied)
     shapes = [
-        f"{n}: saved {saved[n]}, model {params[n]}" for n in sorted(set(params) & set(saved)) if saved[n] != params[n]
+        f"{n}: saved {saved[k]}, model {wanted[n]}" for n, k in sorted(found.items()) if k and saved[k] != wanted[n]
     ]
     if missing or unexpected or shapes:
         raise CheckpointError(
@@ -187,48 +204,36 @@ def check_model(loaded: LoadedCheckpoint, params: dict[str, tuple[int, ...]]) ->
             f" {unexpected}; shapes differ: {shapes}"
         )
 
+    def read(name: str, lo: int, hi: int, out: Tensor) -> None:
+        key = found[name]
+        if key in replicated:
+            out.copy_(replicated[key].reshape(-1)[lo:hi])
+        else:
+            loaded.reader.read(key, lo, hi, out)
 
-def load_units(loaded: LoadedCheckpoint, units: Sequence[FlatUnit]) -> None:
-    """Fills this rank's master (or, without one, parameter shard) of every unit from the checkpoint."""
-    for unit in units:
-        target = unit.master if unit.master is not None else unit.param_shard
-        for piece in unit.layout.pieces(unit.rank):
-            lo = piece.partition_offset
-            view = target[lo : lo + piece.numel]
-            buffer = view if view.dtype == torch.float32 and view.device.type == "cpu" else torch.empty(piece.numel)
-            loaded.reader.read(unit.names[piece.param], piece.lo, piece.hi, buffer)
-            if buffer is not view:
-                view.copy_(buffer)
-        if unit.master is not None:
-            unit.after_step()  # the parameters follow the loaded master
-        elif unit.param_shard is None:
-            raise CheckpointError("a unit without master or shard cannot be loaded into")
-        elif unit.gathered:  # a frozen unit kept whole: gather the loaded shards
-            collectives.wait(unit.unshard(async_op=False))
-
-
-def load_replicated(loaded: LoadedCheckpoint, model: Module) -> None:
-    """Loads the parameters and buffers that are not sharded (frozen ones, buffers)."""
-    replicated = loaded.lightning["state_dict"]
-    current = model.state_dict(keep_vars=True)
-    missing = [k for k in replicated if k not in current]
-    if missing:
-        raise CheckpointError(f"{loaded.path}: checkpoint of a different model; not in the model: {missing}")
     with torch.no_grad():
-        for key, value in replicated.items():
-            current[key].copy_(value)
-
-
-def load_whole_model(loaded: LoadedCheckpoint, model: Module) -> None:
-    """Without units (stages 1 and 2 when not fitting): every parameter assembled and copied in."""
-    current = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for unit in loaded.meta.units:
-            for entry in unit.params:
-                value = loaded.reader.full(entry.name)
-                for key in entry.keys:
-                    current[key].copy_(value)
-    load_replicated(loaded, model)
+        sharded = set()
+        for unit in units:
+            target = unit.master if unit.master is not None else unit.param_shard
+            for piece in unit.layout.pieces(unit.rank):
+                view = target[piece.partition_offset : piece.partition_offset + piece.numel]
+                exact = view.dtype == torch.float32 and view.device.type == "cpu"
+                buffer = view if exact else torch.empty(piece.numel)
+                read(unit.names[piece.param], piece.lo, piece.hi, buffer)
+                if buffer is not view:
+                    view.copy_(buffer)
+            if unit.master is not None:
+                unit.after_step()  # the parameters follow the loaded master
+            elif unit.gathered:  # a frozen unit kept whole: gather the loaded shards
+                collectives.wait(unit.unshard(async_op=False))
+            sharded.update(id(p) for p in unit.params)
+        for name, p in params.items():
+            if id(p) not in sharded:
+                value = torch.empty(p.numel())
+                read(name, 0, p.numel(), value)
+                p.copy_(value.view(p.shape))
+        for key, value in buffers.items():
+            value.copy_(replicated[key])
 
 
 def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimizer) -> None:
