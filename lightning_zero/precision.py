@@ -69,10 +69,20 @@ class ZeroPrecision(Precision):
         self.scaler = DynamicLossScaler(loss_scale or LossScaleConfig()) if precision == "16-mixed" else None
         self.last_grad_norm: Tensor | None = None
 
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype parameters are converted to (None: kept as they are)."""
+        return torch.float16 if self.precision == "16-mixed" else None
+
     def convert_module(self, module: Module) -> Module:
-        if self.precision == "16-mixed":
-            return module.to(torch.float16)
-        return module
+        return module.to(self.param_dtype) if self.param_dtype is not None else module
+
+    def convert_buffers(self, module: Module) -> None:
+        """What ``convert_module`` does to buffers, for a module whose parameters are converted elsewhere."""
+        for submodule in module.modules():
+            for name, buffer in submodule._buffers.items():
+                if self.param_dtype is not None and buffer is not None and buffer.is_floating_point():
+                    submodule._buffers[name] = buffer.to(self.param_dtype)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         if self.precision == "32-true":

@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import sys
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -19,11 +19,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from torch.distributed.distributed_c10d import _get_default_group
+from torch.distributed.utils import _sync_module_states as torch_sync_module_states
 
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.config import ZeroConfig
@@ -32,6 +33,7 @@ from lightning_zero.precision import ZeroPrecision, validate_precision
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
+from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.stage3 import Stage3Runtime
@@ -89,6 +91,7 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._reducer: GradReducer | None = None
+        self._construction: ShardedConstruction | None = None  # stage 3, from configure_model to set-up
         self._units: list[FlatUnit] = []
         self._stage3: Stage3Runtime | None = None
         self._backward_end = BackwardEnd()
@@ -142,8 +145,11 @@ class ZeroStrategy(DDPStrategy):
             self.model = self._layer_sync.apply(self.model)
         module = self.lightning_module
         sharded = ShardedModule.of(module)  # still sharded by an earlier stage-3 run
-        if sharded is None:
+        construction = self._construction if self._construction is not None and self._construction.managed else None
+        if sharded is None and construction is None:
             self.model = self.precision_plugin.convert_module(self.model)
+        elif construction is not None:  # parameters are cast as they are made whole; buffers now
+            self.precision_plugin.convert_buffers(module)
         on_meta = any(p.is_meta for p in module.parameters())
         if (on_meta or sharded is not None) and self.config.stage != 3:
             what = (
@@ -153,14 +159,18 @@ class ZeroStrategy(DDPStrategy):
             )
             raise ValueError(f"the model has {what}; zero.stage is {self.config.stage}")
         if not on_meta and sharded is None:
-            self.model_to_device()
-            _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
+            if construction is None:
+                self.model_to_device()
+            # every rank starts from rank 0's parameters and buffers (constructed ones agree already)
+            skip = [n for n, p in module.named_parameters() if construction is not None and construction.owns(p)]
+            torch_sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, 0, skip)
         self._backward_end = BackwardEnd()
         if self.config.check_collectives and self._collective_log is None:
             self._recording = collectives.record()
             self._collective_log, self._checked = self._recording.__enter__(), 0
         if self.config.stage == 3:
-            self._setup_stage3(fitting, on_meta, sharded)
+            self._setup_stage3(fitting, on_meta, sharded, construction)
+        self._construction = None
         if fitting:
             self.setup_optimizers(trainer)
             names = check_optimizer_params(module, self.optimizers, rank=self.global_rank)
@@ -182,7 +192,9 @@ class ZeroStrategy(DDPStrategy):
                 self._hold_schedulers_on_skipped_steps()
         self.setup_precision_plugin()
 
-    def _setup_stage3(self, fitting: bool, on_meta: bool, sharded: ShardedModule | None) -> None:
+    def _setup_stage3(
+        self, fitting: bool, on_meta: bool, sharded: ShardedModule | None, construction: ShardedConstruction | None
+    ) -> None:
         module = self.lightning_module
         if sharded is not None:  # fit, then validate/test/predict (or fit again): keep the shards
             sharded.check(world_size=self.world_size, rank=self.global_rank)
@@ -191,6 +203,13 @@ class ZeroStrategy(DDPStrategy):
                     if unit.requires_grad:
                         unit.make_trainable()
         else:
+            materialize = None
+            if construction is not None:
+                dtype = self.precision_plugin.param_dtype
+
+                def materialize(params: list) -> None:
+                    construction.materialize(params, dtype)
+
             units, modules = build_units(
                 module,
                 self.config,
@@ -198,7 +217,10 @@ class ZeroStrategy(DDPStrategy):
                 world_size=self.world_size,
                 device=self.root_device,
                 trainable=fitting,
+                materialize=materialize,
             )
+            if construction is not None:
+                self.sharded_init_peak_bytes = construction.peak_bytes
             sharded = ShardedModule.attach(module, units, modules, world_size=self.world_size, rank=self.global_rank)
             if on_meta:
                 init = getattr(module, "init_module", default_init)
@@ -216,8 +238,14 @@ class ZeroStrategy(DDPStrategy):
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3 builds ``configure_model``'s modules on the meta device, to be materialized shard by shard."""
-        with torch.device("meta") if self.config.stage == 3 else nullcontext():
+        """Stage 3 builds ``configure_model``'s modules for real but never whole (sharding/construct.py)."""
+        if self.config.stage != 3:
+            yield
+            return
+        self._construction = ShardedConstruction(
+            rank=self.global_rank, world_size=self.world_size, device=self.root_device
+        )
+        with self._construction:
             yield
 
     def _hold_schedulers_on_skipped_steps(self) -> None:

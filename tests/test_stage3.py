@@ -134,7 +134,8 @@ class Uninitialized(nn.Module):
 class MetaWithoutInit(EquivalenceModule):
     def configure_model(self):
         if self.net is None:
-            self.net = nn.ModuleDict({"odd": Uninitialized()})
+            with torch.device("meta"):  # built on the meta device by the user: initialized shard by shard
+                self.net = nn.ModuleDict({"odd": Uninitialized()})
 
     def init_module(self, module, generator):
         if hasattr(module, "reset_parameters"):

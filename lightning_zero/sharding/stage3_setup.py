@@ -147,9 +147,13 @@ def build_units(
     world_size: int,
     device: torch.device,
     trainable: bool,
+    materialize: Callable[[list[Parameter]], None] | None = None,
     group=None,
 ) -> tuple[list[FlatUnit], list[Module | None]]:
-    """One single-bucket, parameter-sharded FlatUnit per owning unit; meta parameters are replaced."""
+    """Single-bucket, parameter-sharded FlatUnits for each owning unit; meta parameters are replaced.
+
+    ``materialize(params)`` makes a unit's parameters whole right before its flat units are built (a
+    model from ``ShardedConstruction``), so no more than one unit is ever whole."""
     names = {p: n for n, p in model.named_parameters(remove_duplicate=True)}
     assignment = assign_units(model, unit_modules(model, config.unit_module_classes))
     signature = [[(names[p], tuple(p.shape)) for p in params] for _, params in assignment]
@@ -158,6 +162,8 @@ def build_units(
             raise RuntimeError(f"rank {rank} and rank {r} see different models: their stage-3 units differ")
     units, modules, replaced = [], [], {}
     for module, params in assignment:
+        if materialize is not None:
+            materialize(params)
         # One flat unit per kind of parameter the module owns: trainable ones (master weights, gradients)
         # and frozen ones (the shard only), one per dtype; all are gathered together.
         kinds: dict[tuple[bool, torch.dtype], list[Parameter]] = {}

@@ -1,0 +1,174 @@
+"""Building a model under stage 3 without ever holding it whole, with exactly the values its constructor
+gives (``configure_model`` runs inside ``ShardedConstruction``).
+
+[Note: sharded construction]
+The constructor runs for real, on every rank, from rank 0's RNG state (broadcast first), so every
+rank computes the values an unsharded construction computes, bitwise, whatever the constructor does:
+``reset_parameters``, custom initializers, buffers such as RoPE's ``inv_freq``, a Hugging Face
+``post_init`` that re-initializes every module, weight tying. What is bounded is how much of it is
+whole at once. A global parameter-registration hook adopts every new parameter, and the registering
+module's ``_parameters`` becomes a dict that makes a parameter whole before anyone reads it (attribute
+access, ``parameters()``, ``state_dict()``). Making a parameter of one module whole first evicts the
+whole parameters of every other module: each rank keeps only its slice of an evicted parameter (1/N
+of its elements) and its ``.data`` becomes a NaN placeholder; reading it again all-gathers the slices
+(every rank runs the same code, so the same reads in the same order). So at most one module's own
+parameters are whole at a time (``peak_bytes``). When the context ends every parameter is evicted;
+the stage-3 set-up then builds each unit from its parameters made whole one unit at a time
+(``materialize``) and keeps the pieces the unit's layout gives this rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+from torch.nn import Module, Parameter
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from lightning_zero.sharding import collectives
+
+
+class _Managed:
+    """One adopted parameter: this rank's slice while evicted, and the modules that register it."""
+
+    __slots__ = ("param", "owners", "slice", "numel")
+
+    def __init__(self, param: Parameter) -> None:
+        self.param = param
+        self.owners: set[int] = set()
+        self.slice: Tensor | None = None
+        self.numel = param.numel()
+
+
+class _MaterializingParameters(dict):
+    """A module's ``_parameters`` during construction: every read hands out a whole parameter."""
+
+    def __init__(self, construction: ShardedConstruction, module: Module, params: dict) -> None:
+        super().__init__(params)
+        self.construction = construction
+        self.module = module
+
+    def __getitem__(self, name: str):
+        param = super().__getitem__(name)
+        self.construction.touch(self.module, param)
+        return param
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
+
+    def items(self) -> Iterator:  # type: ignore[override]
+        for name in list(self.keys()):
+            yield name, self[name]
+
+    def values(self) -> Iterator:  # type: ignore[override]
+        for name in list(self.keys()):
+            yield self[name]
+
+
+class ShardedConstruction:
+    def __init__(self, *, rank: int, world_size: int, device: torch.device, group=None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.group = group
+        self.managed: dict[int, _Managed] = {}
+        self._whole: dict[int, _Managed] = {}  # the parameters that are whole now
+        self._modules: list[tuple[Module, dict]] = []  # (module, its own _parameters) to restore
+        self.peak_bytes = 0
+        self._hook = None
+
+    # --- the context ------------------------------------------------------------------------------
+    def __enter__(self) -> ShardedConstruction:
+        states = collectives.all_gather_object(_rng_states(self.device), group=self.group)
+        _set_rng_states(states[0], self.device)  # every rank constructs what rank 0 constructs
+        self._device_context = torch.device(self.device)
+        self._device_context.__enter__()
+        self._hook = register_module_parameter_registration_hook(self._registered)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+        self._device_context.__exit__(*exc)
+        for managed in list(self._whole.values()):
+            self._evict(managed)
+        for module, _ in self._modules:
+            if isinstance(module._parameters, _MaterializingParameters):
+                module._parameters = dict(dict.items(module._parameters))
+
+    # --- adopting, evicting, making whole -------------------------------------------------------------
+    def _registered(self, module: Module, name: str, param: Parameter | None) -> None:
+        if param is None:
+            return
+        if not isinstance(module._parameters, _MaterializingParameters):
+            module._parameters = _MaterializingParameters(self, module, dict(module._parameters))
+            self._modules.append((module, module._parameters))
+        managed = self.managed.get(id(param))
+        if managed is None:
+            managed = self.managed[id(param)] = _Managed(param)
+            self._whole[id(param)] = managed
+        managed.owners.add(id(module))
+        self.touch(module, param)
+
+    def touch(self, module: Module, param: Parameter | None) -> None:
+        """``param`` of ``module`` is about to be used: evict other modules' parameters, make it whole."""
+        managed = self.managed.get(id(param)) if param is not None else None
+        if managed is None:
+            return
+        for other in list(self._whole.values()):
+            if id(module) not in other.owners and other is not managed:
+                self._evict(other)
+        if id(param) not in self._whole:
+            param.data = self._gather(managed).view(param.shape)
+            managed.slice = None
+            self._whole[id(param)] = managed
+        self.peak_bytes = max(self.peak_bytes, sum(m.param.nbytes for m in self._whole.values()))
+
+    def _chunk(self, numel: int) -> int:
+        return -(-numel // self.world_size)
+
+    def _evict(self, managed: _Managed) -> None:
+        param = managed.param
+        chunk = self._chunk(managed.numel)
+        flat = param.data.reshape(-1)
+        own = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+        lo, hi = self.rank * chunk, min((self.rank + 1) * chunk, managed.numel)
+        if lo < hi:
+            own[: hi - lo].copy_(flat[lo:hi])
+        managed.slice = own
+        param.data = torch.full((1,), float("nan"), dtype=flat.dtype, device=flat.device).expand(param.shape)
+        del self._whole[id(param)]
+
+    def _gather(self, managed: _Managed) -> Tensor:
+        """The whole (flat) value of an evicted parameter: every rank's slice, all-gathered."""
+        chunk = managed.slice.numel()
+        out = torch.empty(chunk * self.world_size, dtype=managed.slice.dtype, device=managed.slice.device)
+        collectives.wait(collectives.all_gather(out, managed.slice, async_op=False, group=self.group))
+        return out[: managed.numel]
+
+    # --- after construction ------------------------------------------------------------------------
+    def materialize(self, params: list[Parameter], dtype: torch.dtype | None = None) -> None:
+        """Makes ``params`` whole (collective; the stage-3 set-up calls it for one unit at a time),
+        optionally cast to ``dtype``; they are no longer managed afterwards."""
+        for param in params:
+            managed = self.managed.pop(id(param), None)
+            if managed is not None:
+                param.data = self._gather(managed).view(param.shape)
+            if dtype is not None and param.is_floating_point():
+                param.data = param.data.to(dtype)
+
+    def owns(self, param: Parameter) -> bool:
+        return id(param) in self.managed
+
+
+def _rng_states(device: torch.device) -> dict:
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
