@@ -9,9 +9,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.grad_norms import grad_norm
 from lightning_zero.precision import ZeroPrecision
+from lightning_zero.pretrained import load_pretrained
 from lightning_zero.strategy import ZeroStrategy
 
-__all__ = ["LossScaleConfig", "ZeroConfig", "ZeroPrecision", "ZeroStrategy", "grad_norm"]
+__all__ = ["LossScaleConfig", "ZeroConfig", "ZeroPrecision", "ZeroStrategy", "grad_norm", "load_pretrained"]
 __version__ = "0.1.0"
 
 if "zero1" not in StrategyRegistry:

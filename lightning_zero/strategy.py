@@ -44,6 +44,7 @@ from lightning_zero.sharding.stage3_setup import (
     full_state_dict,
     gather_module,
     initialize_sharded,
+    install_load_hooks,
 )
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
@@ -92,6 +93,7 @@ class ZeroStrategy(DDPStrategy):
         )
         self._reducer: GradReducer | None = None
         self._construction: ShardedConstruction | None = None  # stage 3, from configure_model to set-up
+        self._load_hooks: list = []  # stages 1 and 2
         self._units: list[FlatUnit] = []
         self._stage3: Stage3Runtime | None = None
         self._backward_end = BackwardEnd()
@@ -177,6 +179,7 @@ class ZeroStrategy(DDPStrategy):
             if self.config.stage < 3:
                 kwargs = {"rank": self.global_rank, "world_size": self.world_size}
                 self._units = units_per_param_group(self.optimizers, names, self.config, **kwargs)
+                self._load_hooks = install_load_hooks(module, self._units)  # load_state_dict reaches the master
             self.optimizers, self._reducer = wrap_optimizers(
                 self.optimizers,
                 [u for u in self._units if u.trainable],  # stage 3's frozen units need no gradients
@@ -396,6 +399,9 @@ class ZeroStrategy(DDPStrategy):
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None
+        for handle in self._load_hooks:
+            handle.remove()
+        self._load_hooks = []
         if self._collective_log is not None:
             self._recording.__exit__(None, None, None)
             self._collective_log = None

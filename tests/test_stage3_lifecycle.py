@@ -1,6 +1,7 @@
 """Stage 3 around the steps: saving gathers nothing, teardown leaves the model sharded (whole only when
-asked), ``load_state_dict`` during ``fit`` loads into the shards, an error in a step surfaces as itself,
-and optimizers whose update depends on a parameter's shape are refused before training starts."""
+asked), ``load_state_dict`` during ``fit`` loads into the shards (and, under stage 2, into the master),
+an error in a step surfaces as itself, and optimizers whose update depends on a parameter's shape are
+refused before training starts."""
 
 from __future__ import annotations
 
@@ -113,11 +114,18 @@ def _target() -> dict:
     return DynamicModule("moe").state_dict()
 
 
+LOAD_RUNS = (
+    ("zero2", 2, {}),
+    ("default", 3, {}),
+    ("tight", 3, {"param_persistence_threshold": 0, "max_live_parameters": 3000}),
+)
+
+
 def _load_worker(rank: int, world: int, out_dir) -> None:
-    for name, config in (("default", {}), ("tight", {"param_persistence_threshold": 0, "max_live_parameters": 3000})):
+    for name, stage, config in LOAD_RUNS:
         pl.seed_everything(0)
         module = Reloaded(_target())
-        trainer = make_trainer(zero_strategy(3, **config), world, steps=4)
+        trainer = make_trainer(zero_strategy(stage, **config), world, steps=4)
         trainer.fit(module)
         torch.save(trainer.strategy.lightning_module_state_dict(), out_dir / f"{name}-{rank}.pt")
 
@@ -129,7 +137,7 @@ def test_load_state_dict_during_fit_loads_into_the_shards(tmp_path):
     reference = Reloaded(_target())
     make_trainer("auto", 1, steps=4).fit(reference)
     untouched = DynamicModule("moe").state_dict()
-    for name in ("default", "tight"):
+    for name, _, _ in LOAD_RUNS:
         state = torch.load(tmp_path / f"{name}-0.pt")
         for key, ref in reference.state_dict().items():
             assert relative_error(state[key], ref) <= 1e-5, (name, key)

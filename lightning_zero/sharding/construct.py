@@ -67,6 +67,8 @@ class _MaterializingParameters(dict):
 
 
 class ShardedConstruction:
+    active: ShardedConstruction | None = None  # the one whose context is open (load_pretrained writes into it)
+
     def __init__(self, *, rank: int, world_size: int, device: torch.device, group=None) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -85,9 +87,11 @@ class ShardedConstruction:
         self._device_context = torch.device(self.device)
         self._device_context.__enter__()
         self._hook = register_module_parameter_registration_hook(self._registered)
+        ShardedConstruction.active = self
         return self
 
     def __exit__(self, *exc) -> None:
+        ShardedConstruction.active = None
         self._hook.remove()
         self._device_context.__exit__(*exc)
         for managed in list(self._whole.values()):
@@ -159,6 +163,17 @@ class ShardedConstruction:
 
     def owns(self, param: Parameter) -> bool:
         return id(param) in self.managed
+
+    def write(self, param: Parameter, read) -> None:
+        """Sets ``param``'s value from ``read(lo, hi)`` (its flat elements [lo, hi)), reading only this
+        rank's slice when the parameter is evicted."""
+        managed = self.managed[id(param)]
+        if id(param) in self._whole:
+            self._evict(managed)  # its value is replaced: keep (and read) only this rank's slice
+        chunk = self._chunk(managed.numel)
+        lo, hi = self.rank * chunk, min((self.rank + 1) * chunk, managed.numel)
+        if lo < hi:
+            managed.slice[: hi - lo].copy_(read(lo, hi))
 
 
 def _rng_states(device: torch.device) -> dict:

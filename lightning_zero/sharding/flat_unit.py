@@ -18,7 +18,8 @@ param group, stage 3 one per module subtree. It owns
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,18 @@ from torch.nn import Parameter
 
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.layout import Bucket, FlatLayout, Piece
+
+_LOCATIONS: dict[int, tuple[weakref.ref, FlatUnit, int]] = {}  # id(param) -> its unit and index there
+
+
+def unit_location(param: Tensor) -> tuple[FlatUnit, int] | None:
+    """The unit that holds ``param`` (its master weights, stage 3 its shards) and its index there, or None."""
+    entry = _LOCATIONS.get(id(param))
+    return (entry[1], entry[2]) if entry is not None and entry[0]() is param else None
+
+
+def forget_location(param: Tensor) -> None:
+    _LOCATIONS.pop(id(param), None)
 
 
 class FlatUnit:
@@ -84,6 +97,8 @@ class FlatUnit:
         self._placeholders = [nan.expand(shape) for shape in self.shapes]
 
         self.param_shard = None
+        for index, p in enumerate(self.params):
+            _LOCATIONS[id(p)] = (weakref.ref(p), self, index)
         if shard_params:
             self.param_shard = torch.empty(layout.partition_numel, dtype=self.param_dtype, device=device)
             self.param_shard.copy_(self.param_chunk(layout.buckets[0]))
@@ -179,12 +194,17 @@ class FlatUnit:
         self.flat_param.untyped_storage().resize_(0)
 
     def write_owned(self, index: int, value: Tensor) -> None:
-        """Stores this rank's part of parameter ``index`` from its full ``value`` (sharded initialization)."""
+        """Stores this rank's part of parameter ``index`` from its full ``value``."""
+        flat = value.detach().reshape(-1)
+        self.write_owned_from(index, lambda lo, hi: flat[lo:hi])
+
+    def write_owned_from(self, index: int, read: Callable[[int, int], Tensor]) -> None:
+        """Stores this rank's part of parameter ``index``: elements [lo, hi) of it, as ``read(lo, hi)`` gives them."""
         piece = next((pc for pc in self.layout.pieces(self.rank) if pc.param == index), None)
         if piece is None:
             return
         lo = piece.partition_offset
-        own = value.detach().reshape(-1)[piece.lo : piece.hi]
+        own = read(piece.lo, piece.hi)
         for target in {id(t): t for t in (self.param_shard, self.master) if t is not None}.values():
             target[lo : lo + piece.numel].copy_(own)
 

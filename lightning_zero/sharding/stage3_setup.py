@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.nn import Module, ModuleList, Parameter
 
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.flat_unit import FlatUnit, forget_location
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.stage3 import Stage3Runtime
 
@@ -270,11 +270,13 @@ def gather_module(runtime: Stage3Runtime, device: torch.device) -> None:
             whole = [p.data.to(device, copy=True) for p in unit.params]
         for p, value in zip(unit.params, whole):
             p.data = value
+            forget_location(p)
 
 
 def install_load_hooks(model: Module, units: Sequence[FlatUnit]) -> list:
-    """Lets ``model.load_state_dict`` write sharded parameters: each rank keeps its own piece of every
-    value (in the shard and the master); the placeholders are never written. Returns the hook handles."""
+    """Lets ``model.load_state_dict`` write the parameters of ``units``: each rank keeps its own piece of
+    every value (in the master, and stage 3's shard), and a parameter that is whole gets the whole value;
+    stage 3's placeholders are never written. Returns the hook handles."""
     locate = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
     handles = []
     for module in model.modules():

@@ -1,0 +1,137 @@
+"""Loading pretrained (unsharded) weights into a model wherever its parameters live.
+
+``load_pretrained(module, source)`` accepts a state dict, a ``.safetensors`` file, a ``.pt``/``.bin``
+file (loaded with ``weights_only=True`` and memory-mapped) or a Hugging Face checkpoint directory
+(``model.safetensors``, or sharded ``*.safetensors`` with ``model.safetensors.index.json``). Each
+parameter is written where it lives, reading only what this rank keeps:
+
+- inside ``configure_model`` under stage 3 (``ShardedConstruction``): this rank's slice of each
+  parameter, read as a slice of the file;
+- after stage-3 set-up: this rank's pieces of each unit (the unit layout's ranges of the parameter);
+- anywhere else (stages 1-2, no strategy, buffers): the whole tensor, copied in.
+
+One tensor at a time, so memory stays near the largest tensor. Names are matched exactly (a
+``prefix`` is prepended to the module's names); with ``strict`` a mismatch is one error listing every
+missing and unexpected name and every shape that differs, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+
+from lightning_zero.sharding.construct import ShardedConstruction
+from lightning_zero.sharding.flat_unit import unit_location
+
+
+class _Source:
+    """Names, shapes and flat element ranges of the tensors of a state dict, file or directory."""
+
+    def __init__(self, source: Mapping[str, Tensor] | str | os.PathLike) -> None:
+        self.tensors: dict[str, Tensor] = {}
+        self.files: dict[str, Path] = {}  # name -> safetensors file
+        if isinstance(source, Mapping):
+            self.tensors = dict(source)
+            return
+        path = Path(source)
+        if path.is_dir():
+            index = path / "model.safetensors.index.json"
+            if index.exists():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.files = {name: path / file for name, file in weight_map.items()}
+            elif (path / "model.safetensors").exists():
+                path = path / "model.safetensors"
+            elif (path / "pytorch_model.bin").exists():
+                path = path / "pytorch_model.bin"
+            else:
+                raise FileNotFoundError(
+                    f"{source}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+                )
+        if path.is_file() and path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(path, "pt") as f:
+                self.files = dict.fromkeys(f.keys(), path)
+        elif path.is_file():
+            self.tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        elif not self.files:
+            raise FileNotFoundError(f"{source}: no such file or directory")
+        self._open: dict[Path, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self.tensors) + list(self.files)
+
+    def _slice(self, name: str):
+        from safetensors import safe_open
+
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(file, "pt")
+        return self._open[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape) if name in self.tensors else tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, lo: int, hi: int) -> Tensor:
+        """Elements [lo, hi) of the flattened tensor ``name``, reading no more than the rows they span."""
+        if name in self.tensors:
+            return self.tensors[name].reshape(-1)[lo:hi]
+        piece = self._slice(name)
+        shape = piece.get_shape()
+        if len(shape) == 0:
+            return piece[...].reshape(-1)[lo:hi]
+        row = math.prod(shape[1:])
+        first, last = lo // row, -(-hi // row)
+        return piece[first:last].reshape(-1)[lo - first * row : hi - first * row]
+
+
+def load_pretrained(
+    module: Module, source: Mapping[str, Tensor] | str | os.PathLike, *, strict: bool = True, prefix: str = ""
+) -> None:
+    """Loads ``source`` into ``module``'s parameters and persistent buffers (see the module docstring).
+
+    Call it on every rank (under stage 3 it is part of the collective construction or set-up)."""
+    reader = _Source(source)
+    entries = module.state_dict(keep_vars=True)
+    names_of: dict[int, list[str]] = {}
+    for key, value in entries.items():
+        names_of.setdefault(id(value), []).append(key)
+    available = set(reader.names())
+    targets, missing, shapes = [], [], []
+    for keys in names_of.values():
+        found = next((prefix + k for k in keys if prefix + k in available), None)
+        tensor = entries[keys[0]]
+        if found is None:
+            missing.append(keys[0])
+        elif reader.shape(found) != tuple(tensor.shape):
+            shapes.append(f"{found}: source {reader.shape(found)}, model {tuple(tensor.shape)}")
+        else:
+            targets.append((found, tensor))
+    used = {prefix + k for keys in names_of.values() for k in keys}
+    unexpected = sorted(n for n in available if n not in used)
+    if shapes or (strict and (missing or unexpected)):
+        raise ValueError(
+            f"{source if not isinstance(source, Mapping) else 'the state dict'} does not match the model: missing"
+            f" {sorted(missing)}; unexpected {unexpected}; shapes differ {shapes}"
+        )
+    construction = ShardedConstruction.active
+    with torch.no_grad():
+        for name, tensor in targets:
+            located = unit_location(tensor)
+            if construction is not None and construction.owns(tensor):
+                construction.write(tensor, lambda lo, hi, name=name: reader.read(name, lo, hi))
+            elif located is not None and not located[0].gathered:
+                unit, index = located
+                unit.write_owned_from(index, lambda lo, hi, name=name: reader.read(name, lo, hi))
+            else:
+                value = reader.read(name, 0, tensor.numel()).view(tensor.shape)
+                if located is not None:
+                    located[0].write_owned(located[1], value)
+                tensor.copy_(value)
