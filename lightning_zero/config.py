@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 SUPPORTED_STAGES = (1, 2, 3)
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
@@ -43,6 +46,13 @@ class ZeroConfig:
         max_live_parameters: stage 3: prefetching never holds more than this many elements of gathered
             units at once (the unit about to run is gathered regardless).
         param_persistence_threshold: stage 3: units of at most this many elements stay gathered.
+        reduce_dtype: the dtype gradients are accumulated and reduce-scattered in: "float32",
+            "bfloat16" or "float16"; None (default) keeps the parameters' dtype, except bf16 parameters
+            (stage 3 with bf16 gathers), whose gradients are reduced in fp32 for exactness. "bfloat16"
+            halves the bytes sent (DeepSpeed's ``communication_data_type``).
+        gather_dtype: stage 3 with ``bf16-mixed``: "compute" (default) keeps parameter shards in bf16 and
+            gathers units in bf16 from the fp32 master (half the bytes, and autocast keeps no second
+            copy of each weight for backward); "float32" gathers fp32 weights that autocast casts.
         check_collectives: debug mode: record every collective the strategy issues and, before each
             step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
             the sequences when they differ): a rank that would issue a different collective fails with
@@ -56,6 +66,8 @@ class ZeroConfig:
     unit_module_classes: list[str] = field(default_factory=list)
     max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
+    reduce_dtype: str | None = None
+    gather_dtype: str = "compute"
     check_collectives: bool = False
 
     def __post_init__(self) -> None:
@@ -90,11 +102,26 @@ class ZeroConfig:
             isinstance(self.check_collectives, bool), "zero.check_collectives", self.check_collectives, "true or false"
         )
         _check(
+            self.reduce_dtype in (None, *REDUCE_DTYPES),
+            "zero.reduce_dtype",
+            self.reduce_dtype,
+            f"null or one of {', '.join(REDUCE_DTYPES)}",
+        )
+        _check(
+            self.gather_dtype in ("compute", "float32"), "zero.gather_dtype", self.gather_dtype, "compute or float32"
+        )
+        _check(
             _integer(self.param_persistence_threshold) and self.param_persistence_threshold >= 0,
             "zero.param_persistence_threshold",
             self.param_persistence_threshold,
             "an integer >= 0 (elements)",
         )
+
+    def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of ``param_dtype`` parameters are reduced and accumulated in."""
+        if self.reduce_dtype is not None:
+            return getattr(torch, self.reduce_dtype)
+        return torch.float32 if param_dtype == torch.bfloat16 else param_dtype
 
 
 @dataclass(kw_only=True)

@@ -47,6 +47,7 @@ NO_EFFECT = {
     "zero_allow_untested_optimizer": "any elementwise torch optimizer is supported",
     "prescale_gradients": "gradients are always divided by the world size before the reduction",
 }
+COMMUNICATION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # -> ZeroConfig.reduce_dtype
 LOSS_SCALE_KEYS = {
     "initial_scale_power": "initial_scale_power",
     "loss_scale_window": "scale_window",
@@ -138,6 +139,12 @@ def read_deepspeed_config(
             settings["accumulate_grad_batches"] = _number(key, value, int)
         elif key == "train_micro_batch_size_per_gpu":
             settings["micro_batch_size"] = _number(key, value, int)
+        elif key == "communication_data_type":
+            if value not in COMMUNICATION_DTYPES:
+                raise ValueError(
+                    f"DeepSpeed config: {key} must be one of {', '.join(COMMUNICATION_DTYPES)}, got {value!r}"
+                )
+            zero["reduce_dtype"] = COMMUNICATION_DTYPES[value]
         elif key in NO_EFFECT:
             no_effect.append(f"{key} ({NO_EFFECT[key]})")
         elif key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param") and (

@@ -204,14 +204,18 @@ class ZeroStrategy(DDPStrategy):
             if fitting:
                 for unit in sharded.units:
                     if unit.requires_grad:
-                        unit.make_trainable()
+                        unit.make_trainable(grad_dtype=self.config.grad_dtype(unit.param_dtype))
         else:
-            materialize = None
-            if construction is not None:
-                dtype = self.precision_plugin.param_dtype
+            dtype = self._stage3_param_dtype()
 
-                def materialize(params: list) -> None:
+            def materialize(params: list) -> None:
+                """Each unit whole (from the construction) and in its dtype, one unit at a time."""
+                if construction is not None:
                     construction.materialize(params, dtype)
+                elif dtype is not None:
+                    for p in params:
+                        if p.is_floating_point():
+                            p.data = p.data.to(dtype)
 
             units, modules = build_units(
                 module,
@@ -238,6 +242,14 @@ class ZeroStrategy(DDPStrategy):
             backward_end=self._backward_end,
         )
         self._stage3.install_access_hooks(module)
+
+    def _stage3_param_dtype(self) -> torch.dtype | None:
+        """Stage 3 keeps shards (and gathers units) in the compute dtype under bf16-mixed, and in fp16 under
+        16-mixed; None keeps what the model has (``convert_module`` handled the whole-model cases)."""
+        precision = self.precision_plugin
+        if precision.precision == "bf16-mixed" and self.config.gather_dtype == "compute":
+            return torch.bfloat16
+        return precision.param_dtype
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:

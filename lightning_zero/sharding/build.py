@@ -61,7 +61,10 @@ def units_per_param_group(
             if trainable:
                 layout = build_layout([p.numel() for p in trainable], world_size, config.reduce_bucket_size)
                 names_ = [names[p] for p in trainable]
-                units.append(FlatUnit(trainable, names_, layout, rank, full_grad=config.stage == 1))
+                grad_dtype = config.grad_dtype(trainable[0].dtype)
+                units.append(
+                    FlatUnit(trainable, names_, layout, rank, full_grad=config.stage == 1, grad_dtype=grad_dtype)
+                )
     return units
 
 

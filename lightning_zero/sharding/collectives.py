@@ -25,7 +25,8 @@ from contextlib import contextmanager
 import torch.distributed as dist
 from torch import Tensor
 
-traffic: Counter[str] = Counter()
+traffic: Counter[str] = Counter()  # elements per kind of collective
+traffic_bytes: Counter[str] = Counter()  # the same in bytes (what the dtype costs on the wire)
 _records: list[list[tuple]] = []  # the active recordings (innermost last)
 
 # torch 2.13 deprecates the *_tensor spellings; older torch only has them.
@@ -35,6 +36,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def _note(op: str, tensor: Tensor, numel: int, group) -> None:
     traffic[op] += numel
+    traffic_bytes[op] += numel * tensor.element_size()
     if _records:
         entry = (op, "world" if group is None else str(dist.get_process_group_ranks(group)), numel, str(tensor.dtype))
         for record in _records:

@@ -54,6 +54,7 @@ class FlatUnit:
         shard_params: bool = False,
         trainable: bool = True,
         device: torch.device | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         """``full_grad``: stage 1's full gradient buffer, else a gradient partition (stages 2 and 3).
         ``shard_params``: stage 3; needs a one-bucket layout. ``trainable``: False when only evaluating
@@ -113,14 +114,16 @@ class FlatUnit:
         self.pieces: list[Piece] = []
         self.piece_tensors: list[Tensor] = []
         self._piece_index: dict[int, int] = {}
+        self.grad_dtype = grad_dtype or self.param_dtype
         if trainable:
-            self.make_trainable(full_grad=full_grad)
+            self.make_trainable(full_grad=full_grad, grad_dtype=grad_dtype)
 
-    def make_trainable(self, *, full_grad: bool = False) -> None:
+    def make_trainable(self, *, full_grad: bool = False, grad_dtype: torch.dtype | None = None) -> None:
         """Adds what training needs: the fp32 master partition, gradient storage and the pieces.
 
         [Note: gradient storage]
-        Gradients are stored in the parameters' dtype (fp32, or fp16 under 16-mixed). Stage 1
+        Gradients are stored in ``grad_dtype`` (by default the parameters' dtype; see
+        ``ZeroConfig.reduce_dtype``): the dtype buckets are reduced in and partitions accumulate in. Stage 1
         accumulates full gradients across micro-batches in ``flat_grad`` and reduce-scatters them once
         per step into a transient ``reduced`` partition. Stages 2 and 3 reduce-scatter every backward
         and accumulate only this rank's partition, which is ``reduced`` at all times. At the step the
@@ -138,10 +141,11 @@ class FlatUnit:
             self.master = torch.empty(partition, dtype=fp32, device=device)
             for bucket in layout.buckets:
                 self.master_chunk(bucket).copy_(self.param_chunk(bucket))
+        self.grad_dtype = grad_dtype or self.param_dtype
         if full_grad:
-            self.flat_grad = torch.zeros(layout.total_numel, dtype=self.param_dtype, device=device)
+            self.flat_grad = torch.zeros(layout.total_numel, dtype=self.grad_dtype, device=device)
         else:
-            self.grad_partition = torch.zeros(partition, dtype=self.param_dtype, device=device)
+            self.grad_partition = torch.zeros(partition, dtype=self.grad_dtype, device=device)
         self.reduced = self.grad_partition
         self.pieces = layout.pieces(self.rank)
         self.piece_tensors = [self.master[pc.partition_offset : pc.partition_offset + pc.numel] for pc in self.pieces]

@@ -143,7 +143,7 @@ class GradReducer:
                     " that also uses it outside, or a stage-3 parameter read outside its unit on some ranks only)"
                 )
             if self._buffers[slot] is None:
-                self._buffers[slot] = torch.zeros(bucket.numel, dtype=grad.dtype, device=grad.device)
+                self._buffers[slot] = torch.zeros(bucket.numel, dtype=unit.grad_dtype, device=grad.device)
                 self._count_live()
             self._buffers[slot][lo:hi].add_(grad.reshape(-1), alpha=scale)
             if self.stage == 2 and self._is_expected[slot][position]:
@@ -178,7 +178,7 @@ class GradReducer:
         buffer = self._buffers[slot]
         if buffer is None:  # no gradient reached this bucket on this rank: it contributes zeros
             param = unit.flat_param
-            buffer = self._buffers[slot] = torch.zeros(bucket.numel, dtype=unit.param_dtype, device=param.device)
+            buffer = self._buffers[slot] = torch.zeros(bucket.numel, dtype=unit.grad_dtype, device=param.device)
             self._count_live()
         own = buffer[bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
         work = collectives.reduce_scatter(own, buffer, async_op=self.overlap, group=self.group)

@@ -180,6 +180,7 @@ def build_units(
                 shard_params=True,
                 trainable=trainable and requires_grad,
                 device=device,
+                grad_dtype=config.grad_dtype(members[0].dtype),
             )
             units.append(unit)
             modules.append(module)
