@@ -42,7 +42,11 @@ class ZeroConfig:
             backward continues. When off, each bucket is reduced synchronously.
         timeout: seconds a collective may wait for the other ranks before the run fails with an error.
         unit_module_classes: stage 3: class names of the modules that become units (gathered and freed
-            as a whole). Empty: every child of an ``nn.ModuleList`` (transformer blocks).
+            as a whole). Empty: every child of an ``nn.ModuleList`` (transformer blocks), then, outside
+            those, the smallest modules holding at least ``unit_min_params`` parameters.
+        unit_min_params: stage 3, with no ``unit_module_classes``: the size from which a module outside
+            every ModuleList becomes a unit of its own (an ``nn.Sequential`` of large layers, a large
+            embedding); 0 turns that off.
         max_live_parameters: stage 3: prefetching never holds more than this many elements of gathered
             units at once (the unit about to run is gathered regardless).
         param_persistence_threshold: stage 3: units of at most this many elements stay gathered.
@@ -64,6 +68,7 @@ class ZeroConfig:
     overlap_comm: bool = True
     timeout: float = 1800.0
     unit_module_classes: list[str] = field(default_factory=list)
+    unit_min_params: int = 1_000_000
     max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
     reduce_dtype: str | None = None
@@ -91,6 +96,12 @@ class ZeroConfig:
             "zero.unit_module_classes",
             self.unit_module_classes,
             "a list of module class names",
+        )
+        _check(
+            _integer(self.unit_min_params) and self.unit_min_params >= 0,
+            "zero.unit_min_params",
+            self.unit_min_params,
+            "an integer >= 0 (parameters)",
         )
         _check(
             _integer(self.max_live_parameters) and self.max_live_parameters > 0,

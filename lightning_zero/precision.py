@@ -139,8 +139,10 @@ class ZeroPrecision(Precision):
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         zero = unwrap_optimizer(optimizer)
         if isinstance(zero, ZeroOptimizer):
-            zero.unscale_()  # elementwise clipping needs the true values
-        super().clip_grad_by_value(optimizer, clip_val)
+            zero.unscale_()  # elementwise clipping needs the true values; sharding does not change it
+            torch.nn.utils.clip_grad_value_(zero.pieces(), clip_val)
+        else:
+            super().clip_grad_by_value(optimizer, clip_val)
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}

@@ -34,8 +34,9 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
 from lightning_zero.sharding.construct import ShardedConstruction
-from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.flat_unit import FlatUnit, unit_location
 from lightning_zero.sharding.grad_reduce import GradReducer
+from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import (
     ShardedModule,
@@ -170,11 +171,14 @@ class ZeroStrategy(DDPStrategy):
         if self.config.check_collectives and self._collective_log is None:
             self._recording = collectives.record()
             self._collective_log, self._checked = self._recording.__enter__(), 0
+        if fitting and self.config.stage == 3 and not on_meta:
+            self.setup_optimizers(trainer)  # first, so that units can follow the optimizers (several of them)
         if self.config.stage == 3:
             self._setup_stage3(fitting, on_meta, sharded, construction)
         self._construction = None
         if fitting:
-            self.setup_optimizers(trainer)
+            if self.config.stage < 3 or on_meta:
+                self.setup_optimizers(trainer)
             names = check_optimizer_params(module, self.optimizers, rank=self.global_rank)
             if self.config.stage < 3:
                 kwargs = {"rank": self.global_rank, "world_size": self.world_size}
@@ -189,6 +193,8 @@ class ZeroStrategy(DDPStrategy):
                 backward_end=self._backward_end,
                 model=module,
             )
+            for optimizer in self.optimizers:
+                optimizer.activate = self._activate  # add_param_group
             if self._stage3 is not None:
                 self._stage3.reducer = self._reducer
             if self.precision_plugin.scaler is not None:
@@ -217,6 +223,8 @@ class ZeroStrategy(DDPStrategy):
                         if p.is_floating_point():
                             p.data = p.data.to(dtype)
 
+            holder = {id(p): k for k, o in enumerate(self.optimizers) for g in o.param_groups for p in g["params"]}
+            holder = holder if fitting else None
             units, modules = build_units(
                 module,
                 self.config,
@@ -225,6 +233,7 @@ class ZeroStrategy(DDPStrategy):
                 device=self.root_device,
                 trainable=fitting,
                 materialize=materialize,
+                holder=holder,
             )
             if construction is not None:
                 self.sharded_init_peak_bytes = construction.peak_bytes
@@ -242,6 +251,36 @@ class ZeroStrategy(DDPStrategy):
             backward_end=self._backward_end,
         )
         self._stage3.install_access_hooks(module)
+
+    def _activate(self, params: list) -> tuple[dict, dict]:
+        """``ZeroOptimizer.add_param_group``: gives ``params`` master weights and gradients from now on
+        (stage 3: their frozen units become trainable; stages 1-2: they get a unit of their own)."""
+        names = {p: n for n, p in self.lightning_module.named_parameters()}
+        for p in params:
+            located = unit_location(p)
+            if p not in names or not p.requires_grad or (located is not None and located[0].trainable):
+                raise ValueError(
+                    f"add_param_group: {names.get(p, 'a tensor')!r} must be a parameter of the LightningModule that"
+                    " requires grad and is not trained already"
+                )
+        if self.config.stage == 3:
+            units = list(dict.fromkeys(unit_location(p)[0] for p in params))
+            for unit in units:
+                unit.make_trainable(grad_dtype=self.config.grad_dtype(unit.param_dtype))
+        else:
+            numels = [p.numel() for p in params]
+            layout = build_layout(numels, self.world_size, self.config.reduce_bucket_size)
+            grad_dtype = self.config.grad_dtype(params[0].dtype)
+            full = self.config.stage == 1
+            units = [
+                FlatUnit(
+                    params, [names[p] for p in params], layout, self.global_rank, full_grad=full, grad_dtype=grad_dtype
+                )
+            ]
+            self._units += units
+            self._load_hooks += install_load_hooks(self.lightning_module, units)
+        self._reducer.add_units(units)
+        return {p: unit_location(p) for p in params}, names
 
     def _stage3_param_dtype(self) -> torch.dtype | None:
         """Stage 3 keeps shards (and gathers units) in the compute dtype under bf16-mixed, and in fp16 under

@@ -173,7 +173,12 @@ class EquivalenceModule(pl.LightningModule):
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
         self.grad_norms.append(float(norm))
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        pieces = (
+            optimizer.pieces()
+            if hasattr(optimizer, "pieces")
+            else [p for g in optimizer.param_groups for p in g["params"]]
+        )
+        grads = [p.grad for p in pieces if p.grad is not None]
         self.grad_max.append(max((float(g.abs().max()) for g in grads), default=0.0))
 
     def configure_optimizers(self):

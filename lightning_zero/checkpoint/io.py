@@ -246,7 +246,7 @@ def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimize
         )
     for group, saved in zip(optimizer.param_groups, loaded.lightning["optimizer_groups"][index]):
         group.update(saved)
-    group_of = {id(t): g for g in optimizer.param_groups for t in g["params"]}
+    group_of = {id(t): g for g in optimizer.optimizer.param_groups for t in g["params"]}
     for unit in optimizer.units:
         for piece, tensor in zip(unit.pieces, unit.piece_tensors):
             name = unit.names[piece.param]

@@ -60,7 +60,6 @@ class GradReducer:
         group=None,
     ) -> None:
         """``model``: stage 2 watches its modules' forwards (see [Note: stage-2 launch order])."""
-        self.units = list(units)
         self.stage = stage
         self.overlap = overlap
         self.world_size = world_size
@@ -69,26 +68,18 @@ class GradReducer:
         self.group = group
         self.peak_live_buckets = 0  # most bucket buffers alive at once (filling or in flight)
 
-        slots = [(u, b) for u in self.units for b in u.layout.buckets]
-        slots.sort(
-            key=lambda ub: -min(model_position[ub[0].params[i]] for i in range(ub[1].first_param, ub[1].end_param))
-        )
-        self.order: list[tuple[FlatUnit, Bucket]] = slots  # launch order; see [Note: stage-2 launch order]
-        self._params = [[u.params[i] for i in range(b.first_param, b.end_param)] for u, b in slots]
-        self._launched = [False] * len(slots)
-        self._buffers: list[Tensor | None] = [None] * len(slots)
-        self._arrived = [0] * len(slots)  # expected gradients that arrived in this backward
-        self._expected = [0] * len(slots)
-        self._is_expected: list[list[bool]] = [[True] * len(p) for p in self._params]
+        self.order: list[tuple[FlatUnit, Bucket]] = []  # launch order; see [Note: stage-2 launch order]
+        self._params: list[list[Parameter]] = []
+        self._launched: list[bool] = []
+        self._buffers: list[Tensor | None] = []
+        self._arrived: list[int] = []  # expected gradients that arrived in this backward
+        self._expected: list[int] = []
+        self._is_expected: list[list[bool]] = []
         self._next = 0  # first bucket in launch order not launched yet in this backward
         self._inflight: deque[tuple[int, dist.Work | None]] = deque()
-        self._slot_of = {(id(u), b.start): k for k, (u, b) in enumerate(slots)}
-
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(u, i))
-            for u in self.units
-            for i, p in enumerate(u.params)
-        ]
+        self._handles = []
+        self.units = []
+        self.add_units(units, model_position)
         self._forward_used: dict[int, int] = {}  # id(param) -> order of first use in this forward (stage 2)
         self._order_agreed = stage != 2 or world_size == 1
         if stage == 2:
@@ -96,6 +87,27 @@ class GradReducer:
             backward_end.on_begin.append(self._expect)
         if stage >= 2:
             backward_end.on_end.append(self.finish_backward)
+
+    def add_units(self, units: Sequence[FlatUnit], model_position: dict[Parameter, int] | None = None) -> None:
+        """Starts reducing the gradients of ``units`` (at set-up, or when parameters are unfrozen): their
+        buckets come after the existing ones in the launch order, on every rank alike."""
+        position = model_position or {}
+        slots = [(u, b) for u in units for b in u.layout.buckets]
+        slots.sort(
+            key=lambda ub: -min(position.get(ub[0].params[i], 0) for i in range(ub[1].first_param, ub[1].end_param))
+        )
+        self.units += list(units)
+        self.order += slots
+        self._params += [[u.params[i] for i in range(b.first_param, b.end_param)] for u, b in slots]
+        self._launched += [False] * len(slots)
+        self._buffers += [None] * len(slots)
+        self._arrived += [0] * len(slots)
+        self._expected += [0] * len(slots)
+        self._is_expected += [[True] * (b.end_param - b.first_param) for _, b in slots]
+        self._slot_of = {(id(u), b.start): k for k, (u, b) in enumerate(self.order)}
+        self._handles += [
+            p.register_post_accumulate_grad_hook(self._make_hook(u, i)) for u in units for i, p in enumerate(u.params)
+        ]
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -26,12 +26,13 @@ was not initialized by its module: that is an error, not silent garbage.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torch.nn import Module, ModuleList, Parameter
+from torch.nn import Module, ModuleDict, ModuleList, Parameter, ParameterDict, ParameterList
 
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit, forget_location
@@ -80,9 +81,11 @@ class ShardedModule:
             )
 
 
-def unit_modules(model: Module, unit_module_classes: Sequence[str]) -> list[Module]:
-    """The modules that become units, in ``model.modules()`` order; a candidate inside another one
-    belongs to the outer unit (units never nest: an expert inside a block is gathered with the block)."""
+_CONTAINERS = (ModuleList, ModuleDict, ParameterList, ParameterDict)  # have no forward to hook
+
+
+def unit_modules(model: Module, unit_module_classes: Sequence[str], min_params: int = 0) -> list[Module]:
+    """The modules that become units (see [Note: unit ownership]), in ``model.modules()`` order."""
     if unit_module_classes:
         found = [m for m in model.modules() if m is not model and type(m).__name__ in unit_module_classes]
         missing = set(unit_module_classes) - {type(m).__name__ for m in found}
@@ -91,17 +94,26 @@ def unit_modules(model: Module, unit_module_classes: Sequence[str]) -> list[Modu
     else:
         found = [c for m in model.modules() if isinstance(m, ModuleList) for c in m.children()]
     candidates = {id(c) for c in found}
-    outermost: list[Module] = []
+    chosen: set[int] = set()
 
-    def walk(module: Module, inside: bool) -> None:
+    def walk(module: Module, inside: bool) -> int:
+        """Marks the outermost candidates; returns the parameters of ``module`` that no unit holds yet."""
         if id(module) in candidates and not inside:
-            outermost.append(module)
+            chosen.add(id(module))
             inside = True
-        for child in module.children():
-            walk(child, inside)
+        free = sum(p.numel() for p in module._parameters.values() if p is not None)
+        free += sum(walk(child, inside) for child in module.children())
+        if inside or id(module) in chosen:
+            return 0
+        # By size: the smallest modules outside any unit that hold at least min_params parameters.
+        if min_params and not unit_module_classes and free >= min_params and module is not model:
+            if not isinstance(module, _CONTAINERS):
+                chosen.add(id(module))
+                return 0
+        return free
 
     walk(model, False)
-    return list({id(m): m for m in outermost}.values())
+    return [m for m in dict.fromkeys(model.modules()) if id(m) in chosen]
 
 
 def _unit_chains(model: Module, units: Sequence[Module]) -> Iterator[tuple[Module, tuple[Module, ...]]]:
@@ -148,14 +160,25 @@ def build_units(
     device: torch.device,
     trainable: bool,
     materialize: Callable[[list[Parameter]], None] | None = None,
+    holder: Mapping[int, int] | None = None,
     group=None,
 ) -> tuple[list[FlatUnit], list[Module | None]]:
     """Single-bucket, parameter-sharded FlatUnits for each owning unit; meta parameters are replaced.
 
     ``materialize(params)`` makes a unit's parameters whole right before its flat units are built (a
-    model from ``ShardedConstruction``), so no more than one unit is ever whole."""
+    model from ``ShardedConstruction``), so no more than one unit is ever whole. ``holder`` maps
+    ``id(param)`` to the optimizer that steps it: a unit's parameters of different optimizers (a GAN's
+    generator and discriminator in the root unit) get flat units of their own."""
     names = {p: n for n, p in model.named_parameters(remove_duplicate=True)}
-    assignment = assign_units(model, unit_modules(model, config.unit_module_classes))
+    assignment = assign_units(model, unit_modules(model, config.unit_module_classes, config.unit_min_params))
+    root = sum(p.numel() for module, params in assignment if module is None for p in params)
+    total = sum(p.numel() for _, params in assignment for p in params)
+    if root > 0.5 * total and root >= config.unit_min_params > 0:
+        rank_zero_warn(
+            f"zero3: the root unit (parameters of no unit, gathered for the whole step) holds {root:,} of the"
+            f" model's {total:,} parameters; name the modules to shard one by one in zero.unit_module_classes,"
+            " or lower zero.unit_min_params"
+        )
     signature = [[(names[p], tuple(p.shape)) for p in params] for _, params in assignment]
     for r, other in enumerate(collectives.all_gather_object(signature, group=group)):
         if other != signature:
@@ -166,10 +189,10 @@ def build_units(
             materialize(params)
         # One flat unit per kind of parameter the module owns: trainable ones (master weights, gradients)
         # and frozen ones (the shard only), one per dtype; all are gathered together.
-        kinds: dict[tuple[bool, torch.dtype], list[Parameter]] = {}
+        kinds: dict[tuple[bool, torch.dtype, int], list[Parameter]] = {}
         for p in params:
-            kinds.setdefault((p.requires_grad, p.dtype), []).append(p)
-        for (requires_grad, _), members in kinds.items():
+            kinds.setdefault((p.requires_grad, p.dtype, (holder or {}).get(id(p), -1)), []).append(p)
+        for (requires_grad, _, _), members in kinds.items():
             numels = [p.numel() for p in members]
             layout = build_layout(numels, world_size, bucket_numel=sum(numels))
             unit = FlatUnit(

@@ -65,21 +65,15 @@ class ZeroOptimizer:
         self.optimizer = optimizer
         self.reducer = reducer
         self.group = group
+        self.activate: Callable[[list[Parameter]], dict] | None = None  # see add_param_group
         # For each group, each original parameter's slot (None when frozen); the numbering of the
         # unsharded optimizer's state dict follows these lists.
         self._slots: list[list[Slot | None]] = []
-        self._group_names = [[names[p] for p in g["params"]] for g in optimizer.param_groups]
+        self._group_names: list[list[str]] = []
+        self._views: list[dict[str, Any]] = []
         for param_group in optimizer.param_groups:
-            slots = []
-            for p in param_group["params"]:
-                if p in locate:
-                    unit, index = locate[p]
-                    piece, tensor = unit.piece_of(index)
-                    slots.append(Slot(unit, index, piece, tensor))
-                else:
-                    slots.append(None)
-            self._slots.append(slots)
-            param_group["params"] = [s.tensor for s in slots if s is not None and s.tensor is not None]
+            params = list(param_group["params"])
+            self._adopt(param_group, params, locate, names)
         self.units = list({id(s.unit): s.unit for slots in self._slots for s in slots if s is not None}.values())
         self._prepared = False
         self._found_inf = False
@@ -87,10 +81,46 @@ class ZeroOptimizer:
         self.last_step_skipped = False
         self.loss_scale = 1.0  # the fp16 loss scale backward used (the precision plugin keeps it current)
 
-    # --- what Lightning and LR schedulers read -----------------------------------------------------
+    def _adopt(self, inner: dict[str, Any], params: list[Parameter], locate: Mapping, names: Mapping) -> None:
+        """Points ``inner`` (a group of the wrapped optimizer) at this rank's pieces of ``params``."""
+        slots = []
+        for p in params:
+            if p in locate:
+                unit, index = locate[p]
+                piece, tensor = unit.piece_of(index)
+                slots.append(Slot(unit, index, piece, tensor))
+            else:
+                slots.append(None)
+        self._slots.append(slots)
+        self._group_names.append([names[p] for p in params])
+        inner["params"] = [s.tensor for s in slots if s is not None and s.tensor is not None]
+        self._views.append({**{k: v for k, v in inner.items() if k != "params"}, "params": params})
+
+    # --- what Lightning, LR schedulers and callbacks read --------------------------------------------
+    # [Note: param group views]
+    # ``param_groups`` shows the user's groups with the model's own parameters (as the optimizer built in
+    # ``configure_optimizers`` had them), so schedulers, LearningRateMonitor and fine-tuning callbacks see
+    # what they expect; the wrapped optimizer steps this rank's pieces instead. Hyper-parameters written
+    # to the views (a new lr) reach the wrapped optimizer before every step (``_push_hyperparameters``).
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+        return self._views
+
+    def _push_hyperparameters(self) -> None:
+        for view, inner in zip(self._views, self.optimizer.param_groups):
+            inner.update({k: v for k, v in view.items() if k != "params"})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds parameters to train from now on (e.g. a backbone unfrozen by ``BackboneFinetuning``): their
+        units get master weights and gradients (collective: every rank adds the same group)."""
+        params = list(param_group["params"])
+        if self.activate is None:
+            raise RuntimeError("parameters can be added once the ZeRO strategy has set the optimizer up")
+        locate, names = self.activate(params)
+        self.optimizer.add_param_group({**param_group, "params": [torch.zeros(0)]})  # defaults filled in
+        inner = self.optimizer.param_groups[-1]
+        self._adopt(inner, params, locate, names)
+        self.units += [u for u in dict.fromkeys(unit for unit, _ in locate.values()) if u not in self.units]
 
     @property
     def state(self) -> dict:
@@ -233,6 +263,7 @@ class ZeroOptimizer:
         if self.prepare_grads():
             raise RuntimeError("gradients overflowed: skip this step with skip_step() instead")
         self.unscale_()
+        self._push_hyperparameters()
         self.optimizer.step()
         for unit in self.units:
             unit.after_step(group=self.group)
@@ -248,6 +279,10 @@ class ZeroOptimizer:
         self.last_step_skipped = True
 
     # --- checkpoints --------------------------------------------------------------------------------
+    def pieces(self) -> list[Tensor]:
+        """This rank's pieces (what the wrapped optimizer steps), with their gradients during the step."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def param_names(self) -> list[list[str]]:
         """Each param group's parameters by name (frozen ones included), as a checkpoint records them."""
         return [list(names) for names in self._group_names]
