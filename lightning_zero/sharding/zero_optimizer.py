@@ -20,7 +20,7 @@ load at any world size), never gathered in one place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,41 @@ class Slot:
     index: int
     piece: Piece | None  # None when this rank owns no part of the parameter
     tensor: Tensor | None  # the piece's view into the unit's master partition
+
+
+class ParamGroupView(MutableMapping):
+    """One of the user's param groups as ``ZeroOptimizer.param_groups`` shows it.
+
+    [Note: param group views]
+    It lists the model's own parameters (as the optimizer built in ``configure_optimizers`` had them),
+    so LR schedulers, LearningRateMonitor and fine-tuning callbacks see what they expect, while every
+    other key (lr, weight_decay, ...) is the wrapped optimizer's own group, which steps this rank's
+    pieces: a new lr written here, or by a scheduler bound to the unwrapped optimizer, is the one used.
+    """
+
+    def __init__(self, inner: dict[str, Any], params: list[Parameter]) -> None:
+        self.inner = inner
+        self.params = params
+
+    def __getitem__(self, key: str) -> Any:
+        return self.params if key == "params" else self.inner[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise ValueError("a sharded param group's parameters cannot be replaced; use add_param_group")
+        self.inner[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.inner[key]
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __repr__(self) -> str:
+        return repr({k: (f"<{len(self.params)} parameters>" if k == "params" else v) for k, v in self.items()})
 
 
 class ZeroOptimizer:
@@ -70,7 +105,7 @@ class ZeroOptimizer:
         # unsharded optimizer's state dict follows these lists.
         self._slots: list[list[Slot | None]] = []
         self._group_names: list[list[str]] = []
-        self._views: list[dict[str, Any]] = []
+        self._views: list[ParamGroupView] = []
         for param_group in optimizer.param_groups:
             params = list(param_group["params"])
             self._adopt(param_group, params, locate, names)
@@ -94,21 +129,12 @@ class ZeroOptimizer:
         self._slots.append(slots)
         self._group_names.append([names[p] for p in params])
         inner["params"] = [s.tensor for s in slots if s is not None and s.tensor is not None]
-        self._views.append({**{k: v for k, v in inner.items() if k != "params"}, "params": params})
+        self._views.append(ParamGroupView(inner, params))
 
     # --- what Lightning, LR schedulers and callbacks read --------------------------------------------
-    # [Note: param group views]
-    # ``param_groups`` shows the user's groups with the model's own parameters (as the optimizer built in
-    # ``configure_optimizers`` had them), so schedulers, LearningRateMonitor and fine-tuning callbacks see
-    # what they expect; the wrapped optimizer steps this rank's pieces instead. Hyper-parameters written
-    # to the views (a new lr) reach the wrapped optimizer before every step (``_push_hyperparameters``).
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[ParamGroupView]:
         return self._views
-
-    def _push_hyperparameters(self) -> None:
-        for view, inner in zip(self._views, self.optimizer.param_groups):
-            inner.update({k: v for k, v in view.items() if k != "params"})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds parameters to train from now on (e.g. a backbone unfrozen by ``BackboneFinetuning``): their
@@ -263,7 +289,6 @@ class ZeroOptimizer:
         if self.prepare_grads():
             raise RuntimeError("gradients overflowed: skip this step with skip_step() instead")
         self.unscale_()
-        self._push_hyperparameters()
         self.optimizer.step()
         for unit in self.units:
             unit.after_step(group=self.group)
