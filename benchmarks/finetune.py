@@ -2,7 +2,7 @@
 ddp, zero2, zero3 (frozen base sharded) in fp32, and zero3 under bf16-mixed with bf16 gathers and with
 fp32 gathers. Per rank: persistent bytes (parameters / gradients / optimizer state), the bytes alive
 between forward and backward (what autocast and the gathers keep for backward; profiled on the CPU
-allocator), bytes sent per step, and the median step time (ratio to ddp). One spawn, configurations
+saved tensors), bytes sent per step, and the median step time (ratio to ddp). One spawn, configurations
 interleaved per round, so the machine's state is shared.
 
     python benchmarks/finetune.py --out benchmarks/results/finetune_llama_cpu_<date>.md
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from common import QUIET, emit
 from lightning.pytorch.strategies import DDPStrategy
-from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero.memory import SavedBytes
 from lightning_zero.sharding import collectives
 from lightning_zero.spawn import spawn_local_ranks
 
@@ -91,25 +91,24 @@ class Tune(pl.LightningModule):
 
 
 class Probe(pl.Callback):
-    """Step times; on the profiled step, bytes alive at the end of forward; bytes sent per step; memory."""
+    """Step times; on the profiled step, bytes autograd keeps from forward to backward; bytes sent per step; memory."""
 
     def __init__(self, profiled_step: int) -> None:
         self.profiled_step = profiled_step
         self.times: list[float] = []
         self.alive = 0
+        self._saved = SavedBytes()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 1:
             self._traffic = dict(collectives.traffic_bytes)
         if batch_idx == self.profiled_step:
-            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profile.__enter__()
+            self._saved.start()
         self._start = time.perf_counter()
 
     def on_before_backward(self, trainer, pl_module, loss):
         if trainer.global_step == self.profiled_step:
-            self._profile.__exit__(None, None, None)
-            self.alive = sum(e.self_cpu_memory_usage for e in self._profile.events())
+            self.alive = self._saved.stop()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx != self.profiled_step:
@@ -212,9 +211,12 @@ def main() -> None:
         "",
         f"Formula for zero3 (frozen bytes + 16 x trainable) / N = {formula:.1f}"
         " MiB per rank in fp32; with bf16 gathers the shards are bf16 (2 bytes) and the fp32 master covers the"
-        " trainable parameters only. 'alive fwd->bwd' is what the CPU allocator holds at the end of forward beyond"
-        " the start of the step (activations, autocast's weight copies, units kept for backward). 'sent' counts"
-        " what each rank's collectives move (ddp: its gradient all-reduce, 2 x the trainable gradients).",
+        " trainable parameters only. 'alive fwd->bwd' is what autograd keeps from forward to backward (saved"
+        " tensors' storages at the end of forward: activations, autocast's weight copies, gathered weights)."
+        " 'sent' counts what each rank's collectives move (ddp: its gradient all-reduce, 2 x the trainable gradients).",
+        "ddp's and zero2's 'alive' includes the whole weights, which backward reads (they are resident anyway);",
+        "zero3 frees every unit after forward and gathers it again for backward. On CPUs without native bf16",
+        "matmuls the bf16-mixed rows measure bytes, not speed.",
     ]
     emit("\n".join(lines) + "\n", args.out)
 

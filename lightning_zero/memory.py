@@ -22,6 +22,8 @@ stage 1's reduced partition (B Psi / N).
 
 from __future__ import annotations
 
+import torch
+
 
 def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4) -> dict[str, float]:
     """Per-rank bytes by category for ``strategy`` in ("ddp", "zero1", "zero2", "zero3") with Adam.
@@ -38,3 +40,33 @@ def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4
     if strategy == "zero3":  # with fp32 parameters the parameter shard is the master: K = 8
         return {"parameters": b * psi / n, "gradients": b * psi / n, "optimizer_state": (12 if b == 2 else 8) * psi / n}
     raise ValueError(f"strategy must be one of ddp, zero1, zero2, zero3, got {strategy!r}")
+
+
+class SavedBytes:
+    """Bytes autograd keeps from forward to backward, counted exactly (``start()`` ... ``stop()``).
+
+    Records the storage of every tensor saved for backward while it runs; ``stop()`` returns their
+    total size at that moment, each storage once. A stage-3 unit freed after forward counts 0 (its
+    storage is resized to 0 until backward gathers it again); autocast's bf16 copies of weights and
+    the activations count in full. (Allocator statistics cannot tell this on the CPU: gloo frees its
+    temporaries on its own threads, where the profiler does not see them.)
+    """
+
+    def __init__(self) -> None:
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self._storages.setdefault(storage.data_ptr() or id(storage), storage)
+        return tensor
+
+    def start(self) -> None:
+        self._storages.clear()
+        self._hooks.__enter__()
+
+    def stop(self) -> int:
+        self._hooks.__exit__(None, None, None)
+        total = sum(storage.nbytes() for storage in self._storages.values())
+        self._storages.clear()
+        return total

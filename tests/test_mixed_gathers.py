@@ -8,8 +8,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
-from torch.profiler import ProfilerActivity, profile
 
+from lightning_zero.memory import SavedBytes
 from lightning_zero.sharding import collectives
 
 STEPS = 3
@@ -22,15 +22,14 @@ class Measure(pl.Callback):
     def __init__(self) -> None:
         self.alive: list[int] = []
         self.sent: list[dict[str, int]] = []
+        self._saved = SavedBytes()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._before = dict(collectives.traffic_bytes)
-        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profile.__enter__()
+        self._saved.start()
 
     def on_before_backward(self, trainer, pl_module, loss):
-        self._profile.__exit__(None, None, None)
-        self.alive.append(sum(e.self_cpu_memory_usage for e in self._profile.events()))
+        self.alive.append(self._saved.stop())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.sent.append({k: v - self._before.get(k, 0) for k, v in collectives.traffic_bytes.items()})
@@ -76,7 +75,7 @@ def test_bf16_gathers_halve_bytes_and_keep_no_weight_copies(tmp_path):
         assert reduce16["sent"][step]["reduce_scatter"] * 2 == bf16["sent"][step]["reduce_scatter"]
         # fp32 gathers: autocast's bf16 copy of every weight matrix stays alive for backward (2 bytes each)
         saved = fp32["alive"][step] - bf16["alive"][step]
-        assert saved >= 2 * bf16["matrices"] * 0.9, (step, saved, bf16["matrices"])
+        assert saved >= 2 * bf16["matrices"], (step, saved, bf16["matrices"])
     n = bf16["partition"]
     assert bf16["memory"]["parameters"] == 2 * n  # bf16 shards
     assert bf16["memory"]["master"] == 4 * n and bf16["memory"]["gradients"] == 4 * n
