@@ -39,7 +39,7 @@ class LoRA(nn.Module):
 
 
 class LoRAFineTune(pl.LightningModule):
-    def __init__(self, config, pretrained: str | None = None, targets=("q_proj", "v_proj"), lr: float = 1e-3):
+    def __init__(self, config, pretrained: str | None = None, targets=("q_proj", "v_proj"), lr: float = 5e-3):
         super().__init__()
         self.config, self.pretrained, self.targets, self.lr = config, pretrained, targets, lr
         self.model = None

@@ -129,3 +129,22 @@ def test_hugging_face_models_match_single_process(tmp_path):
                 assert torch.equal(buffer, buffers[key]), f"{tag} rank {r}: buffer {key}"
         if options.get("lora"):
             assert results[0]["frozen"] > 10 * results[0]["trainable"] if stage == 3 else True
+
+
+@pytest.mark.slow
+def test_the_fine_tuning_example_runs(tmp_path):
+    """README's example: a LoRA fine-tune of a Llama under zero3 on 2 CPU processes (as a user runs it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "finetune_hf.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--devices", "2", "--steps", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "frozen 623,744 and trainable 14,336 parameters; rank 0 holds parameters" in result.stdout
