@@ -4,6 +4,7 @@ shaped like those popular projects ship for ZeRO-2 and ZeRO-3."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -112,27 +113,25 @@ FP16_STATIC = {"fp16": {"enabled": True, "loss_scale": 128}, "zero_optimization"
             ),
         ),
         ({"fp16": {"enabled": False}, "gradient_clipping": 0.0}, (), dict(precision="32-true", gradient_clip_val=None)),
+        (
+            {"bf16": {"enabled": True}, "communication_data_type": "bf16", "zero_optimization": {"stage": 3}},
+            (),
+            dict(zero=ZeroConfig(stage=3, reduce_dtype="bfloat16"), precision="bf16-mixed"),
+        ),
     ],
 )
 def test_mapping(config, ignore, expected, tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
-    with (
-        pytest.warns(UserWarning, match="accepted with no effect")
-        if any(k in json.dumps(config) for k in ("allgather", "contiguous", "steps_per_print"))
-        else _no_warning()
-    ):
-        settings = read_deepspeed_config(path, ignore=ignore)
+    if any(k in json.dumps(config) for k in ("allgather", "contiguous", "steps_per_print")):
+        with pytest.warns(UserWarning, match="accepted with no effect"):
+            settings = read_deepspeed_config(path, ignore=ignore)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a config with no inert keys must not warn at all
+            settings = read_deepspeed_config(path, ignore=ignore)
     for key, value in expected.items():
         assert getattr(settings, key) == value, key
-
-
-class _no_warning:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_no_effect_keys_are_reported_with_reasons():
@@ -167,6 +166,7 @@ def test_unsupported_keys_are_listed_in_one_error():
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true; choose one"),
         ({"fp16": {"hysteresis": 2}}, "need fp16.enabled: true"),
         ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis must be an integer >= 1, got 0"),
+        ({"communication_data_type": "int8"}, "communication_data_type must be one of fp32, fp16, bf16, got 'int8'"),
     ],
 )
 def test_bad_deepspeed_values(config, message):

@@ -24,10 +24,12 @@ STEPS = 4
 RUNS = [
     ("gpt2", 1, {}),
     ("gpt2", 2, {}),
+    ("gpt2", 2, {"lazy": True}),
     ("gpt2", 3, {}),
     ("gpt2", 3, {"lazy": True}),
     ("llama", 1, {}),
     ("llama", 2, {}),
+    ("llama", 3, {}),
     ("llama", 3, {"lazy": True}),
     ("llama", 3, {"lazy": True, "checkpointing": True}),
     ("gpt2", 2, {"lora": True}),

@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, root) -> None:
 
     pretrained._Source.read = counting
     psi = sum(v.numel() for v in expected.values())
-    for stage, when in ((3, "configure"), (3, "start"), (2, "start")):
+    for stage, when in ((3, "configure"), (3, "start"), (2, "configure"), (2, "start")):
         for kind, source in sources.items():
             pl.seed_everything(0)
             module = Pretrained(source, when)
