@@ -27,6 +27,7 @@ from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.utils import _sync_module_states as torch_sync_module_states
 
 from lightning_zero.checkpoint import io as checkpoint_io
+from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.precision import ZeroPrecision, validate_precision
@@ -390,7 +391,7 @@ class ZeroStrategy(DDPStrategy):
         """Writes the checkpoint as a directory: each rank its own shards (collective; see checkpoint/format.py)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
-        checkpoint_io.save(
+        checkpoint_save.save(
             checkpoint,
             filepath,
             model=self.lightning_module,
@@ -401,9 +402,18 @@ class ZeroStrategy(DDPStrategy):
             world_size=self.world_size,
         )
 
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """ModelCheckpoint's top-k: hidden first, then deleted, so a half-removed one is never visible."""
+        checkpoint_save.remove(filepath, rank=self.global_rank)
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Checks a sharded checkpoint directory (saved at any world size and stage) on every rank."""
-        self._loaded = checkpoint_io.open_checkpoint(checkpoint_path, rank=self.global_rank, world_size=self.world_size)
+        """Checks a sharded checkpoint directory (saved at any world size and stage) on every rank.
+
+        Lightning's state is unpickled with ``weights_only=True`` unless ``trainer.fit(...,
+        weights_only=False)`` says the file is trusted."""
+        self._loaded = checkpoint_io.open_checkpoint(
+            checkpoint_path, rank=self.global_rank, world_size=self.world_size, weights_only=weights_only is not False
+        )
         return self._loaded.lightning
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

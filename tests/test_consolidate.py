@@ -62,7 +62,7 @@ def test_consolidated_state_dict_equals_the_gathered_parameters(tmp_path):
         )
 
 
-WIDTH, DEPTH = 512, 40  # 10.5M parameters, 42 MB in fp32; the largest is 1 MB
+WIDTH, DEPTH = 512, 80  # 21M parameters, 84 MB in fp32; the largest is 1 MB
 
 
 def _fit_wide(rank: int, world: int, root) -> None:

@@ -26,7 +26,13 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_zero.checkpoint.format import LIGHTNING, check_file, fsync_dir, read_metadata
+from lightning_zero.checkpoint.format import (
+    CheckpointError,
+    check_file,
+    fsync_dir,
+    load_lightning_state,
+    read_metadata,
+)
 from lightning_zero.checkpoint.shards import ShardReader
 
 _SAFETENSORS_DTYPES = {
@@ -45,13 +51,13 @@ _SAFETENSORS_DTYPES = {
 Source = tuple[str, Callable[[], Tensor], tuple[int, ...], torch.dtype]  # (identity, produce, shape, dtype)
 
 
-def _sources(directory: Path) -> list[tuple[str, Source]]:
+def _sources(directory: Path, weights_only: bool) -> list[tuple[str, Source]]:
     """(state-dict key, where its value comes from), in the module's key order; tied keys share a source."""
     meta = read_metadata(directory)
     for name, expected in meta.files.items():
         check_file(directory, name, expected, checksum=True)
     reader = ShardReader(directory, meta, keep_open=False)
-    replicated = torch.load(directory / LIGHTNING, map_location="cpu", weights_only=False)["state_dict"]
+    replicated = load_lightning_state(directory, weights_only=weights_only)["state_dict"]
     by_key: dict[str, Source] = {}
     for unit in meta.units:
         for entry in unit.params:
@@ -115,12 +121,25 @@ def _write_safetensors(path: Path, sources: list[tuple[str, Source]]) -> None:
         os.fsync(f.fileno())
 
 
-def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike) -> Path:
-    """Writes the plain fp32 state dict of a sharded checkpoint to ``output`` (.pt or .safetensors), atomically."""
+def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, *, weights_only: bool = True) -> Path:
+    """Writes the plain fp32 state dict of a sharded checkpoint to ``output`` (.pt or .safetensors), atomically.
+
+    ``weights_only=False`` unpickles the checkpoint's Lightning state without restrictions: only for a
+    checkpoint you trust. Bad input raises a one-line CheckpointError before anything is written."""
     directory, output = Path(checkpoint), Path(output)
-    sources = _sources(directory)
+    if output.is_dir():
+        raise CheckpointError(f"{output}: is a directory; give the path of the file to write (.pt or .safetensors)")
+    if not output.parent.is_dir():
+        raise CheckpointError(f"{output.parent}: no such directory to write {output.name} into")
+    if output.suffix not in (".pt", ".pth", ".bin", ".safetensors"):
+        raise CheckpointError(f"{output}: the output must end in .pt, .pth, .bin or .safetensors")
+    sources = _sources(directory, weights_only)
     tmp = output.with_name(f".{output.name}.tmp")
-    (_write_safetensors if output.suffix == ".safetensors" else _write_torch)(tmp, sources)
-    os.replace(tmp, output)
+    try:
+        (_write_safetensors if output.suffix == ".safetensors" else _write_torch)(tmp, sources)
+        os.replace(tmp, output)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing is left behind
+        raise
     fsync_dir(output.parent)
     return output

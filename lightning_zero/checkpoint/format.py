@@ -16,22 +16,26 @@ A checkpoint is a directory::
                              tensors, scalars such as Adam's step per piece)
         COMPLETE             written last: a directory without it is not a checkpoint
 
-[Note: atomic saves]
-Every file is written under a temporary name, fsynced and renamed. The directory is assembled under a
-hidden name (``.<name>.partial``), rank 0 writes ``COMPLETE`` once every rank's file is in, and only
-then renames the directory to its final name. A process killed at any point leaves at most a hidden
-partial directory, which nothing loads, and the previous checkpoints untouched.
+Every file is written under a temporary name, fsynced and renamed, and hashed as it is written; the
+directory is assembled under a hidden name and published last (see [Note: the save protocol] in
+save.py). Reading validates the metadata against what a save writes (``_validate``) before opening
+any file it names, and loads Lightning's state with ``weights_only=True`` unless told otherwise.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import pickle
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 FORMAT = "lightning_zero.sharded"
 VERSION = 1
@@ -85,18 +89,112 @@ class Metadata:
 
     @classmethod
     def from_json(cls, text: str, where: Path) -> Metadata:
-        raw = json.loads(text)
-        if raw.get("format") != FORMAT:
-            raise CheckpointError(f"{where}: not a lightning_zero checkpoint (format {raw.get('format')!r})")
+        """Parses and validates metadata (see ``_validate``) before anything it names is opened."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise CheckpointError(f"{where}: not valid JSON ({error})") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+            raise CheckpointError(f"{where}: not a lightning_zero checkpoint (format {found!r})")
         if raw.get("version") != VERSION:
             raise CheckpointError(
                 f"{where}: checkpoint format version {raw.get('version')!r} is not supported"
                 f" (this lightning_zero reads version {VERSION})"
             )
+        _validate(raw, where)
         raw["units"] = [
             UnitEntry([ParamEntry(**p) for p in u["params"]], [list(b) for b in u["buckets"]]) for u in raw["units"]
         ]
         return cls(**raw)
+
+
+MAX_WORLD_SIZE = 1 << 20
+MAX_NUMEL = 1 << 44
+DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+_RANK_FILE = re.compile(r"rank-(\d{5,})\.pt")
+
+
+def _validate(raw: dict[str, Any], where: Path) -> None:
+    """Raises a CheckpointError naming the first field that is not what a lightning_zero save writes:
+    every file a plain name inside the checkpoint (``rank-NNNNN.pt`` for each saved rank, ``lightning.pt``),
+    world size and shapes bounded, dtypes known."""
+
+    def fail(field: str, value: Any, allowed: str) -> None:
+        raise CheckpointError(f"{where}: {field} must be {allowed}, got {str(value)[:80]!r}")
+
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    expected = {"stage", "world_size", "global_step", "epoch", "units", "optimizers", "state_dict_keys"}
+    expected |= {"weights_only", "files", "format", "version"}
+    if set(raw) != expected:
+        fail("its fields", sorted(raw), f"{sorted(expected)}")
+    if raw["stage"] not in (1, 2, 3):
+        fail("stage", raw["stage"], "1, 2 or 3")
+    world = raw["world_size"]
+    if not integer(world) or not 1 <= world <= MAX_WORLD_SIZE:
+        fail("world_size", world, f"an integer in [1, {MAX_WORLD_SIZE}]")
+    for key in ("global_step", "epoch"):
+        if not integer(raw[key]) or raw[key] < 0:
+            fail(key, raw[key], "an integer >= 0")
+    files = raw["files"]
+    if not isinstance(files, dict):
+        fail("files", files, "an object of file name -> size and sha256")
+    wanted = {rank_file(r) for r in range(world)} | {LIGHTNING}
+    if set(files) != wanted:
+        odd = sorted(set(files) ^ wanted)[:3]
+        fail("files", odd, f"exactly {LIGHTNING} and rank-00000.pt .. {rank_file(world - 1)}")
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"}:
+            fail(f"files[{name!r}]", entry, '{"bytes": ..., "sha256": ...}')
+        if not integer(entry["bytes"]) or entry["bytes"] < 0:
+            fail(f"files[{name!r}].bytes", entry["bytes"], "an integer >= 0")
+        if not isinstance(entry["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]):
+            fail(f"files[{name!r}].sha256", entry["sha256"], "64 hexadecimal digits")
+    if not isinstance(raw["units"], list):
+        fail("units", raw["units"], "a list")
+    for u, unit in enumerate(raw["units"]):
+        if not isinstance(unit, dict) or set(unit) != {"params", "buckets"} or not isinstance(unit["params"], list):
+            fail(f"units[{u}]", unit, '{"params": [...], "buckets": [...]}')
+        for p, param in enumerate(unit["params"]):
+            field_ = f"units[{u}].params[{p}]"
+            if not isinstance(param, dict) or set(param) != {"name", "keys", "shape", "dtype"}:
+                fail(field_, param, '{"name", "keys", "shape", "dtype"}')
+            if not isinstance(param["name"], str) or not isinstance(param["keys"], list):
+                fail(field_, param, "a name and a list of keys")
+            shape = param["shape"]
+            if (
+                not isinstance(shape, list)
+                or not all(integer(d) and d >= 0 for d in shape)
+                or math.prod(shape) > MAX_NUMEL
+            ):
+                fail(f"{field_}.shape", shape, f"a list of sizes >= 0 with at most {MAX_NUMEL} elements")
+            if param["dtype"] not in DTYPES:
+                fail(f"{field_}.dtype", param["dtype"], f"one of {', '.join(sorted(DTYPES))}")
+        bounds = unit["buckets"]
+        n = len(unit["params"])
+        if not isinstance(bounds, list) or not all(
+            isinstance(b, list) and len(b) == 2 and all(map(integer, b)) for b in bounds
+        ):
+            fail(f"units[{u}].buckets", bounds, "a list of [first, end] pairs")
+        if bounds and (
+            [b[0] for b in bounds[1:]] != [b[1] for b in bounds[:-1]] or bounds[0][0] != 0 or bounds[-1][1] != n
+        ):
+            fail(f"units[{u}].buckets", bounds, f"[first, end) ranges covering parameters 0..{n} in order")
+    for key in ("state_dict_keys",):
+        if not isinstance(raw[key], list) or not all(isinstance(k, str) for k in raw[key]):
+            fail(key, raw[key], "a list of names")
+    if not isinstance(raw["weights_only"], bool):
+        fail("weights_only", raw["weights_only"], "true or false")
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a complete lightning_zero checkpoint directory (its metadata says so)."""
+    try:
+        return (path / COMPLETE).is_file() and json.loads((path / METADATA).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def sha256_file(path: Path) -> str:
@@ -115,14 +213,37 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, write: Callable[[Path], None]) -> dict[str, Any]:
-    """``write(tmp)``, fsync, rename to ``path``; returns the file's size and sha256."""
+class _HashingFile:
+    """A binary file that hashes and counts what is written to it (no second read to checksum)."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def write_atomically(path: Path, write: Callable[[Any], None]) -> dict[str, Any]:
+    """``write(file)`` into a temporary file, fsync, rename to ``path``; returns the file's size and sha256."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    try:
+        with open(tmp, "wb") as f:
+            hashing = _HashingFile(f)
+            write(hashing)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"bytes": hashing.bytes, "sha256": hashing.sha256.hexdigest()}
 
 
 def check_file(directory: Path, name: str, expected: dict[str, Any], *, checksum: bool) -> None:
@@ -138,6 +259,10 @@ def check_file(directory: Path, name: str, expected: dict[str, Any], *, checksum
 
 
 def read_metadata(directory: Path) -> Metadata:
+    if not directory.exists():
+        raise CheckpointError(
+            f"{directory}: no such checkpoint (on a multi-node run: is it on a filesystem every node shares?)"
+        )
     if not directory.is_dir() or not any((directory / n).exists() for n in (METADATA, COMPLETE)):
         raise CheckpointError(f"{directory}: not a lightning_zero checkpoint (a directory with {METADATA})")
     if not (directory / COMPLETE).is_file():
@@ -148,15 +273,35 @@ def read_metadata(directory: Path) -> Metadata:
 
 
 def latest(dirpath: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest global step under ``dirpath`` (partial saves ignored)."""
+    """The complete checkpoint with the highest global step under ``dirpath``: partial saves, hidden
+    directories and checkpoints whose files are missing or of the wrong size are skipped."""
     best: tuple[int, float, Path] | None = None
     for child in Path(dirpath).iterdir():
         if child.name.startswith(".") or not (child / COMPLETE).is_file():
             continue
         try:
             meta = read_metadata(child)
-        except (CheckpointError, ValueError, KeyError, TypeError):
+            for name, expected in meta.files.items():
+                check_file(child, name, expected, checksum=False)
+        except (CheckpointError, OSError):
             continue
         key = (meta.global_step, child.stat().st_mtime, child)
         best = key if best is None or key[:2] > best[:2] else best
     return None if best is None else best[2]
+
+
+def load_lightning_state(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
+    """``lightning.pt``, unpickled safely unless ``weights_only`` is False."""
+    try:
+        state = torch.load(path / LIGHTNING, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        reason = str(error).splitlines()[0] if weights_only else str(error)
+        raise CheckpointError(
+            f"{path / LIGHTNING}: holds objects that safe loading refuses ({reason[:200]}); load it with"
+            " weights_only=False (trainer.fit(..., weights_only=False)) only if you trust where it came from"
+        ) from None
+    except Exception as error:  # a file that passed its size and hash checks but does not load
+        raise CheckpointError(f"{path / LIGHTNING}: cannot be read: {str(error).splitlines()[0][:200]}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
+        raise CheckpointError(f"{path / LIGHTNING}: not Lightning's state of a lightning_zero checkpoint")
+    return state

@@ -1,7 +1,5 @@
-"""Saving what each rank owns, and loading it back into units of any world size and stage.
+"""Loading a sharded checkpoint back into units of any world size and stage (saving is save.py).
 
-``save`` runs on every rank: each writes its own file, rank 0 the Lightning state, the metadata and
-the COMPLETE marker, and publishes the directory (see [Note: atomic saves] in format.py).
 ``open_checkpoint`` checks a directory on every rank and agrees on the verdict, so a bad file
 raises the same one-line error everywhere instead of leaving a rank waiting in a collective.
 """
@@ -9,142 +7,26 @@ raises the same one-line error everywhere instead of leaving a rank waiting in a
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.checkpoint.format import (
-    COMPLETE,
-    LIGHTNING,
-    METADATA,
     CheckpointError,
     Metadata,
-    ParamEntry,
-    UnitEntry,
     check_file,
-    fsync_dir,
-    partial_dir,
-    rank_file,
+    load_lightning_state,
     read_metadata,
-    write_atomically,
 )
 from lightning_zero.checkpoint.shards import ShardReader
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
-
-
-def _is_elementwise(value: Any, numel: int) -> bool:
-    """Whether an optimizer state entry holds one value per element (exp_avg, momentum_buffer, ...)."""
-    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
-
-
-def _unit_payload(unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only: bool) -> dict[str, Any]:
-    if unit.master is None and unit.requires_grad:
-        raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
-    # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
-    master = unit.master if unit.master is not None else unit.param_shard.float()
-    payload: dict[str, Any] = {"master": master.cpu()}
-    if weights_only or optimizer is None:
-        return payload
-    state: dict[str, Tensor] = {}
-    scalars: dict[int, dict[str, Any]] = {}
-    for piece, tensor in zip(unit.pieces, unit.piece_tensors):
-        if tensor not in optimizer.optimizer.state:
-            continue
-        scalars[piece.param] = {}
-        for key, value in optimizer.optimizer.state[tensor].items():
-            if _is_elementwise(value, piece.numel):
-                if key not in state:
-                    state[key] = torch.zeros(unit.layout.partition_numel, dtype=value.dtype, device=value.device)
-                state[key][piece.partition_offset : piece.partition_offset + piece.numel] = value.reshape(-1)
-            else:
-                scalars[piece.param][key] = value.cpu() if torch.is_tensor(value) else value
-    payload.update(state={k: v.cpu() for k, v in state.items()}, scalars=scalars)
-    return payload
-
-
-def save(
-    checkpoint: dict[str, Any],
-    path: str | os.PathLike,
-    *,
-    model: Module,
-    units: Sequence[FlatUnit],
-    optimizers: Sequence[ZeroOptimizer],
-    stage: int,
-    rank: int,
-    world_size: int,
-) -> None:
-    """Writes Lightning's ``checkpoint`` dict and the ranks' shards as the directory ``path`` (collective)."""
-    path = Path(path)
-    partial = partial_dir(path)
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
-        partial.mkdir(parents=True)
-    dist.barrier()
-    weights_only = "optimizer_states" not in checkpoint
-    owner = {id(u): opt for opt in optimizers for u in opt.units}
-    shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only) for u in units]}
-    name = rank_file(rank)
-    files = dict(
-        collectives.all_gather_object((name, write_atomically(partial / name, lambda t: torch.save(shard, t))))
-    )
-    if rank == 0:
-        keys: dict[int, list[str]] = {}
-        for key, value in model.state_dict(keep_vars=True).items():
-            keys.setdefault(id(value), []).append(key)
-        sharded = {id(p) for u in units for p in u.params}
-        lightning = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        lightning["state_dict"] = {
-            k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in sharded
-        }
-        lightning["optimizer_groups"] = [
-            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers
-        ]
-        files[LIGHTNING] = write_atomically(partial / LIGHTNING, lambda t: torch.save(lightning, t))
-        meta = Metadata(
-            stage=stage,
-            world_size=world_size,
-            global_step=int(checkpoint.get("global_step", 0)),
-            epoch=int(checkpoint.get("epoch", 0)),
-            units=[
-                UnitEntry(
-                    [
-                        ParamEntry(n, keys[id(p)], list(p.shape), str(p.dtype).removeprefix("torch."))
-                        for n, p in zip(u.names, u.params)
-                    ],
-                    u.layout.bucket_bounds(),
-                )
-                for u in units
-            ],
-            optimizers=[opt.param_names() for opt in optimizers],
-            state_dict_keys=list(model.state_dict(keep_vars=True)),
-            weights_only=weights_only,
-            files=files,
-        )
-        write_atomically(partial / METADATA, lambda t: t.write_text(meta.to_json()))
-        write_atomically(partial / COMPLETE, lambda t: t.write_text(""))
-        fsync_dir(partial)
-        _publish(partial, path)
-    dist.barrier()
-
-
-def _publish(partial: Path, path: Path) -> None:
-    """Renames the finished directory into place, replacing an older checkpoint of the same name."""
-    replaced = path.parent / f".{path.name}.replaced"
-    shutil.rmtree(replaced, ignore_errors=True)
-    if path.exists():
-        os.replace(path, replaced)
-    os.replace(partial, path)
-    fsync_dir(path.parent)
-    shutil.rmtree(replaced, ignore_errors=True)
 
 
 @dataclass
@@ -155,21 +37,26 @@ class LoadedCheckpoint:
     reader: ShardReader
 
 
-def open_checkpoint(path: str | os.PathLike, *, rank: int, world_size: int) -> LoadedCheckpoint:
+def open_checkpoint(
+    path: str | os.PathLike, *, rank: int, world_size: int, weights_only: bool = True
+) -> LoadedCheckpoint:
     """Checks the directory on every rank (sizes everywhere, each file's sha256 on one rank) and raises
-    the first problem any rank found, on all of them."""
+    the first problem any rank found, on all of them. Lightning's state is unpickled with
+    ``weights_only`` (True: no code can run; False only for a file you trust)."""
     path = Path(path)
-    problem = None
+    problem, lightning = None, None
     try:
         meta = read_metadata(path)
         for i, (name, expected) in enumerate(sorted(meta.files.items())):
             check_file(path, name, expected, checksum=i % world_size == rank)
-    except (CheckpointError, ValueError, KeyError, TypeError) as error:
-        problem = str(error) if isinstance(error, CheckpointError) else f"{path / METADATA}: unreadable: {error!r}"
+        lightning = load_lightning_state(path, weights_only=weights_only)
+    except CheckpointError as error:
+        problem = f"rank {rank}: {error}"
+    except OSError as error:
+        problem = f"rank {rank}: {path}: {error.strerror or error}"
     problems = [p for p in collectives.all_gather_object(problem) if p is not None]
     if problems:
         raise CheckpointError(problems[0])
-    lightning = torch.load(path / LIGHTNING, map_location="cpu", weights_only=False)
     return LoadedCheckpoint(path, meta, lightning, ShardReader(path, meta))
 
 

@@ -1,0 +1,295 @@
+"""Writing a sharded checkpoint directory, replacing one of the same name, and removing one: collectively,
+atomically, and never touching what lightning_zero did not write.
+
+[Note: the save protocol]
+Three phases, each ending with every rank agreeing on one verdict (an all-gather of the problems, if
+any), so a failure on one rank (a full disk, a read-only or missing directory, a node that does not
+see the shared filesystem) is the same one-line ``CheckpointError`` on every rank, with nothing left
+behind and earlier checkpoints untouched:
+1. rank 0 checks the target (a path that exists must be a lightning_zero checkpoint, or an empty
+   directory: anything else is refused, never deleted) and creates the hidden ``.<name>.partial``
+   directory, marked as ours;
+2. every rank writes its shard into it (fsynced, hashed as it is written);
+3. rank 0 writes Lightning's state, the metadata and ``COMPLETE``, then publishes: the partial
+   directory is renamed to the name, or, over an existing checkpoint of that name, exchanged with it
+   in one ``renameat2(RENAME_EXCHANGE)`` so that at every instant the name holds either the old or the
+   new checkpoint; the old one (now under the hidden name) is then deleted.
+A process killed at any point leaves at most a hidden directory, which nothing loads and the next save
+of that name removes. Removing a checkpoint (ModelCheckpoint's top-k) first renames it to a hidden
+name, so a half-deleted checkpoint is never visible. Where the filesystem has no exchange rename
+(some network filesystems), replacing a same-name checkpoint falls back to two renames, with a moment
+in which the name is absent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import Module
+
+from lightning_zero.checkpoint.format import (
+    COMPLETE,
+    LIGHTNING,
+    METADATA,
+    CheckpointError,
+    Metadata,
+    ParamEntry,
+    UnitEntry,
+    fsync_dir,
+    is_checkpoint,
+    partial_dir,
+    rank_file,
+    write_atomically,
+)
+from lightning_zero.sharding import collectives
+from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+
+OURS = ".lightning_zero_partial"  # marks a hidden directory as one a save of ours created
+PAUSE_ENV = "LIGHTNING_ZERO_TEST_PAUSE"  # tests: "<phase>:<marker file>" stops a save there until killed
+
+
+def _pause(phase: str) -> None:
+    """Test-only: the kill tests stop a save at each phase (``PAUSE_ENV``) and kill it there."""
+    wanted = os.environ.get(PAUSE_ENV, "")
+    if wanted.partition(":")[0] == phase:
+        Path(wanted.partition(":")[2]).write_text(phase)
+        while True:
+            time.sleep(1)
+
+
+def _is_elementwise(value: Any, numel: int) -> bool:
+    """Whether an optimizer state entry holds one value per element (exp_avg, momentum_buffer, ...)."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
+
+
+def _unit_payload(unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only: bool) -> dict[str, Any]:
+    # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
+    master = unit.master if unit.master is not None else unit.param_shard
+    if master is None:
+        raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
+    payload: dict[str, Any] = {"master": master.float().cpu()}
+    if weights_only or optimizer is None:
+        return payload
+    state: dict[str, torch.Tensor] = {}
+    scalars: dict[int, dict[str, Any]] = {}
+    for piece, tensor in zip(unit.pieces, unit.piece_tensors):
+        if tensor not in optimizer.optimizer.state:
+            continue
+        scalars[piece.param] = {}
+        for key, value in optimizer.optimizer.state[tensor].items():
+            if _is_elementwise(value, piece.numel):
+                if key not in state:
+                    state[key] = torch.zeros(unit.layout.partition_numel, dtype=value.dtype, device=value.device)
+                state[key][piece.partition_offset : piece.partition_offset + piece.numel] = value.reshape(-1)
+            else:
+                scalars[piece.param][key] = value.cpu() if torch.is_tensor(value) else value
+    payload.update(state={k: v.cpu() for k, v in state.items()}, scalars=scalars)
+    return payload
+
+
+def _describe(error: BaseException, what: Path) -> str:
+    """One line for a failed write: the path and the cause (free space when the disk is the cause)."""
+    if isinstance(error, OSError):
+        cause = error.strerror or str(error)
+    else:
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+    try:
+        free = shutil.disk_usage(what.parent if not what.exists() else what).free
+        if free < 64 * 2**20:
+            cause += f"; {free:,} bytes free on its filesystem"
+    except OSError:
+        pass
+    if isinstance(error, FileNotFoundError):
+        cause += " (checkpoints are written to a filesystem every node shares: does this node see it?)"
+    return f"{what}: {cause}"
+
+
+def _agree(problem: str | None, path: Path, rank: int) -> None:
+    """Raises the first rank's problem on every rank (a collective: every rank calls it)."""
+    problems = [p for p in collectives.all_gather_object(problem) if p is not None]
+    if problems:
+        raise CheckpointError(f"cannot save checkpoint {path}: {problems[0]}")
+
+
+def _remove_ours(directory: Path) -> None:
+    """Deletes a hidden directory a save of ours left (marked, or a complete checkpoint moved aside)."""
+    if directory.is_dir() and ((directory / OURS).exists() or is_checkpoint(directory)):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _prepare(path: Path, partial: Path) -> None:
+    if path.exists() and not (path.is_dir() and (is_checkpoint(path) or not any(path.iterdir()))):
+        kind = "directory" if path.is_dir() else "file"
+        raise CheckpointError(
+            f"{path}: exists and is a {kind} that is not a lightning_zero checkpoint; nothing was overwritten"
+            " (choose another name, or remove it yourself)"
+        )
+    if partial.exists():
+        _remove_ours(partial)  # left by a save that was killed
+        if partial.exists():
+            raise CheckpointError(f"{partial}: exists and was not made by lightning_zero; nothing was overwritten")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial.mkdir()
+    (partial / OURS).touch()
+    fsync_dir(path.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two paths (Linux renameat2 RENAME_EXCHANGE); False where the filesystem cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_cwd, exchange = -100, 2
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _publish(partial: Path, path: Path) -> None:
+    """Puts the finished directory in place; an older checkpoint of the same name is replaced atomically."""
+    (partial / OURS).unlink()
+    if path.exists():
+        if _exchange(partial, path):
+            _pause("exchanged")
+            fsync_dir(path.parent)
+            shutil.rmtree(partial)  # the old checkpoint, now under the hidden name
+            return
+        aside = path.parent / f".{path.name}.replaced"
+        _remove_ours(aside)
+        os.replace(path, aside)
+        os.replace(partial, path)
+        fsync_dir(path.parent)
+        shutil.rmtree(aside)
+        return
+    os.replace(partial, path)
+    fsync_dir(path.parent)
+
+
+def save(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    model: Module,
+    units: Sequence[FlatUnit],
+    optimizers: Sequence[ZeroOptimizer],
+    stage: int,
+    rank: int,
+    world_size: int,
+) -> None:
+    """Writes Lightning's ``checkpoint`` dict and the ranks' shards as the directory ``path`` (collective;
+    see [Note: the save protocol])."""
+    path = Path(path)
+    partial = partial_dir(path)
+    problem = None
+    if rank == 0:
+        try:
+            _prepare(path, partial)
+        except CheckpointError as error:
+            problem = str(error)
+        except OSError as error:
+            problem = _describe(error, partial)
+    _agree(problem, path, rank)
+    _pause("prepared")
+
+    weights_only = "optimizer_states" not in checkpoint
+    owner = {id(u): opt for opt in optimizers for u in opt.units}
+    name = rank_file(rank)
+    entry, problem = None, None
+    try:
+        shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only) for u in units]}
+        entry = write_atomically(partial / name, lambda f: torch.save(shard, f))
+    except CheckpointError as error:
+        problem = str(error)
+    except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
+        problem = _describe(error, partial / name)
+    written = collectives.all_gather_object((name, entry, problem))
+    problems = [p for _, _, p in written if p is not None]
+    if problems:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"cannot save checkpoint {path}: {problems[0]}")
+    _pause("shards")
+
+    problem = None
+    if rank == 0:
+        try:
+            files = {n: e for n, e, _ in written}
+            files[LIGHTNING] = write_atomically(
+                partial / LIGHTNING, lambda f: torch.save(_lightning(checkpoint, model, units, optimizers), f)
+            )
+            meta = _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, files)
+            write_atomically(partial / METADATA, lambda f: f.write(meta.to_json().encode()))
+            _pause("metadata")
+            write_atomically(partial / COMPLETE, lambda f: None)
+            fsync_dir(partial)
+            _pause("complete")
+            _publish(partial, path)
+        except Exception as error:  # noqa: BLE001
+            shutil.rmtree(partial, ignore_errors=True)
+            problem = str(error) if isinstance(error, CheckpointError) else _describe(error, path)
+    _agree(problem, path, rank)
+    _pause("published")
+
+
+def _lightning(checkpoint: dict, model: Module, units: Sequence[FlatUnit], optimizers: Sequence[ZeroOptimizer]) -> dict:
+    """Lightning's own state, with the parameters and buffers that are not sharded."""
+    sharded = {id(p) for u in units for p in u.params}
+    lightning = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+    lightning["state_dict"] = {
+        k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in sharded
+    }
+    lightning["optimizer_groups"] = [
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers
+    ]
+    return lightning
+
+
+def _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, files) -> Metadata:
+    keys: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        keys.setdefault(id(value), []).append(key)
+    return Metadata(
+        stage=stage,
+        world_size=world_size,
+        global_step=int(checkpoint.get("global_step", 0)),
+        epoch=int(checkpoint.get("epoch", 0)),
+        units=[
+            UnitEntry(
+                [
+                    ParamEntry(n, keys[id(p)], list(p.shape), str(p.dtype).removeprefix("torch."))
+                    for n, p in zip(u.names, u.params)
+                ],
+                u.layout.bucket_bounds(),
+            )
+            for u in units
+        ],
+        optimizers=[opt.param_names() for opt in optimizers],
+        state_dict_keys=list(model.state_dict(keep_vars=True)),
+        weights_only=weights_only,
+        files=files,
+    )
+
+
+def remove(path: str | os.PathLike, *, rank: int) -> None:
+    """Removes a checkpoint of ours (rank 0): renamed to a hidden name first, so a half-deleted one is never
+    visible; anything that is not a lightning_zero checkpoint is left alone."""
+    path = Path(path)
+    if rank != 0 or not is_checkpoint(path):
+        return
+    hidden = path.parent / f".{path.name}.removing"
+    _remove_ours(hidden)
+    os.replace(path, hidden)
+    fsync_dir(path.parent)
+    shutil.rmtree(hidden, ignore_errors=True)
