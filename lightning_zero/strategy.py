@@ -407,12 +407,17 @@ class ZeroStrategy(DDPStrategy):
         checkpoint_save.remove(filepath, rank=self.global_rank)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Checks a sharded checkpoint directory (saved at any world size and stage) on every rank.
+        """Checks a sharded checkpoint directory (saved at any world size and stage) on every rank, or
+        reads a plain Lightning checkpoint file (from ``ddp`` or one device: migration in).
 
-        Lightning's state is unpickled with ``weights_only=True`` unless ``trainer.fit(...,
-        weights_only=False)`` says the file is trusted."""
+        Pickled state is loaded with ``weights_only=True`` unless ``trainer.fit(..., weights_only=False)``
+        says the file is trusted."""
         self._loaded = checkpoint_io.open_checkpoint(
-            checkpoint_path, rank=self.global_rank, world_size=self.world_size, weights_only=weights_only is not False
+            checkpoint_path,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            optimizer_names=[o.param_names() for o in self.optimizers if isinstance(o, ZeroOptimizer)],
+            weights_only=weights_only is not False,
         )
         return self._loaded.lightning
 
@@ -421,7 +426,8 @@ class ZeroStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         zero_optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]
-        for index, optimizer in enumerate(zero_optimizers):
+        # Like Lightning's own restore (a zip): a checkpoint saved outside fit has no optimizers to restore.
+        for index, optimizer in enumerate(zero_optimizers[: len(self._loaded.meta.optimizers)]):
             checkpoint_io.load_optimizer(self._loaded, index, optimizer)
         self._loaded = None
 

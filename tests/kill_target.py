@@ -1,4 +1,5 @@
-"""Trains on 2 ranks and saves a sharded checkpoint after every step, until killed (test_checkpoint_kill.py)."""
+"""Trains on 2 ranks, saving after every step (the newest checkpoint, plus last.ckpt overwritten each
+time), until killed or done (test_checkpoint_kill.py stops a save at a chosen phase and kills it)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.spawn import spawn_local_ranks
 
+STEPS = 6
+
 
 class Wide(pl.LightningModule):
-    """Big enough (1.6M parameters by default) that saving a checkpoint takes longer than a step."""
-
-    def __init__(self, width: int = 256, depth: int = 24) -> None:
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
         self.data = TensorDataset(torch.randn(64, width, generator=torch.Generator().manual_seed(0)))
@@ -37,8 +38,7 @@ class Wide(pl.LightningModule):
         return DataLoader(self.data, batch_size=4)
 
 
-def trainer(world: int, dirpath: str | None, steps: int) -> pl.Trainer:
-    callbacks = [ModelCheckpoint(dirpath, every_n_train_steps=1, save_top_k=-1)] if dirpath else []
+def trainer(world: int, dirpath: str, steps: int) -> pl.Trainer:
     return pl.Trainer(
         strategy=ZeroStrategy(ZeroConfig(stage=2, timeout=60)),
         accelerator="cpu",
@@ -47,22 +47,16 @@ def trainer(world: int, dirpath: str | None, steps: int) -> pl.Trainer:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=bool(dirpath),
-        callbacks=callbacks,
+        callbacks=[ModelCheckpoint(dirpath, every_n_train_steps=1, save_top_k=1, save_last=True)],
     )
 
 
-def _train(rank: int, world: int, dirpath: str) -> None:
+def train(rank: int, world: int, dirpath: str, steps: int, ckpt: str | None) -> None:
     pl.seed_everything(0)
-    trainer(world, dirpath, steps=100_000).fit(Wide())
-
-
-def resume(rank: int, world: int, ckpt: str, steps: int) -> None:
-    pl.seed_everything(0)
-    t = trainer(world, None, steps)
+    t = trainer(world, dirpath, steps)
     t.fit(Wide(), ckpt_path=ckpt)
     assert t.global_step == steps
 
 
 if __name__ == "__main__":
-    spawn_local_ranks(_train, 2, str(Path(sys.argv[1])))
+    spawn_local_ranks(train, 2, str(Path(sys.argv[1])), STEPS, None)

@@ -1,10 +1,11 @@
-"""kill -9 at random moments, during steps and during saves: every checkpoint that is visible is complete
-and intact, and the latest one always loads and resumes."""
+"""kill -9 inside each phase of the save protocol (save.py's test-only pause hook stops a save at a
+chosen phase; the test kills the process group there): every visible checkpoint is complete and
+intact, the name being replaced (last.ckpt) always holds the old or the new checkpoint, latest()
+returns the newest, and resuming from it cleans up what the killed save left."""
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -13,47 +14,68 @@ from pathlib import Path
 
 import pytest
 from helpers import spawn_ranks
-from kill_target import resume
+from kill_target import train
 
 from lightning_zero.checkpoint.format import check_file, latest, read_metadata
+from lightning_zero.checkpoint.save import PAUSE_ENV
 
-TRIALS = 4
+# Per step the target saves epoch=0-step=N.ckpt, removes step N-1's, then overwrites last.ckpt. The n-th
+# occurrence of a phase is chosen so that a step-1 checkpoint and last.ckpt exist when it is reached.
+PHASES = {
+    "prepared": 3,  # step 2's checkpoint: its hidden directory just created
+    "shards": 3,  # every rank's shard written
+    "metadata": 3,  # Lightning's state and the metadata written, COMPLETE not yet
+    "complete": 3,  # COMPLETE written, not yet renamed into place
+    "published": 3,  # renamed into place, the ranks not yet told
+    "removing": 1,  # step 1's checkpoint renamed aside, not yet deleted
+    "exchanged": 1,  # last.ckpt exchanged for step 2's: the old one is under the hidden name
+}
 
 
-def _visible_checkpoints_are_intact(dirpath: Path) -> list[Path]:
-    visible = [p for p in dirpath.iterdir() if not p.name.startswith(".")]
-    for ckpt in visible:
+def _visible(dirpath: Path) -> dict[str, int]:
+    """Every visible checkpoint, fully verified, by name -> global step."""
+    steps = {}
+    for ckpt in (p for p in dirpath.iterdir() if not p.name.startswith(".")):
         meta = read_metadata(ckpt)  # raises unless complete
         for name, expected in meta.files.items():
             check_file(ckpt, name, expected, checksum=True)
-    return visible
+        steps[ckpt.name] = meta.global_step
+    return steps
+
+
+def _kill_at(phase: str, nth: int, dirpath: Path) -> None:
+    marker = dirpath.parent / f"{phase}.paused"
+    env = {**os.environ, PAUSE_ENV: f"{phase}@{nth}:{marker}", "OMP_NUM_THREADS": "1"}
+    target = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("kill_target.py")), str(dirpath)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while not marker.exists() and target.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(target.pid, signal.SIGKILL)
+    target.wait()
+    assert marker.exists(), f"the save never reached phase {phase!r} (exit code {target.returncode})"
 
 
 @pytest.mark.slow
-def test_kill_minus_nine_never_leaves_a_corrupt_checkpoint(tmp_path):
-    rng = random.Random(1234)
-    killed_during_save = 0
-    for trial in range(TRIALS):
-        dirpath = tmp_path / f"trial{trial}"
-        dirpath.mkdir()
-        target = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("kill_target.py")), str(dirpath)],
-            start_new_session=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.time() + 120
-        while time.time() < deadline and not any(not p.name.startswith(".") for p in dirpath.iterdir()):
-            time.sleep(0.05)  # until the first checkpoint is complete
-        time.sleep(rng.uniform(0.0, 3.0))
-        os.killpg(target.pid, signal.SIGKILL)
-        target.wait()
-        killed_during_save += any(p.name.startswith(".") for p in dirpath.iterdir())
-        visible = _visible_checkpoints_are_intact(dirpath)
-        assert visible, f"trial {trial}: no checkpoint was completed before the kill"
-        newest = latest(dirpath)
-        step = read_metadata(newest).global_step
-        assert newest in visible and step == max(read_metadata(p).global_step for p in visible)
-        spawn_ranks(resume, 2, str(newest), step + 1)
-    print(f"{killed_during_save} of {TRIALS} kills landed during a save")
-    assert killed_during_save >= 1, "no kill hit a save: the test did not exercise it"
+@pytest.mark.parametrize("phase", PHASES)
+def test_kill_during_each_phase_of_a_save(tmp_path, phase):
+    dirpath = tmp_path / "ckpts"
+    dirpath.mkdir()
+    _kill_at(phase, PHASES[phase], dirpath)
+    visible = _visible(dirpath)
+    assert "last.ckpt" in visible, f"{phase}: last.ckpt vanished: {sorted(visible)}"
+    expected_last = 2 if phase == "exchanged" else 1
+    assert visible["last.ckpt"] == expected_last
+    assert set(visible) <= {"last.ckpt", "epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"}
+    newest = latest(dirpath)
+    assert newest is not None and newest.name in visible
+    assert read_metadata(newest).global_step == max(visible.values())
+    if phase in ("exchanged", "removing"):  # resuming cleans up what the killed save left
+        spawn_ranks(train, 2, str(dirpath), max(visible.values()) + 2, str(newest))
+        assert not [p.name for p in dirpath.iterdir() if p.name.startswith(".")]
+        assert _visible(dirpath)["last.ckpt"] == max(visible.values()) + 2

@@ -77,7 +77,7 @@ class Metadata:
     global_step: int
     epoch: int
     units: list[UnitEntry]
-    optimizers: list[list[dict[str, Any]]]  # per optimizer, per group: hyper-parameters and "params" (names)
+    optimizers: list[list[list[str]]]  # per optimizer, per param group: its parameters by name
     state_dict_keys: list[str]  # the LightningModule's state-dict keys, in order
     weights_only: bool
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"bytes", "sha256"}
@@ -182,9 +182,14 @@ def _validate(raw: dict[str, Any], where: Path) -> None:
             [b[0] for b in bounds[1:]] != [b[1] for b in bounds[:-1]] or bounds[0][0] != 0 or bounds[-1][1] != n
         ):
             fail(f"units[{u}].buckets", bounds, f"[first, end) ranges covering parameters 0..{n} in order")
-    for key in ("state_dict_keys",):
-        if not isinstance(raw[key], list) or not all(isinstance(k, str) for k in raw[key]):
-            fail(key, raw[key], "a list of names")
+    if not isinstance(raw["state_dict_keys"], list) or not all(isinstance(k, str) for k in raw["state_dict_keys"]):
+        fail("state_dict_keys", raw["state_dict_keys"], "a list of names")
+    optimizers = raw["optimizers"]
+    if not isinstance(optimizers, list) or not all(
+        isinstance(groups, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in groups)
+        for groups in optimizers
+    ):
+        fail("optimizers", optimizers, "per optimizer, a list of param groups' parameter names")
     if not isinstance(raw["weights_only"], bool):
         fail("weights_only", raw["weights_only"], "true or false")
 

@@ -23,6 +23,7 @@ from lightning_zero.checkpoint.format import (
     load_lightning_state,
     read_metadata,
 )
+from lightning_zero.checkpoint.plain import PlainReader, read_plain
 from lightning_zero.checkpoint.shards import ShardReader
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
@@ -34,22 +35,34 @@ class LoadedCheckpoint:
     path: Path
     meta: Metadata
     lightning: dict[str, Any]
-    reader: ShardReader
+    reader: ShardReader | PlainReader
 
 
 def open_checkpoint(
-    path: str | os.PathLike, *, rank: int, world_size: int, weights_only: bool = True
+    path: str | os.PathLike,
+    *,
+    rank: int,
+    world_size: int,
+    optimizer_names: list[list[list[str]]],
+    weights_only: bool = True,
 ) -> LoadedCheckpoint:
-    """Checks the directory on every rank (sizes everywhere, each file's sha256 on one rank) and raises
-    the first problem any rank found, on all of them. Lightning's state is unpickled with
-    ``weights_only`` (True: no code can run; False only for a file you trust)."""
+    """Checks a sharded checkpoint directory on every rank (sizes everywhere, each file's sha256 on one
+    rank), or reads a plain Lightning checkpoint file (``plain.py``), and raises the first problem any
+    rank found, on all of them. Pickled state is loaded with ``weights_only`` (True: no code can run;
+    False only for a file you trust). ``optimizer_names`` matches a plain file's optimizer state."""
     path = Path(path)
-    problem, lightning = None, None
+    problem, loaded = None, None
     try:
-        meta = read_metadata(path)
-        for i, (name, expected) in enumerate(sorted(meta.files.items())):
-            check_file(path, name, expected, checksum=i % world_size == rank)
-        lightning = load_lightning_state(path, weights_only=weights_only)
+        if path.is_file():
+            loaded = LoadedCheckpoint(
+                path, *read_plain(path, optimizer_names=optimizer_names, weights_only=weights_only)
+            )
+        else:
+            meta = read_metadata(path)
+            for i, (name, expected) in enumerate(sorted(meta.files.items())):
+                check_file(path, name, expected, checksum=i % world_size == rank)
+            lightning = load_lightning_state(path, weights_only=weights_only)
+            loaded = LoadedCheckpoint(path, meta, lightning, ShardReader(path, meta))
     except CheckpointError as error:
         problem = f"rank {rank}: {error}"
     except OSError as error:
@@ -57,7 +70,7 @@ def open_checkpoint(
     problems = [p for p in collectives.all_gather_object(problem) if p is not None]
     if problems:
         raise CheckpointError(problems[0])
-    return LoadedCheckpoint(path, meta, lightning, ShardReader(path, meta))
+    return loaded
 
 
 def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit]) -> None:

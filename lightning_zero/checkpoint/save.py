@@ -14,9 +14,10 @@ behind and earlier checkpoints untouched:
    directory is renamed to the name, or, over an existing checkpoint of that name, exchanged with it
    in one ``renameat2(RENAME_EXCHANGE)`` so that at every instant the name holds either the old or the
    new checkpoint; the old one (now under the hidden name) is then deleted.
-A process killed at any point leaves at most a hidden directory, which nothing loads and the next save
-of that name removes. Removing a checkpoint (ModelCheckpoint's top-k) first renames it to a hidden
-name, so a half-deleted checkpoint is never visible. Where the filesystem has no exchange rename
+A process killed at any point leaves at most a hidden directory, which nothing loads: the next save of
+that name removes a partial one, the next save into that directory an old one moved aside. Removing a
+checkpoint (ModelCheckpoint's top-k) first renames it to a hidden name, so a half-deleted checkpoint is
+never visible. Where the filesystem has no exchange rename
 (some network filesystems), replacing a same-name checkpoint falls back to two renames, with a moment
 in which the name is absent.
 """
@@ -54,14 +55,22 @@ from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 OURS = ".lightning_zero_partial"  # marks a hidden directory as one a save of ours created
-PAUSE_ENV = "LIGHTNING_ZERO_TEST_PAUSE"  # tests: "<phase>:<marker file>" stops a save there until killed
+PAUSE_ENV = "LIGHTNING_ZERO_TEST_PAUSE"  # tests: "<phase>@<n>:<marker file>" stops the n-th save there
+_phases_reached: dict[str, int] = {}
 
 
 def _pause(phase: str) -> None:
-    """Test-only: the kill tests stop a save at each phase (``PAUSE_ENV``) and kill it there."""
-    wanted = os.environ.get(PAUSE_ENV, "")
-    if wanted.partition(":")[0] == phase:
-        Path(wanted.partition(":")[2]).write_text(phase)
+    """Test-only: the kill tests stop a save at a chosen phase (``PAUSE_ENV``) and kill -9 it there."""
+    wanted = os.environ.get(PAUSE_ENV)
+    if not wanted:
+        return
+    spec, _, marker = wanted.partition(":")
+    name, _, nth = spec.partition("@")
+    if name != phase:
+        return
+    _phases_reached[phase] = _phases_reached.get(phase, 0) + 1
+    if _phases_reached[phase] == int(nth or 1):
+        Path(marker).write_text(phase)
         while True:
             time.sleep(1)
 
@@ -126,6 +135,13 @@ def _remove_ours(directory: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _sweep(directory: Path) -> None:
+    """Deletes old checkpoints a killed save or removal had moved aside (``.<name>.replaced|removing``)."""
+    for hidden in directory.glob(".*.re*"):
+        if hidden.name.endswith((".replaced", ".removing")):
+            _remove_ours(hidden)
+
+
 def _prepare(path: Path, partial: Path) -> None:
     if path.exists() and not (path.is_dir() and (is_checkpoint(path) or not any(path.iterdir()))):
         kind = "directory" if path.is_dir() else "file"
@@ -138,6 +154,7 @@ def _prepare(path: Path, partial: Path) -> None:
         if partial.exists():
             raise CheckpointError(f"{partial}: exists and was not made by lightning_zero; nothing was overwritten")
     path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(path.parent)
     partial.mkdir()
     (partial / OURS).touch()
     fsync_dir(path.parent)
@@ -292,4 +309,5 @@ def remove(path: str | os.PathLike, *, rank: int) -> None:
     _remove_ours(hidden)
     os.replace(path, hidden)
     fsync_dir(path.parent)
+    _pause("removing")
     shutil.rmtree(hidden, ignore_errors=True)

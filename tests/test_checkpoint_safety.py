@@ -1,0 +1,170 @@
+"""Saving never deletes what it did not write and fails as one line on every rank, leaving nothing behind:
+onto a user's directory or file, a full disk (a file-size limit on one rank), a directory that is not
+writable, a directory another node cannot see. Loading never runs code from a pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
+
+from lightning_zero.checkpoint.format import CheckpointError, check_file, read_metadata, sha256_file
+
+
+def _intact(ckpt: Path) -> int:
+    """Verifies every file of a checkpoint (sizes and sha256); returns its global step."""
+    meta = read_metadata(ckpt)
+    for name, expected in meta.files.items():
+        check_file(ckpt, name, expected, checksum=True)
+    return meta.global_step
+
+
+def _listing(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@contextmanager
+def _file_size_limit(limit: int):
+    """A full disk on this rank: writes past ``limit`` bytes fail with EFBIG (SIGXFSZ ignored)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+@contextmanager
+def _as_nobody(active: bool):
+    """Drops the effective uid (the tests run as root, whom permissions do not stop)."""
+    if active:
+        os.seteuid(65534)
+    try:
+        yield
+    finally:
+        if active:
+            os.seteuid(0)
+
+
+class Evil:
+    """Unpickling it creates the file its path names (what a malicious ``__reduce__`` could do)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _poison(good: Path, out: Path, marker: Path) -> None:
+    """A copy of ``good`` whose lightning.pt carries Evil, with the metadata updated to match (so only
+    safe unpickling can stop it)."""
+    shutil.copytree(good, out)
+    state = torch.load(out / "lightning.pt", weights_only=True)
+    state["callbacks"] = {"evil": Evil(str(marker))}
+    torch.save(state, out / "lightning.pt")
+    meta = json.loads((out / "metadata.json").read_text())
+    meta["files"]["lightning.pt"] = {
+        "bytes": (out / "lightning.pt").stat().st_size,
+        "sha256": sha256_file(out / "lightning.pt"),
+    }
+    (out / "metadata.json").write_text(json.dumps(meta))
+
+
+def _raises_everywhere(message: str, action, *args, **kwargs) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        action(*args, **kwargs)
+    dist.barrier()
+
+
+def _resume(world: int, ckpt) -> None:
+    make_trainer(zero_strategy(2), world, steps=3).fit(EquivalenceModule("blocks", steps=2), ckpt_path=ckpt)
+
+
+def _safety_worker(rank: int, world: int, root: Path) -> None:
+    pl.seed_everything(0)
+    trainer = make_trainer(zero_strategy(2), world, steps=2)
+    trainer.fit(EquivalenceModule("blocks", steps=2))
+    good = root / "good.ckpt"
+    trainer.save_checkpoint(good)
+    step = _intact(good)
+    if rank == 0:
+        (root / "results").mkdir()
+        (root / "results" / "notes.txt").write_text("a week of results")
+        (root / "notes.txt").write_text("mine")
+    dist.barrier()
+    before = _listing(root)
+
+    # A directory or file that is not a lightning_zero checkpoint is refused, never deleted.
+    for target, kind in ((root / "results", "directory"), (root / "notes.txt", "file")):
+        message = rf"{target}: exists and is a {kind} that is not a lightning_zero checkpoint; nothing was overwritten"
+        _raises_everywhere(message, trainer.save_checkpoint, target)
+
+    # A full disk on rank 1, for a new name and over the existing checkpoint: nothing is left behind.
+    for target in (root / "full.ckpt", good):
+        with _file_size_limit(4096 if rank == 1 else resource.RLIM_INFINITY):
+            message = rf"cannot save checkpoint {target}: .*rank-00001.pt: File too large"
+            _raises_everywhere(message, trainer.save_checkpoint, target)
+    assert _listing(root) == before and _intact(good) == step
+
+    # A directory this user may not write to.
+    readonly = Path(tempfile.mkdtemp(prefix="readonly")) if rank == 0 else None  # in /tmp: others may enter
+    readonly = [readonly]
+    dist.broadcast_object_list(readonly)
+    readonly = readonly[0]
+    if rank == 0:
+        readonly.chmod(0o555)
+    with _as_nobody(rank == 0):
+        _raises_everywhere(rf"{readonly}/.ckpt.partial: Permission denied", trainer.save_checkpoint, readonly / "ckpt")
+    assert not list(readonly.iterdir())
+    dist.barrier()
+    if rank == 0:
+        readonly.rmdir()
+
+    # A directory only rank 0 sees (each rank's working directory stands for a node's filesystem).
+    node = root / f"node{rank}"
+    node.mkdir()
+    cwd = os.getcwd()
+    os.chdir(node)
+    try:
+        message = r"rank-00001.pt: No such file or directory \(checkpoints are written to a filesystem every node"
+        _raises_everywhere(message, trainer.save_checkpoint, "shared.ckpt")
+        assert not list(node.iterdir())
+        if rank == 0:
+            shutil.copytree(good, node / "only-on-0.ckpt")
+        dist.barrier()
+        message = r"rank 1: only-on-0.ckpt: no such checkpoint \(on a multi-node run: is it on a filesystem every"
+        _raises_everywhere(message, _resume, world, "only-on-0.ckpt")
+    finally:
+        os.chdir(cwd)
+
+    # A poisoned pickle, in a sharded checkpoint and in a plain Lightning file: refused, nothing runs.
+    marker = root / "pwned"
+    if rank == 0:
+        _poison(good, root / "poisoned.ckpt", marker)
+        torch.save({"state_dict": {}, "evil": Evil(str(marker))}, root / "poisoned-plain.ckpt")
+    dist.barrier()
+    for poisoned in (root / "poisoned.ckpt", root / "poisoned-plain.ckpt"):
+        message = (
+            r"holds objects that safe loading refuses .* weights_only=False \(trainer.fit\(..., weights_only=False"
+        )
+        _raises_everywhere(message + r"\)\) only if you trust where it came from", _resume, world, poisoned)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_saves_fail_safely_and_loads_run_no_code(tmp_path):
+    spawn_ranks(_safety_worker, 2, tmp_path)
