@@ -39,7 +39,7 @@ def _run(code: str) -> str:
 @pytest.mark.slow
 def test_consolidated_state_dict_equals_the_gathered_parameters(tmp_path):
     spawn_ranks(_fit_and_save, 2, tmp_path)
-    (ckpt,) = (tmp_path / "ckpts").iterdir()
+    ckpt = tmp_path / "ckpts" / "last.ckpt"
     gathered = torch.load(tmp_path / "gathered.pt")
     for out in (tmp_path / "model.pt", tmp_path / "model.safetensors"):
         script = [sys.executable, "-m", "lightning_zero.cli", "consolidate", str(ckpt), str(out)]
@@ -88,7 +88,7 @@ done.set(); sampler.join(); print(peak[0] - start)
 @pytest.mark.slow
 def test_consolidate_streams_with_about_one_parameter_of_memory(tmp_path):
     spawn_ranks(_fit_wide, 2, tmp_path)
-    (ckpt,) = (tmp_path / "ckpts").iterdir()
+    ckpt = tmp_path / "ckpts" / "last.ckpt"
     model_bytes = sum(p.numel() for p in Wide(WIDTH, DEPTH).parameters()) * 4
     imports = "import torch; from lightning_zero.checkpoint.consolidate import consolidate\n"
     # The measurement must see a whole model when one is held: loading every shard at once does.
