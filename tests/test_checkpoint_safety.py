@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
 
-from lightning_zero.checkpoint.format import CheckpointError, check_file, read_metadata, sha256_file
+from lightning_zero.checkpoint.format import (
+    CheckpointError,
+    Metadata,
+    check_file,
+    latest,
+    read_metadata,
+    sha256_file,
+    write_atomically,
+)
 
 
 def _intact(ckpt: Path) -> int:
@@ -168,3 +176,37 @@ def _safety_worker(rank: int, world: int, root: Path) -> None:
 @pytest.mark.slow
 def test_saves_fail_safely_and_loads_run_no_code(tmp_path):
     spawn_ranks(_safety_worker, 2, tmp_path)
+
+
+def _fake_checkpoint(path: Path, step: int) -> None:
+    """A complete one-rank checkpoint with no units, written the way a save writes its files."""
+    path.mkdir()
+    files = {
+        name: write_atomically(path / name, lambda f: torch.save({"state_dict": {}}, f))
+        for name in ("lightning.pt", "rank-00000.pt")
+    }
+    meta = Metadata(
+        stage=2,
+        world_size=1,
+        global_step=step,
+        epoch=0,
+        units=[],
+        optimizers=[],
+        state_dict_keys=[],
+        weights_only=False,
+        files=files,
+    )
+    (path / "metadata.json").write_text(meta.to_json())
+    (path / "COMPLETE").write_text("")
+
+
+def test_latest_skips_checkpoints_whose_files_are_missing_or_resized(tmp_path):
+    for step in (1, 2, 3):
+        _fake_checkpoint(tmp_path / f"step{step}", step)
+    _fake_checkpoint(tmp_path / ".step9.partial", 9)  # hidden: a save in progress, or one moved aside
+    assert latest(tmp_path) == tmp_path / "step3"
+    (tmp_path / "step3" / "rank-00000.pt").unlink()
+    assert latest(tmp_path) == tmp_path / "step2"
+    with open(tmp_path / "step2" / "lightning.pt", "ab") as f:
+        f.write(b"x")
+    assert latest(tmp_path) == tmp_path / "step1"
