@@ -6,6 +6,8 @@ It is Lightning's ``ThroughputMonitor`` (tokens/s, samples/s, and MFU when the L
 optimizer state against the ZeRO formula, peak memory (the CUDA allocator's, or the process's RSS on
 the CPU), and at the end of ``fit`` a summary table. fp16's loss scale and skipped steps are logged by
 the precision plugin.
+
+StepProgressBar: Lightning's RichProgressBar, correct for runs bounded by ``max_steps`` (the main job).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks import RichProgressBar, ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_zero.memory import formula_bytes
@@ -35,6 +37,26 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class StepProgressBar(RichProgressBar):
+    """RichProgressBar that shows the optimizer step against ``max_steps`` and no bogus epoch bound.
+
+    With ``max_steps`` and no ``max_epochs`` Lightning sets ``max_epochs = -1`` (no bound), which
+    RichProgressBar (Lightning 2.6) prints as "Epoch 4/-2". Here the epoch has no bound then, and the
+    metrics start with ``step: 480/600``.
+    """
+
+    def _get_train_description(self, current_epoch: int) -> str:  # Lightning's only hook for this text
+        if self.trainer.max_epochs not in (None, -1):
+            return super()._get_train_description(current_epoch)
+        return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"  # padded as Lightning's
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
+        metrics = super().get_metrics(trainer, pl_module)
+        if trainer.max_steps > 0:
+            return {"step": f"{trainer.global_step}/{trainer.max_steps}", **metrics}
+        return metrics
 
 
 class ZeroMetrics(ThroughputMonitor):

@@ -6,31 +6,68 @@
   config into the strategy, the precision and the Trainer's arguments. Any LightningModule and
   LightningDataModule can be named by class path; ``configs/`` trains the package's GPT.
 - ``estimate``: per-rank memory of ddp / zero1 / zero2 / zero3 before a run.
-- ``consolidate CKPT_DIR OUT``: a plain state dict from a sharded checkpoint.
+- ``consolidate CKPT_DIR OUT``: a plain state dict from a sharded checkpoint (``--trust-pickles``: only for
+  a checkpoint you trust, whose Lightning state safe loading refuses).
+- ``convert-deepspeed DS_DIR OUT.ckpt --trust-pickles``: a DeepSpeed ZeRO checkpoint as a plain Lightning
+  checkpoint file, to resume from under any stage (migration in).
+
+Bad input (a config value, an argument, a DeepSpeed config, a checkpoint) is answered with one line,
+``lightning-zero <command>: error: <what is wrong and what is allowed>``, and exit code 2, before any
+process is launched or any file written; ``--debug`` (or ``LIGHTNING_ZERO_DEBUG=1``) raises it with its
+traceback instead. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import math
+import os
 import sys
+import warnings
+from argparse import ArgumentError
+from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_zero  # noqa: F401  (registers the zero strategies)
 from lightning_zero.checkpoint.consolidate import consolidate
-from lightning_zero.checkpoint.format import CheckpointError
-from lightning_zero.config import ZeroConfig
+from lightning_zero.checkpoint.deepspeed_import import convert as convert_deepspeed
+from lightning_zero.checkpoint.format import CheckpointError, UnsafePickleError, check_file, read_metadata
+from lightning_zero.config import ZeroConfig, stage_of_strategy
 from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.estimate import estimate, format_table, parse_bytes, shape_of_count, smallest_fitting
 from lightning_zero.strategy import ZeroStrategy
 
-ZERO_NAMES = ("zero1", "zero2", "zero3")
+DEBUG_ENV = "LIGHTNING_ZERO_DEBUG"
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+# What bad input raises while a command is set up (parsed, validated, its Trainer built): one line.
+SETUP_ERRORS = (ArgumentError, ValueError, TypeError, OSError, CheckpointError, MisconfigurationException)
+MAX_ESTIMATE_RANKS = 1 << 17  # about 5 s of estimate
+
+
+class InputError(Exception):
+    """Bad input, reported by ``main`` as one line and exit code 2 (the cause's traceback with --debug)."""
+
+
+@contextlib.contextmanager
+def _setup_errors_are_input_errors():
+    try:
+        yield
+    except SETUP_ERRORS as error:
+        raise InputError(str(error)) from error
 
 
 class ZeroCLI(LightningCLI):
+    def init_parser(self, **kwargs) -> LightningArgumentParser:
+        # A parse error raises instead of printing the usage block: main() reports it in one line.
+        return super().init_parser(exit_on_error=False, **kwargs)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ZeroConfig, "zero", skip={"stage"}, instantiate=False)
         parser.add_argument(
@@ -46,17 +83,43 @@ class ZeroCLI(LightningCLI):
             help="Top-level keys of the DeepSpeed config to drop on purpose, e.g. [optimizer, scheduler]",
         )
 
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        if config.get("deepspeed_config"):
-            _apply_deepspeed(config, config.deepspeed_config, tuple(config.deepspeed_ignore))
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        # Everything checkable without building anything is checked here: before the seed is set, the
+        # model built or rank 1 launched (it re-runs this command only once rank 0 is past this point).
+        with _setup_errors_are_input_errors():
+            try:
+                super().parse_arguments(parser, args)
+            except ArgumentError as error:
+                if "zero.stage" not in str(error):
+                    raise
+                raise ValueError(f"{error} (the stage is chosen with --trainer.strategy zero1|zero2|zero3)") from None
+            config = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
+            if config.get("deepspeed_config"):
+                _apply_deepspeed(config, config.deepspeed_config, tuple(config.deepspeed_ignore))
+            stage = stage_of_strategy(config.trainer.strategy)
+            self.zero_config = None if stage is None else ZeroConfig(stage=stage, **dict(config.zero))
+            if stage is not None and config.get("ckpt_path"):
+                _check_checkpoint(str(config.ckpt_path))
+
+    def instantiate_classes(self) -> None:
+        with _setup_errors_are_input_errors():  # Lightning's and the modules' own checks of their arguments
+            super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        strategy = config.trainer.strategy
-        if isinstance(strategy, str) and strategy in ZERO_NAMES:
-            kwargs["strategy"] = ZeroStrategy(ZeroConfig(stage=int(strategy[-1]), **dict(config.zero)))
+        if self.zero_config is not None:
+            kwargs["strategy"] = ZeroStrategy(self.zero_config)
         return super().instantiate_trainer(**kwargs)
+
+
+def _check_checkpoint(ckpt_path: str) -> None:
+    """A sharded checkpoint's metadata and file sizes (cheap; loading checks the hashes on every rank).
+    Lightning's own names ("last", "best", ...) and single-file checkpoints are Lightning's to resolve."""
+    path = Path(ckpt_path)
+    if ckpt_path.split(":", 1)[0] in ("last", "best", "hpc", "registry") or path.is_file():
+        return
+    meta = read_metadata(path)
+    for name, expected in meta.files.items():
+        check_file(path, name, expected, checksum=False)
 
 
 def _apply_deepspeed(config, path: str, ignore: tuple[str, ...]) -> None:
@@ -86,49 +149,105 @@ def _apply_deepspeed(config, path: str, ignore: tuple[str, ...]) -> None:
     rank_zero_info(f"lightning-zero: applied the DeepSpeed config {path}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are InputErrors: one line from main() (the usage is in --help)."""
+
+    def error(self, message: str):
+        raise InputError(message)
+
+
 def consolidate_main(args: list[str]) -> None:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lightning-zero consolidate",
         description="Write the plain fp32 state dict of a sharded checkpoint directory (streamed, parameter by"
         " parameter). The output loads with torch.load (or safetensors) and module.load_state_dict.",
     )
     parser.add_argument("checkpoint", help="a checkpoint directory written by the ZeRO strategies")
     parser.add_argument("output", help="the output file: .pt, or .safetensors")
+    parser.add_argument(
+        "--trust-pickles",
+        action="store_true",
+        help="unpickle the checkpoint's Lightning state (lightning.pt) without restrictions (weights_only=False),"
+        " as checkpoints of older versions may need. Unpickling can run any code: only for a checkpoint you trust.",
+    )
     parsed = parser.parse_args(args)
     try:
-        out = consolidate(parsed.checkpoint, parsed.output)
+        out = consolidate(parsed.checkpoint, parsed.output, weights_only=not parsed.trust_pickles)
     except CheckpointError as error:
-        parser.exit(2, f"lightning-zero consolidate: error: {error}\n")
+        raise InputError(str(error)) from error
     print(f"wrote {out}")
 
 
+def convert_deepspeed_main(args: list[str]) -> None:
+    parser = _Parser(
+        prog="lightning-zero convert-deepspeed",
+        description="Convert a DeepSpeed ZeRO stage 1/2/3 checkpoint (engine.save_checkpoint, or Lightning's"
+        " DeepSpeedStrategy) into a plain Lightning checkpoint file, which the ZeRO strategies resume from at"
+        " any stage and world size: fp32 weights, the optimizer's state where the layout allows, Lightning's"
+        " loops and schedulers when DeepSpeedStrategy saved them.",
+    )
+    parser.add_argument("ds_dir", help="DeepSpeed's save directory (with 'latest') or one tag directory in it")
+    parser.add_argument("output", help="the checkpoint file to write, e.g. converted.ckpt")
+    parser.add_argument(
+        "--trust-pickles",
+        action="store_true",
+        help="load DeepSpeed's files, which are pickles holding DeepSpeed's classes: unpickling can run any"
+        " code, so only for a checkpoint you trust",
+    )
+    parsed = parser.parse_args(args)
+    try:
+        print(convert_deepspeed(parsed.ds_dir, parsed.output, trust_pickles=parsed.trust_pickles))
+    except CheckpointError as error:
+        raise InputError(str(error)) from error
+
+
+def _parameter_count(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number of parameters >= 1, e.g. 1.3e9, got {text!r}")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def estimate_main(args: list[str]) -> None:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lightning-zero estimate",
         description="Per-rank bytes of parameters, gradients and optimizer state (Adam) under ddp, zero1, zero2"
         " and zero3, as the strategies allocate them (padding included; activations not counted).",
     )
     model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--params", type=float, help="the number of trainable parameters, e.g. 1.3e9")
+    model.add_argument("--params", type=_parameter_count, help="the number of trainable parameters, e.g. 1.3e9")
     model.add_argument("--model", help="a lightning-zero YAML config: its model is built on the meta device")
-    parser.add_argument("--devices", type=int, default=1, help="devices (processes) per node")
-    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--devices", type=_positive_int, default=1, help="devices (processes) per node")
+    parser.add_argument("--nodes", type=_positive_int, default=1)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
     parser.add_argument(
         "--device-memory", help="memory per device, e.g. 80GB or 80GiB: names the smallest stage that fits"
     )
     parsed = parser.parse_args(args)
     world = parsed.devices * parsed.nodes
+    if world > MAX_ESTIMATE_RANKS:  # the table is computed rank by rank
+        raise InputError(f"--devices x --nodes must be at most {MAX_ESTIMATE_RANKS:,} ranks, got {world:,}")
     try:
         capacity = parse_bytes(parsed.device_memory) if parsed.device_memory else None
     except ValueError as error:
-        parser.error(str(error))
+        raise InputError(f"argument --device-memory: {error}") from error
     if parsed.params is not None:
-        shape, config = shape_of_count(int(parsed.params)), ZeroConfig()
+        shape, config = shape_of_count(parsed.params), ZeroConfig()
     else:
-        from lightning_zero.estimate_model import shape_of_config
-
-        shape, config = shape_of_config(parsed.model)
+        shape, config = _shape_of_model(parsed.model)
     table = estimate(shape, world, parsed.precision, config)
     print(
         f"{shape.psi:,} trainable parameters on {world} ranks ({parsed.devices} per node x {parsed.nodes} nodes),"
@@ -141,27 +260,85 @@ def estimate_main(args: list[str]) -> None:
         print(f"{parsed.device_memory} per device ({capacity:,} bytes), activations not counted: {verdict}")
 
 
-def main(args: list[str] | None = None) -> None:
-    args = sys.argv[1:] if args is None else args
-    commands = {"consolidate": consolidate_main, "estimate": estimate_main}
-    if args[:1] and args[0] in commands:
-        commands[args[0]](args[1:])
+def _shape_of_model(path: str):
+    from lightning_zero.estimate_model import shape_of_config  # imports jsonargparse's machinery: only here
+
+    try:
+        return shape_of_config(path)
+    except OSError as error:
+        raise InputError(f"argument --model: {path}: {error.strerror or error}") from error
+    except (ValueError, TypeError) as error:  # not a config, or its model or zero options are refused
+        raise InputError(f"argument --model: {error}") from error
+
+
+OWN_COMMANDS = {
+    "consolidate": consolidate_main,
+    "convert-deepspeed": convert_deepspeed_main,
+    "estimate": estimate_main,
+}
+
+
+def _run(argv: list[str], cli_args: list[str] | None) -> None:
+    if argv[:1] and argv[0] in OWN_COMMANDS:
+        OWN_COMMANDS[argv[0]](argv[1:])
         return
-    if args[:1] in (["-h"], ["--help"]):
+    if argv[:1] in (["-h"], ["--help"]):
         print(
-            "lightning-zero: fit | validate | test | predict (Lightning's CLI, below), estimate, consolidate\n"
-            "  lightning-zero estimate --help     memory per rank for ddp / zero1 / zero2 / zero3\n"
-            "  lightning-zero consolidate --help  a plain state dict from a sharded checkpoint\n"
+            "lightning-zero: fit | validate | test | predict (Lightning's CLI, below), estimate, consolidate,"
+            " convert-deepspeed\n"
+            "  lightning-zero estimate --help           memory per rank for ddp / zero1 / zero2 / zero3\n"
+            "  lightning-zero consolidate --help        a plain state dict from a sharded checkpoint\n"
+            "  lightning-zero convert-deepspeed --help  a DeepSpeed ZeRO checkpoint as a Lightning one\n"
+            "  --debug (or LIGHTNING_ZERO_DEBUG=1) shows the traceback of an error about bad input\n"
         )
     ZeroCLI(
         pl.LightningModule,
         pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=args,
+        args=cli_args,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
     )
+
+
+def main(args: list[str] | None = None) -> None:
+    """The console script (``args`` None: the command line), or in-process with ``main([...])``."""
+    argv = sys.argv[1:] if args is None else list(args)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV) == "1"
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        if args is None:  # rank 1 re-runs sys.argv: it learns about --debug from the environment
+            sys.argv[1:] = argv
+            os.environ[DEBUG_ENV] = "1"
+    # Lightning 2.6's pytree helper (lightning/pytorch/utilities/_pytree.py) builds a LeafSpec, which torch
+    # 2.13 deprecates with a FutureWarning on each rank: nothing a user can act on. Filtered by its message
+    # and Lightning's module only.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+    command = argv[0] if argv[:1] and argv[0] in (*LIGHTNING_COMMANDS, *OWN_COMMANDS) else None
+    try:
+        # LightningCLI reads the command line itself when given None; given a list it warns that the two
+        # may disagree, which is only meant for calls from Python.
+        _run(argv, None if args is None else argv)
+    except (InputError, CheckpointError) as error:  # CheckpointError: also from loading one in fit --ckpt_path
+        if debug:
+            raise
+        if rank_zero_only.rank == 0:  # every rank has the same error: rank 0 reports it
+            unsafe = isinstance(error, UnsafePickleError) or isinstance(error.__cause__, UnsafePickleError)
+            print(_one_line(command, str(error), unsafe), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _one_line(command: str | None, message: str, unsafe_pickle: bool) -> str:
+    message = " ".join(message.split())
+    if unsafe_pickle and command:  # safe loading refused an object: this command's switch
+        message += f"; here: {'--trust-pickles' if command == 'consolidate' else '--weights_only false'}"
+    return f"lightning-zero{f' {command}' if command else ''}: error: {message}"
 
 
 if __name__ == "__main__":

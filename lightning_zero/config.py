@@ -15,6 +15,22 @@ SUPPORTED_STAGES = (1, 2, 3)
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def stage_of_strategy(name: object) -> int | None:
+    """The stage a Trainer strategy name selects: ``zero1`` .. ``zero3``; None for other strategies (``ddp``,
+    an instance). A name like ``zero4`` is refused here rather than by Lightning's registry, whose error
+    lists every registered strategy but not what was meant."""
+    if not isinstance(name, str) or not name.startswith("zero"):
+        return None
+    stage = name.removeprefix("zero")
+    _check(
+        stage.isdigit() and int(stage) in SUPPORTED_STAGES,
+        "trainer.strategy",
+        name,
+        f"one of {', '.join(f'zero{s}' for s in SUPPORTED_STAGES)} for ZeRO (or a Lightning strategy such as ddp)",
+    )
+    return int(stage)
+
+
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{key} must be {allowed}, got {value!r}")

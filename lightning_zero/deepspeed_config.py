@@ -1,7 +1,8 @@
 """A DeepSpeed JSON config, read into our typed configs and the Trainer's arguments.
 
 Every key is either mapped, accepted because it changes nothing here (listed in a warning with the
-reason), or refused: all refused keys are named in one error, so nothing is silently ignored.
+reason), or refused: all refused keys are named in one error, so nothing is silently ignored (except
+the rest of an ``fp16`` or ``bf16`` section whose ``"enabled"`` is false, which DeepSpeed ignores too).
 ``"auto"`` (Hugging Face's convention: "take it from the trainer") leaves our default, or the
 Trainer's own value, in place. DeepSpeed-side optimizers and schedulers are refused unless the
 caller lists them in ``ignore``: with Lightning they come from ``configure_optimizers``.
@@ -105,21 +106,37 @@ def _number(key: str, value: Any, kind: type) -> Any:
     return kind(value)
 
 
+def _load(source: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return source
+    try:
+        config = json.loads(Path(source).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"DeepSpeed config {source}: no such file") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"DeepSpeed config {source}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"DeepSpeed config {source}: must be a JSON object of settings, got a {type(config).__name__}")
+    return config
+
+
 def read_deepspeed_config(
     source: str | os.PathLike | dict[str, Any], *, ignore: tuple[str, ...] = ()
 ) -> DeepSpeedSettings:
     """Reads a DeepSpeed config (a JSON file or its dict). ``ignore`` names top-level keys to drop on purpose."""
-    config = json.loads(Path(source).read_text()) if not isinstance(source, dict) else source
-    flat = {k: v for k, v in _flatten(config).items() if k.split(".")[0] not in ignore}
+    flat = {k: v for k, v in _flatten(_load(source)).items() if k.split(".")[0] not in ignore}
     zero: dict[str, Any] = {}
     loss_scale: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     unsupported, no_effect = [], []
     fp16 = flat.get("fp16.enabled")  # True, False, "auto" (the Trainer decides) or None (absent)
     bf16_enabled = flat.get("bf16.enabled") is True
+    # DeepSpeed reads nothing else of a section that says "enabled": false, and shipped configs often keep
+    # their loss-scale settings there: inert, so accepted without a word (or a check).
+    disabled = {section for section in ("fp16", "bf16") if flat.get(f"{section}.enabled") is False}
     for key, value in flat.items():
         section, _, name = key.rpartition(".")
-        if value == "auto" or key in ("fp16.enabled", "bf16.enabled"):
+        if value == "auto" or key in ("fp16.enabled", "bf16.enabled") or section in disabled:
             continue
         if section == "zero_optimization" and name in ZERO_KEYS:
             kind = bool if name == "overlap_comm" else int

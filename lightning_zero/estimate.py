@@ -75,7 +75,8 @@ def _owned(layouts: Sequence[FlatLayout], rank: int) -> tuple[int, int]:
 
 
 def estimate(shape: ModelShape, world_size: int, precision: str, config: ZeroConfig) -> dict[str, list[RankBytes]]:
-    """Bytes per rank (index = rank) for each strategy; parameters in fp32 unless precision is 16-mixed."""
+    """Bytes per rank (index = rank) for each strategy; the ZeRO strategies' parameters are in fp32 unless
+    precision is 16-mixed, ddp's always."""
     b = 2 if precision == "16-mixed" else 4
     n = world_size
     frozen = shape.frozen_elements * b
@@ -83,8 +84,10 @@ def estimate(shape: ModelShape, world_size: int, precision: str, config: ZeroCon
     unit_layouts = [build_layout(u, n, sum(u)) for u in shape.units]
     padded = sum(layout.total_numel for layout in group_layouts)
     padded3 = sum(layout.total_numel for layout in unit_layouts)
+    # Lightning's DDP keeps fp32 weights and gradients under every precision (16-mixed is autocast)
+    ddp_params = 4 * (shape.psi + shape.frozen_elements)
     out: dict[str, list[RankBytes]] = {
-        "ddp": [RankBytes(4 * shape.psi + frozen, 4 * shape.psi, 8 * shape.psi + 4 * sum(map(len, shape.groups)))] * n
+        "ddp": [RankBytes(ddp_params, 4 * shape.psi, 8 * shape.psi + 4 * sum(map(len, shape.groups)))] * n
     }
     for stage in (1, 2):
         rows = []

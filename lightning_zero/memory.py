@@ -2,12 +2,13 @@
 
 For Psi trainable parameters over N ranks, with Adam, every rank holds (B = bytes per parameter and
 gradient element: 4 with fp32 parameters, i.e. ``32-true`` and ``bf16-mixed`` whose autocast keeps
-fp32 weights; 2 with ``16-mixed``):
+fp32 weights; 2 with ``16-mixed``, whose ZeroPrecision keeps fp16 ones; Lightning's DDP runs
+``16-mixed`` as autocast too, so its B is always 4):
 
 =========  ===========  ==========  ==================  ==================================
 strategy   parameters   gradients   master + Adam (K)   total
 =========  ===========  ==========  ==================  ==================================
-ddp        B Psi        B Psi       8 Psi (no master)   (fp32) 16 Psi
+ddp        4 Psi        4 Psi       8 Psi (no master)   16 Psi (every precision)
 zero1      B Psi        B Psi       12 Psi / N          fp32: 8 Psi + 12 Psi / N; fp16: 4 Psi + 12 Psi / N
 zero2      B Psi        B Psi / N   12 Psi / N          fp32: 4 Psi + 16 Psi / N; fp16: 2 Psi + 14 Psi / N
 zero3      B Psi / N    B Psi / N   (12 or 8) Psi / N   16 Psi / N (fp32: the shard is the master)
@@ -28,11 +29,12 @@ import torch
 def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4) -> dict[str, float]:
     """Per-rank bytes by category for ``strategy`` in ("ddp", "zero1", "zero2", "zero3") with Adam.
 
-    ``param_bytes`` is 4 for fp32 parameters and 2 for fp16 ones (``16-mixed``).
+    ``param_bytes`` is 4 for fp32 parameters and 2 for fp16 ones (``16-mixed``); ddp ignores it: its
+    parameters and gradients are fp32 under every precision.
     """
     n, b = world_size, param_bytes
     if strategy == "ddp":
-        return {"parameters": b * psi, "gradients": b * psi, "optimizer_state": 8 * psi}
+        return {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer_state": 8 * psi}
     if strategy == "zero1":
         return {"parameters": b * psi, "gradients": b * psi, "optimizer_state": 12 * psi / n}
     if strategy == "zero2":

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -10,6 +14,8 @@ from omegaconf import OmegaConf
 
 import lightning_zero
 from lightning_zero import LossScaleConfig, ZeroConfig, ZeroPrecision, ZeroStrategy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_registers_zero1_zero2_zero3():
@@ -103,5 +109,7 @@ def test_trainer_precision_maps_onto_zero_precision():
         pl.Trainer(strategy="zero1", accelerator="cpu", devices=2, precision="bf16-true", logger=False)
 
 
-def test_version_is_exposed():
-    assert lightning_zero.__version__
+def test_version_is_the_packages():
+    """``__version__`` is the version pip installed and pyproject.toml declares."""
+    declared = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert lightning_zero.__version__ == importlib.metadata.version("lightning-zero") == declared.group(1)

@@ -134,6 +134,38 @@ def test_mapping(config, ignore, expected, tmp_path):
         assert getattr(settings, key) == value, key
 
 
+@pytest.mark.parametrize(
+    "config,precision",
+    [
+        # as shipped in many configs: fp16 switched off, its loss-scale settings left in place
+        (
+            {
+                "fp16": {
+                    "enabled": False,
+                    "loss_scale": 0,
+                    "loss_scale_window": 1000,
+                    "initial_scale_power": 16,
+                    "hysteresis": 2,
+                    "min_loss_scale": 1,
+                },
+                "bf16": {"enabled": True},
+            },
+            "bf16-mixed",
+        ),
+        ({"fp16": {"enabled": False, "hysteresis": 0, "unknown": 1}}, "32-true"),  # not even checked
+        ({"bf16": {"enabled": False, "immediate_grad_update": True, "unknown": 1}}, None),
+        ({"bf16": {"enabled": False}, "fp16": {"enabled": True, "loss_scale": 64}}, "16-mixed"),
+    ],
+)
+def test_keys_of_a_disabled_section_are_inert(config, precision):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # accepted without a warning: they change nothing, as in DeepSpeed
+        settings = read_deepspeed_config({**config, "zero_optimization": {"stage": 2}})
+    assert settings.precision == precision and settings.no_effect == []
+    expected = LossScaleConfig(static_loss_scale=64.0) if precision == "16-mixed" else None
+    assert settings.loss_scale == expected
+
+
 def test_no_effect_keys_are_reported_with_reasons():
     with pytest.warns(UserWarning) as record:
         settings = read_deepspeed_config(ZERO2, ignore=("optimizer", "scheduler"))

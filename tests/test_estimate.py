@@ -14,8 +14,9 @@ from lightning.pytorch.core.optimizer import _configure_optimizers
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.config import ZeroConfig
-from lightning_zero.estimate import estimate, shape_of_count, shape_of_module
+from lightning_zero.estimate import STRATEGIES, ModelShape, estimate, shape_of_count, shape_of_module
 from lightning_zero.estimate_model import shape_of_config
+from lightning_zero.memory import formula_bytes
 
 
 def _worker(rank: int, world: int) -> None:
@@ -56,6 +57,25 @@ def test_count_only_estimate_follows_the_formulas():
     assert table["zero2"][0].parameters == 2 * padded and table["zero2"][0].gradients == 2 * padded // n
     assert table["zero3"][0].total == pytest.approx(16 * psi / n, rel=1e-5)  # plus padding and a step counter
     assert table["ddp"][0].total == pytest.approx(16 * psi, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_estimate_equals_the_formulas(strategy, precision):
+    """`lightning-zero estimate`, `memory.formula_bytes` and the README's table (which it is) agree: with no
+    padding (Psi a multiple of 2N, one bucket) they differ only by Adam's step counter, 4 bytes per tensor."""
+    psi, n = 1_000_000, 8
+    rows = estimate(shape_of_count(psi), n, precision, ZeroConfig())[strategy]
+    formula = formula_bytes(strategy, psi, n, param_bytes=2 if precision == "16-mixed" else 4)
+    for row in rows:
+        assert (row.parameters, row.gradients) == (formula["parameters"], formula["gradients"])
+        assert row.optimizer_state == formula["optimizer_state"] + 4
+
+
+def test_ddp_keeps_fp32_weights_under_16_mixed():
+    """Lightning's ddp runs 16-mixed as autocast: frozen weights stay fp32 too, unlike ZeroPrecision's."""
+    table = estimate(ModelShape([[1000]], [[1000]], 24), 2, "16-mixed", ZeroConfig())
+    assert table["ddp"][0].parameters == 4 * 1024 and table["zero2"][0].parameters == 2 * 1024
 
 
 def test_model_from_a_config_is_built_on_the_meta_device():

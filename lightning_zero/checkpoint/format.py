@@ -296,16 +296,26 @@ def latest(dirpath: str | os.PathLike) -> Path | None:
     return None if best is None else best[2]
 
 
+class UnsafePickleError(CheckpointError):
+    """Safe loading (``weights_only=True``) refused an object in a checkpoint's pickle."""
+
+
+def unsafe_pickle_error(path: Path, error: pickle.UnpicklingError) -> UnsafePickleError:
+    """One line naming the file, what safe loading refused (torch's reason, without its colour codes) and
+    the opt-in, which is only for a file whose origin is trusted."""
+    reason = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()[0]
+    return UnsafePickleError(
+        f"{path}: holds objects that safe loading refuses ({reason[:200]}); load it with weights_only=False"
+        " (trainer.fit(..., weights_only=False)) only if you trust where it came from"
+    )
+
+
 def load_lightning_state(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """``lightning.pt``, unpickled safely unless ``weights_only`` is False."""
     try:
         state = torch.load(path / LIGHTNING, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as error:
-        reason = str(error).splitlines()[0] if weights_only else str(error)
-        raise CheckpointError(
-            f"{path / LIGHTNING}: holds objects that safe loading refuses ({reason[:200]}); load it with"
-            " weights_only=False (trainer.fit(..., weights_only=False)) only if you trust where it came from"
-        ) from None
+        raise unsafe_pickle_error(path / LIGHTNING, error) from None
     except Exception as error:  # a file that passed its size and hash checks but does not load
         raise CheckpointError(f"{path / LIGHTNING}: cannot be read: {str(error).splitlines()[0][:200]}") from None
     if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.format import CheckpointError, Metadata
+from lightning_zero.checkpoint.format import CheckpointError, Metadata, unsafe_pickle_error
 
 
 class PlainReader:
@@ -49,11 +49,7 @@ def _load(path: Path, weights_only: bool) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     except pickle.UnpicklingError as error:
-        reason = str(error).splitlines()[0]
-        raise CheckpointError(
-            f"{path}: holds objects that safe loading refuses ({reason[:200]}); load it with"
-            " weights_only=False (trainer.fit(..., weights_only=False)) only if you trust where it came from"
-        ) from None
+        raise unsafe_pickle_error(path, error) from None
     except Exception as error:  # noqa: BLE001 - truncated, not a torch file, ...
         raise CheckpointError(f"{path}: not a readable checkpoint file: {str(error).splitlines()[0][:200]}") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
