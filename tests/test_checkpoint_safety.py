@@ -28,6 +28,10 @@ from lightning_zero.checkpoint.format import (
     sha256_file,
     write_atomically,
 )
+from lightning_zero.checkpoint.save import OURS, remove
+from lightning_zero.checkpoint.save import _prepare as prepare
+from lightning_zero.checkpoint.save import _publish as publish
+from lightning_zero.checkpoint.shards import ShardReader
 
 
 def _intact(ckpt: Path) -> int:
@@ -172,6 +176,20 @@ def _safety_worker(rank: int, world: int, root: Path) -> None:
         _raises_everywhere(message + r"\)\) only if you trust where it came from", _resume, world, poisoned)
     assert not marker.exists()
 
+    # One rank failing to read its part of a good checkpoint (a file it cannot map, say): the ranks agree
+    # before the all-gathers that follow, so every rank raises instead of the others waiting in them.
+    read = ShardReader.read
+    if rank == 1:
+        ShardReader.read = _unreadable
+    try:
+        _raises_everywhere(r"rank 1: .*good.ckpt: cannot read this rank's part: simulated", _resume, world, good)
+    finally:
+        ShardReader.read = read
+
+
+def _unreadable(*args, **kwargs):
+    raise OSError("simulated: the file cannot be mapped here")
+
 
 @pytest.mark.slow
 def test_saves_fail_safely_and_loads_run_no_code(tmp_path):
@@ -210,3 +228,40 @@ def test_latest_skips_checkpoints_whose_files_are_missing_or_resized(tmp_path):
     with open(tmp_path / "step2" / "lightning.pt", "ab") as f:
         f.write(b"x")
     assert latest(tmp_path) == tmp_path / "step1"
+
+
+def test_leftovers_of_killed_saves_and_removals_are_recognised(tmp_path):
+    """What a kill can leave, as the next save into the directory finds it (rank 0's preparation)."""
+    half_deleted = tmp_path / ".old.ckpt.removing"  # a removal killed mid-delete: COMPLETE already gone
+    _fake_checkpoint(half_deleted, 1)
+    (half_deleted / OURS).touch()  # what a deletion marks first
+    (half_deleted / "COMPLETE").unlink()
+    _fake_checkpoint(tmp_path / ".gone.ckpt.replaced", 2)  # killed between the two renames of a replacement
+    (tmp_path / ".new.ckpt.partial").mkdir()  # killed before its directory was marked
+    prepare(tmp_path / "new.ckpt", tmp_path / ".new.ckpt.partial")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".new.ckpt.partial", "gone.ckpt"]
+    assert latest(tmp_path) == tmp_path / "gone.ckpt"  # the old checkpoint is back under its name
+
+    foreign = tmp_path / ".mine.partial"  # a hidden directory of the user's: never touched
+    foreign.mkdir()
+    (foreign / "data.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"\.mine\.partial: exists and was not made by lightning_zero"):
+        prepare(tmp_path / "mine", foreign)
+    assert (foreign / "data.txt").read_text() == "mine"
+
+
+def test_a_linked_last_checkpoint_is_replaced_and_removed_as_a_link(tmp_path):
+    """ModelCheckpoint(save_last="link") makes last.ckpt a link to the newest checkpoint."""
+    _fake_checkpoint(tmp_path / "step1.ckpt", 1)
+    (tmp_path / "last.ckpt").symlink_to(tmp_path / "step1.ckpt")
+    partial = tmp_path / ".last.ckpt.partial"
+    prepare(tmp_path / "last.ckpt", partial)
+    _fake_checkpoint(tmp_path / "new", 2)
+    for f in (tmp_path / "new").iterdir():
+        f.rename(partial / f.name)
+    publish(partial, tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").is_symlink() and read_metadata(tmp_path / "last.ckpt").global_step == 2
+    assert _intact(tmp_path / "step1.ckpt") == 1  # the link's target is untouched
+    (tmp_path / "link.ckpt").symlink_to(tmp_path / "step1.ckpt")
+    remove(tmp_path / "link.ckpt", rank=0)
+    assert not (tmp_path / "link.ckpt").exists() and _intact(tmp_path / "step1.ckpt") == 1

@@ -129,6 +129,8 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, *, wei
     directory, output = Path(checkpoint), Path(output)
     if output.is_dir():
         raise CheckpointError(f"{output}: is a directory; give the path of the file to write (.pt or .safetensors)")
+    if output.exists():
+        raise CheckpointError(f"{output}: exists (nothing is overwritten: remove it or choose another name)")
     if not output.parent.is_dir():
         raise CheckpointError(f"{output.parent}: no such directory to write {output.name} into")
     if output.suffix not in (".pt", ".pth", ".bin", ".safetensors"):

@@ -197,7 +197,10 @@ def _optimizer_state(
     for group in bases[0]["param_groups"]:
         count = sum(len(names[k]) for k in group["params"])
         hyper = {key: v for key, v in group.items() if key != "params"}
-        param_groups.append({**hyper, "params": list(range(first, first + count))})
+        # By name too (torch's own optional key), so a resume can match parameters when the groups also
+        # hold frozen ones, which DeepSpeed leaves out of its flat groups.
+        group_names = [n.removeprefix(_LIGHTNING_PREFIX) for k in group["params"] for n in names[k]]
+        param_groups.append({**hyper, "params": list(range(first, first + count)), "param_names": group_names})
         first += count
     return {"state": state, "param_groups": param_groups}, "with optimizer state"
 
@@ -276,6 +279,9 @@ def _state_dict(models: list[dict[str, Any]], trained: dict[str, Tensor], stage:
 
 def _convert(ds_dir: Path, output: Path, trust_pickles: bool) -> tuple[str, bool]:
     """Writes ``output``; returns a summary and whether it holds the optimizer state."""
+    if output.exists() or not output.parent.is_dir():
+        why = "exists (nothing is overwritten: remove it or choose another name)" if output.exists() else None
+        raise CheckpointError(f"{output}: {why or f'no such directory to write it into: {output.parent}'}")
     tag_dir = _tag_dir(ds_dir)
     model_files, optim_files = _files(tag_dir)
     stage, world, optims = _read_optimizers(tag_dir, optim_files, trust_pickles)
@@ -314,7 +320,6 @@ def _convert(ds_dir: Path, output: Path, trust_pickles: bool) -> tuple[str, bool
     checkpoint["state_dict"] = state_dict
     if optimizer is not None:
         checkpoint["optimizer_states"] = [optimizer]
-    output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(output, lambda f: torch.save(checkpoint, f))
     held = note if optimizer is not None else f"without optimizer state ({note})"
     summary = f"{output}: ZeRO stage {stage} checkpoint of {world} ranks, {len(state_dict)} tensors, {held}"

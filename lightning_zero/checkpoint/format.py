@@ -24,6 +24,7 @@ any file it names, and loads Lightning's state with ``weights_only=True`` unless
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -212,9 +213,14 @@ def sha256_file(path: Path) -> str:
 
 
 def fsync_dir(path: Path) -> None:
+    """Makes a directory's entries durable; a filesystem that cannot fsync directories (some FUSE and
+    network filesystems answer EINVAL) is left to its own guarantees."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
@@ -313,7 +319,8 @@ def unsafe_pickle_error(path: Path, error: pickle.UnpicklingError) -> UnsafePick
 def load_lightning_state(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """``lightning.pt``, unpickled safely unless ``weights_only`` is False."""
     try:
-        state = torch.load(path / LIGHTNING, map_location="cpu", weights_only=weights_only)
+        # mapped: frozen parameters saved whole here (stages 1/2) are read page by page, not held per rank
+        state = torch.load(path / LIGHTNING, map_location="cpu", mmap=True, weights_only=weights_only)
     except pickle.UnpicklingError as error:
         raise unsafe_pickle_error(path / LIGHTNING, error) from None
     except Exception as error:  # a file that passed its size and hash checks but does not load

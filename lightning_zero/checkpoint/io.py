@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
@@ -111,29 +112,51 @@ def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit
         else:
             loaded.reader.read(key, lo, hi, out)
 
+    # Every rank reads its pieces first and the ranks agree that all of them could (a file this rank
+    # cannot map, a tensor of the wrong size) before any collective: one rank failing between the
+    # all-gathers below would leave the others waiting in them.
+    problem = None
+    try:
+        with torch.no_grad():
+            _read_pieces(units, params, buffers, replicated, read)
+    except (CheckpointError, OSError, RuntimeError, ValueError, IndexError) as error:
+        problem = f"rank {_rank()}: {loaded.path}: cannot read this rank's part: {error!s}".splitlines()[0]
+    problems = [p for p in collectives.all_gather_object(problem) if p is not None]
+    if problems:
+        raise CheckpointError(problems[0])
     with torch.no_grad():
-        sharded = set()
         for unit in units:
-            target = unit.master if unit.master is not None else unit.param_shard
-            for piece in unit.layout.pieces(unit.rank):
-                view = target[piece.partition_offset : piece.partition_offset + piece.numel]
-                exact = view.dtype == torch.float32 and view.device.type == "cpu"
-                buffer = view if exact else torch.empty(piece.numel)
-                read(unit.names[piece.param], piece.lo, piece.hi, buffer)
-                if buffer is not view:
-                    view.copy_(buffer)
             if unit.master is not None:
                 unit.after_step()  # the parameters follow the loaded master
             elif unit.gathered:  # a frozen unit kept whole: gather the loaded shards
                 collectives.wait(unit.unshard(async_op=False))
-            sharded.update(id(p) for p in unit.params)
-        for name, p in params.items():
-            if id(p) not in sharded:
-                value = torch.empty(p.numel())
-                read(name, 0, p.numel(), value)
-                p.copy_(value.view(p.shape))
-        for key, value in buffers.items():
-            value.copy_(replicated[key])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _read_pieces(units, params, buffers, replicated, read) -> None:
+    """This rank's pieces of sharded parameters into their masters (or frozen shards), whole values of
+    the others and the buffers; no collective."""
+    sharded = set()
+    for unit in units:
+        target = unit.master if unit.master is not None else unit.param_shard
+        for piece in unit.layout.pieces(unit.rank):
+            view = target[piece.partition_offset : piece.partition_offset + piece.numel]
+            exact = view.dtype == torch.float32 and view.device.type == "cpu"
+            buffer = view if exact else torch.empty(piece.numel)
+            read(unit.names[piece.param], piece.lo, piece.hi, buffer)
+            if buffer is not view:
+                view.copy_(buffer)
+        sharded.update(id(p) for p in unit.params)
+    for name, p in params.items():
+        if id(p) not in sharded:
+            value = torch.empty(p.numel())
+            read(name, 0, p.numel(), value)
+            p.copy_(value.view(p.shape))
+    for key, value in buffers.items():
+        value.copy_(replicated[key])
 
 
 def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimizer) -> None:
@@ -146,6 +169,17 @@ def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimize
         )
     for group, saved in zip(optimizer.param_groups, loaded.lightning["optimizer_groups"][index]):
         group.update(saved)
+    problem = None
+    try:
+        _read_optimizer_state(loaded, optimizer)
+    except (CheckpointError, OSError, RuntimeError, ValueError, IndexError, KeyError) as error:
+        problem = f"rank {_rank()}: {loaded.path}: optimizer {index}: cannot read its state: {error!s}".splitlines()[0]
+    problems = [p for p in collectives.all_gather_object(problem) if p is not None]
+    if problems:  # agreed, so no rank goes on to train while another has failed
+        raise CheckpointError(problems[0])
+
+
+def _read_optimizer_state(loaded: LoadedCheckpoint, optimizer: ZeroOptimizer) -> None:
     group_of = {id(t): g for g in optimizer.optimizer.param_groups for t in g["params"]}
     for unit in optimizer.units:
         for piece, tensor in zip(unit.pieces, unit.piece_tensors):

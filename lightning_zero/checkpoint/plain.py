@@ -58,13 +58,21 @@ def _load(path: Path, weights_only: bool) -> dict[str, Any]:
 
 
 def _optimizer_state(path: Path, index: int, saved: Any, names: list[list[str]]) -> dict[str, dict[str, Any]]:
-    """Torch's optimizer state dict, keyed by parameter name (matched by position, as torch does)."""
+    """Torch's optimizer state dict, keyed by parameter name: by the names the groups carry when they do
+    (``param_names``, e.g. a converted DeepSpeed checkpoint), else by position, as torch matches them."""
     sizes_here = [len(group) for group in names]
     try:
         sizes_saved = [len(group["params"]) for group in saved["param_groups"]]
         state = saved["state"]
     except (TypeError, KeyError):
         raise CheckpointError(f"{path}: optimizer {index}'s state is not a torch optimizer state_dict") from None
+    if all("param_names" in group for group in saved["param_groups"]) and len(sizes_saved) == len(sizes_here):
+        index_to_name = {i: n for g in saved["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+        here = {n for group in names for n in group}
+        unknown = sorted(index_to_name[i] for i in state if index_to_name.get(i) not in here)
+        if unknown:
+            raise CheckpointError(f"{path}: optimizer {index} has state for {unknown[:5]}, not in its groups here")
+        return {index_to_name[i]: s for i, s in state.items()}
     if sizes_saved != sizes_here:
         raise CheckpointError(
             f"{path}: optimizer {index} has param groups of {sizes_here} parameters here and {sizes_saved} in the"

@@ -29,6 +29,7 @@ import errno
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,12 @@ def _unit_payload(unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only:
         scalars[piece.param] = {}
         for key, value in optimizer.optimizer.state[tensor].items():
             if _is_elementwise(value, piece.numel):
-                if key not in state:
-                    state[key] = torch.zeros(unit.layout.partition_numel, dtype=value.dtype, device=value.device)
+                if key not in state:  # assembled on the CPU: no partition-sized spike on the device
+                    state[key] = torch.zeros(unit.layout.partition_numel, dtype=value.dtype)
                 state[key][piece.partition_offset : piece.partition_offset + piece.numel] = value.reshape(-1)
             else:
                 scalars[piece.param][key] = value.cpu() if torch.is_tensor(value) else value
-    payload.update(state={k: v.cpu() for k, v in state.items()}, scalars=scalars)
+    payload.update(state=state, scalars=scalars)
     return payload
 
 
@@ -129,32 +130,55 @@ def _agree(problem: str | None, path: Path, rank: int) -> None:
         raise CheckpointError(f"cannot save checkpoint {path}: {problems[0]}")
 
 
+def _delete(directory: Path) -> None:
+    """Deletes a hidden directory of ours, marking it first: a deletion killed half-way (COMPLETE and the
+    metadata may be gone already) leaves a directory still recognised as ours. Best effort."""
+    if directory.is_symlink():  # a link that stood in the checkpoint's place (save_last="link")
+        directory.unlink(missing_ok=True)
+        return
+    try:
+        (directory / OURS).touch()
+        shutil.rmtree(directory)
+    except OSError as error:
+        warnings.warn(f"lightning_zero: could not delete {directory}: {error.strerror or error}", stacklevel=2)
+
+
 def _remove_ours(directory: Path) -> None:
-    """Deletes a hidden directory a save of ours left (marked, or a complete checkpoint moved aside)."""
-    if directory.is_dir() and ((directory / OURS).exists() or is_checkpoint(directory)):
-        shutil.rmtree(directory, ignore_errors=True)
+    """Deletes a hidden directory a save of ours left: marked, a complete checkpoint moved aside, an empty
+    directory (killed before its mark) or a link; anything else stays."""
+    ours = directory.is_symlink() or (
+        directory.is_dir() and ((directory / OURS).exists() or is_checkpoint(directory) or not any(directory.iterdir()))
+    )
+    if ours:
+        _delete(directory)
 
 
 def _sweep(directory: Path) -> None:
-    """Deletes old checkpoints a killed save or removal had moved aside (``.<name>.replaced|removing``)."""
+    """Old checkpoints a killed save or removal had moved aside (``.<name>.replaced|removing``): deleted,
+    except one whose name is empty because the kill fell between the two renames of a replacement: that
+    one is put back."""
     for hidden in directory.glob(".*.re*"):
-        if hidden.name.endswith((".replaced", ".removing")):
+        name, _, suffix = hidden.name[1:].rpartition(".")
+        if suffix == "replaced" and not (directory / name).exists() and is_checkpoint(hidden):
+            os.replace(hidden, directory / name)
+        elif suffix in ("replaced", "removing"):
             _remove_ours(hidden)
 
 
 def _prepare(path: Path, partial: Path) -> None:
+    if path.parent.is_dir():
+        _sweep(path.parent)
     if path.exists() and not (path.is_dir() and (is_checkpoint(path) or not any(path.iterdir()))):
         kind = "directory" if path.is_dir() else "file"
         raise CheckpointError(
             f"{path}: exists and is a {kind} that is not a lightning_zero checkpoint; nothing was overwritten"
             " (choose another name, or remove it yourself)"
         )
-    if partial.exists():
+    if partial.exists() or partial.is_symlink():
         _remove_ours(partial)  # left by a save that was killed
-        if partial.exists():
+        if partial.exists() or partial.is_symlink():
             raise CheckpointError(f"{partial}: exists and was not made by lightning_zero; nothing was overwritten")
     path.parent.mkdir(parents=True, exist_ok=True)
-    _sweep(path.parent)
     partial.mkdir()
     (partial / OURS).touch()
     fsync_dir(path.parent)
@@ -175,23 +199,28 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _publish(partial: Path, path: Path) -> None:
-    """Puts the finished directory in place; an older checkpoint of the same name is replaced atomically."""
+    """Puts the finished directory in place; an older checkpoint of the same name is replaced atomically.
+    Once the new checkpoint is in place, deleting the old one is best effort: the save has succeeded."""
     (partial / OURS).unlink()
-    if path.exists():
-        if _exchange(partial, path):
-            _pause("exchanged")
-            fsync_dir(path.parent)
-            shutil.rmtree(partial)  # the old checkpoint, now under the hidden name
-            return
-        aside = path.parent / f".{path.name}.replaced"
-        _remove_ours(aside)
-        os.replace(path, aside)
+    if not (path.exists() or path.is_symlink()):  # (a link, save_last="link", is swapped like a directory)
         os.replace(partial, path)
         fsync_dir(path.parent)
-        shutil.rmtree(aside)
         return
-    os.replace(partial, path)
+    if _exchange(partial, path):
+        _pause("exchanged")
+        fsync_dir(path.parent)
+        _delete(partial)  # the old checkpoint, now under the hidden name
+        return
+    aside = path.parent / f".{path.name}.replaced"
+    _remove_ours(aside)
+    os.replace(path, aside)
+    try:
+        os.replace(partial, path)
+    except OSError:
+        os.replace(aside, path)  # the old checkpoint goes back under its name
+        raise
     fsync_dir(path.parent)
+    _delete(aside)
 
 
 def save(
@@ -303,11 +332,18 @@ def remove(path: str | os.PathLike, *, rank: int) -> None:
     """Removes a checkpoint of ours (rank 0): renamed to a hidden name first, so a half-deleted one is never
     visible; anything that is not a lightning_zero checkpoint is left alone."""
     path = Path(path)
-    if rank != 0 or not is_checkpoint(path):
+    if rank != 0 or not (is_checkpoint(path) or path.is_symlink()):
+        return
+    if path.is_symlink():  # ModelCheckpoint's save_last="link": the link, never its target
+        path.unlink()
         return
     hidden = path.parent / f".{path.name}.removing"
-    _remove_ours(hidden)
-    os.replace(path, hidden)
-    fsync_dir(path.parent)
+    try:
+        _remove_ours(hidden)
+        os.replace(path, hidden)
+        fsync_dir(path.parent)
+    except OSError as error:  # rank 0 alone is here: a failure must not stop it while the others go on
+        warnings.warn(f"lightning_zero: could not remove checkpoint {path}: {error.strerror or error}", stacklevel=2)
+        return
     _pause("removing")
-    shutil.rmtree(hidden, ignore_errors=True)
+    _delete(hidden)
