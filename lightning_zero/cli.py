@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import pickle
 import sys
 import warnings
 from argparse import ArgumentError
@@ -38,7 +39,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 import lightning_zero  # noqa: F401  (registers the zero strategies)
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.deepspeed_import import convert as convert_deepspeed
-from lightning_zero.checkpoint.format import CheckpointError, UnsafePickleError, check_file, read_metadata
+from lightning_zero.checkpoint.format import (
+    CheckpointError,
+    UnsafePickleError,
+    check_file,
+    read_metadata,
+    unsafe_pickle_error,
+)
 from lightning_zero.config import ZeroConfig, stage_of_strategy
 from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.estimate import estimate, format_table, parse_bytes, shape_of_count, smallest_fitting
@@ -100,6 +107,22 @@ class ZeroCLI(LightningCLI):
             self.zero_config = None if stage is None else ZeroConfig(stage=stage, **dict(config.zero))
             if stage is not None and config.get("ckpt_path"):
                 _check_checkpoint(str(config.ckpt_path))
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads a single-file checkpoint's hyper-parameters here (safely): its refusal or a file
+        # that does not load is bad input too.
+        try:
+            super()._parse_ckpt_path()
+        except pickle.UnpicklingError as error:  # (Lightning loads it with weights_only=True whatever we say)
+            ckpt_path = Path(self.config[self.config.subcommand].get("ckpt_path"))
+            refused = str(unsafe_pickle_error(ckpt_path, error)).partition("; load it with")[0]
+            raise InputError(
+                f"{refused}; Lightning's CLI reads a checkpoint file's hyper-parameters safely, whatever"
+                " --weights_only says: resume from Python, trainer.fit(..., weights_only=False), if you trust it"
+            ) from error
+        except (RuntimeError, EOFError) as error:
+            ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
+            raise InputError(f"{ckpt_path}: not a readable checkpoint file: {str(error).splitlines()[0]}") from error
 
     def instantiate_classes(self) -> None:
         with _setup_errors_are_input_errors():  # Lightning's and the modules' own checks of their arguments

@@ -320,6 +320,12 @@ def _poison(ckpt: Path) -> None:
     _edit_metadata(lambda meta: meta["files"].update({"lightning.pt": new}))(ckpt)
 
 
+def _poisoned_plain_file(ckpt: Path) -> None:
+    """A single-file (plain Lightning) checkpoint with a Poison in its hyper-parameters, in ckpt's place."""
+    shutil.rmtree(ckpt)
+    torch.save({"state_dict": {}, "hyper_parameters": {"poison": Poison(ckpt.parent / "marker")}}, ckpt)
+
+
 def _consolidate(checkpoint: str = "{ckpt}", output: str = "{tmp}/model.pt") -> list[str]:
     return ["consolidate", checkpoint, output]
 
@@ -427,6 +433,12 @@ CHECKPOINT_CASES = [
         damage=_truncate,
     ),
     Case(
+        "fit_ckpt_path_poisoned_plain_file",  # Lightning's CLI reads its hyper-parameters first
+        _fit("--ckpt_path", "{ckpt}"),
+        "run.ckpt: holds objects that safe loading refuses",
+        damage=_poisoned_plain_file,
+    ),
+    Case(
         "fit_ckpt_path_crafted_metadata",
         _fit("--ckpt_path", "{ckpt}"),
         "world_size must be an integer in [1, 1048576]",
@@ -493,7 +505,7 @@ def test_bad_config_argument_or_deepspeed_config(case, tmp_path, capsys, ran):
 @pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=str)
 def test_bad_checkpoint(case, checkpoint, tmp_path, capsys, ran):
     _check(case, tmp_path, checkpoint, capsys, ran)
-    if case.damage is _poison:
+    if case.damage in (_poison, _poisoned_plain_file):
         assert not (tmp_path / "marker").exists(), "unpickling ran the checkpoint's code"
 
 

@@ -309,7 +309,10 @@ class UnsafePickleError(CheckpointError):
 def unsafe_pickle_error(path: Path, error: pickle.UnpicklingError) -> UnsafePickleError:
     """One line naming the file, what safe loading refused (torch's reason, without its colour codes) and
     the opt-in, which is only for a file whose origin is trusted."""
-    reason = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()[0]
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines() if line.strip()]
+    # torch's message opens with advice; the line naming the refused global says what the file holds.
+    reason = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
+    reason = reason.partition(". Please use")[0]
     return UnsafePickleError(
         f"{path}: holds objects that safe loading refuses ({reason[:200]}); load it with weights_only=False"
         " (trainer.fit(..., weights_only=False)) only if you trust where it came from"
