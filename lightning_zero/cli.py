@@ -179,49 +179,48 @@ class _Parser(argparse.ArgumentParser):
         raise InputError(message)
 
 
+def _checkpoint_command(args: list[str], *, prog: str, description: str, source: str, output: str, trust: str, run):
+    """consolidate and convert-deepspeed: a checkpoint in, a file out, ``--trust-pickles``; a CheckpointError
+    is bad input. ``run(source, output, trust_pickles)`` returns the line to print."""
+    parser = _Parser(prog=prog, description=description)
+    parser.add_argument("source", help=source)
+    parser.add_argument("output", help=output)
+    parser.add_argument("--trust-pickles", action="store_true", help=trust)
+    parsed = parser.parse_args(args)
+    try:
+        print(run(parsed.source, parsed.output, parsed.trust_pickles))
+    except CheckpointError as error:
+        raise InputError(str(error)) from error
+
+
 def consolidate_main(args: list[str]) -> None:
-    parser = _Parser(
+    _checkpoint_command(
+        args,
         prog="lightning-zero consolidate",
         description="Write the plain fp32 state dict of a sharded checkpoint directory (streamed, parameter by"
         " parameter). The output loads with torch.load (or safetensors) and module.load_state_dict.",
-    )
-    parser.add_argument("checkpoint", help="a checkpoint directory written by the ZeRO strategies")
-    parser.add_argument("output", help="the output file: .pt, or .safetensors")
-    parser.add_argument(
-        "--trust-pickles",
-        action="store_true",
-        help="unpickle the checkpoint's Lightning state (lightning.pt) without restrictions (weights_only=False),"
+        source="a checkpoint directory written by the ZeRO strategies",
+        output="the output file: .pt, or .safetensors",
+        trust="unpickle the checkpoint's Lightning state (lightning.pt) without restrictions (weights_only=False),"
         " as checkpoints of older versions may need. Unpickling can run any code: only for a checkpoint you trust.",
+        run=lambda source, output, trust: f"wrote {consolidate(source, output, weights_only=not trust)}",
     )
-    parsed = parser.parse_args(args)
-    try:
-        out = consolidate(parsed.checkpoint, parsed.output, weights_only=not parsed.trust_pickles)
-    except CheckpointError as error:
-        raise InputError(str(error)) from error
-    print(f"wrote {out}")
 
 
 def convert_deepspeed_main(args: list[str]) -> None:
-    parser = _Parser(
+    _checkpoint_command(
+        args,
         prog="lightning-zero convert-deepspeed",
         description="Convert a DeepSpeed ZeRO stage 1/2/3 checkpoint (engine.save_checkpoint, or Lightning's"
         " DeepSpeedStrategy) into a plain Lightning checkpoint file, which the ZeRO strategies resume from at"
         " any stage and world size: fp32 weights, the optimizer's state where the layout allows, Lightning's"
         " loops and schedulers when DeepSpeedStrategy saved them.",
-    )
-    parser.add_argument("ds_dir", help="DeepSpeed's save directory (with 'latest') or one tag directory in it")
-    parser.add_argument("output", help="the checkpoint file to write, e.g. converted.ckpt")
-    parser.add_argument(
-        "--trust-pickles",
-        action="store_true",
-        help="load DeepSpeed's files, which are pickles holding DeepSpeed's classes: unpickling can run any"
+        source="DeepSpeed's save directory (with 'latest') or one tag directory in it",
+        output="the checkpoint file to write, e.g. converted.ckpt",
+        trust="load DeepSpeed's files, which are pickles holding DeepSpeed's classes: unpickling can run any"
         " code, so only for a checkpoint you trust",
+        run=lambda source, output, trust: convert_deepspeed(source, output, trust_pickles=trust),
     )
-    parsed = parser.parse_args(args)
-    try:
-        print(convert_deepspeed(parsed.ds_dir, parsed.output, trust_pickles=parsed.trust_pickles))
-    except CheckpointError as error:
-        raise InputError(str(error)) from error
 
 
 def _parameter_count(text: str) -> int:
