@@ -33,6 +33,13 @@ RUNS = [
     ("blocks", "sgd", "value", (3,)),
 ]
 CLIP_VALUE = 0.02
+# At 4 ranks (on 2 cores, the slowest) the runs whose partitions differ with the world size; optimizer and
+# clipping variants are the same code at any world size and run at 2.
+RUNS_AT_4 = [run for run in RUNS if run[1:3] == ("adamw", "norm")]
+
+
+def _runs(world: int) -> list:
+    return RUNS_AT_4 if world == 4 else RUNS
 
 
 class RanksAgree(pl.Callback):
@@ -65,7 +72,7 @@ def _trainer(strategy, devices: int, algorithm: str, callbacks=()):
 
 
 def _worker(rank: int, world: int, out_dir) -> None:
-    for kind, optimizer, algorithm, stages in RUNS:
+    for kind, optimizer, algorithm, stages in _runs(world):
         for stage in stages:
             pl.seed_everything(0)
             module = EquivalenceModule(kind, steps=STEPS, optimizer=optimizer, lazy=stage == 3)
@@ -98,7 +105,7 @@ def _reference(kind: str, optimizer: str, algorithm: str):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_training_matches_single_process(world, tmp_path):
     spawn_ranks(_worker, world, tmp_path)
-    for kind, optimizer, algorithm, stages in RUNS:
+    for kind, optimizer, algorithm, stages in _runs(world):
         ref_state, ref_norms, ref_max = _reference(kind, optimizer, algorithm)
         # Clipping must be active for the test to mean anything.
         assert len(ref_norms) == STEPS and (max(ref_norms) > CLIP if algorithm == "norm" else max(ref_max) > CLIP_VALUE)

@@ -20,11 +20,11 @@ def _app(*overrides: str, run_dir: Path, timeout: float = 240) -> subprocess.Com
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+# The default composition (zero2, fp32) is the main job's, run through the CLI in test_cli.py.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides,heading",
     [
-        ([], "zero2: 2 ranks, precision 32-true"),
         (["strategy.stage=3"], "zero3: 2 ranks, precision 32-true"),  # the example override
         (["strategy=zero1", "precision=16-mixed"], "zero1: 2 ranks, precision 16-mixed"),
     ],
