@@ -52,6 +52,12 @@ class StepProgressBar(RichProgressBar):
             return super()._get_train_description(current_epoch)
         return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"  # padded as Lightning's
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning stops the bar at teardown, so its last frame would print after ZeroMetrics' summary
+        # table (on_train_end, listed after this callback): stopped here, the table comes last.
+        super().on_train_end(trainer, pl_module)
+        self._stop_progress()
+
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
         metrics = super().get_metrics(trainer, pl_module)
         if trainer.max_steps > 0:

@@ -69,6 +69,10 @@ def test_main_job_short_run(configs, heading, tmp_path):
     assert heading in out
     assert "throughput:" in out and "tokens/s" in out
     assert "rank 1" in out and "formula" in out
+    # A clean console: the summary ends the output (the bar's last frame comes before it), no warnings.
+    assert "Epoch 0/-2" not in out and "step: 12/12" in out
+    assert result.stdout.rindex("step: 12/12") < result.stdout.index(heading), result.stdout[-1500:]
+    assert "Warning" not in out, out[-3000:]
 
 
 @pytest.mark.slow
