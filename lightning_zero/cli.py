@@ -42,7 +42,7 @@ from lightning_zero.checkpoint.deepspeed_import import convert as convert_deepsp
 from lightning_zero.checkpoint.format import (
     CheckpointError,
     UnsafePickleError,
-    check_file,
+    check_files,
     read_metadata,
     unsafe_pickle_error,
 )
@@ -141,8 +141,7 @@ def _check_checkpoint(ckpt_path: str) -> None:
     if ckpt_path.split(":", 1)[0] in ("last", "best", "hpc", "registry") or path.is_file():
         return
     meta = read_metadata(path)
-    for name, expected in meta.files.items():
-        check_file(path, name, expected, checksum=False)
+    check_files(path, meta, checksum=False)
 
 
 def _apply_deepspeed(config, path: str, ignore: tuple[str, ...]) -> None:

@@ -7,6 +7,9 @@ group, whose timeout turns a hang into an error.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import lightning.pytorch as pl
 import torch
 import torch.nn as nn
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_zero
+from lightning_zero.checkpoint.format import check_files, read_metadata, sha256_file
 from lightning_zero.data import SyntheticLanguage
 from lightning_zero.kernels.adamw import FusedAdamW
 from lightning_zero.models.gpt import GPT, GPTConfig
@@ -239,6 +243,37 @@ def make_trainer(
 def zero_strategy(stage: int, **config) -> lightning_zero.ZeroStrategy:
     config.setdefault("timeout", COLLECTIVE_TIMEOUT_S)
     return lightning_zero.ZeroStrategy(lightning_zero.ZeroConfig(stage=stage, **config))
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+def verify_checkpoint(ckpt: Path) -> int:
+    """Checks every file of a sharded checkpoint (complete, sizes, sha256); returns its global step."""
+    meta = read_metadata(ckpt)  # raises unless complete
+    check_files(ckpt, meta, checksum=True)
+    return meta.global_step
+
+
+class Poison:
+    """Unpickling it runs ``open(marker, "w")``: what a malicious checkpoint would do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def poison_checkpoint(ckpt: Path, marker: Path) -> None:
+    """Puts a Poison into a checkpoint's lightning.pt and updates its size and hash in the metadata, so
+    only safe unpickling can stop it."""
+    state = torch.load(ckpt / "lightning.pt", weights_only=True)
+    torch.save({**state, "poison": Poison(marker)}, ckpt / "lightning.pt")
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    meta["files"]["lightning.pt"] = {
+        "bytes": (ckpt / "lightning.pt").stat().st_size,
+        "sha256": sha256_file(ckpt / "lightning.pt"),
+    }
+    (ckpt / "metadata.json").write_text(json.dumps(meta))
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

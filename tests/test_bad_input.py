@@ -22,11 +22,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
+from helpers import EquivalenceModule, Poison, make_trainer, poison_checkpoint, spawn_ranks, zero_strategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.checkpoint.format import sha256_file
 from lightning_zero.cli import DEBUG_ENV, InputError, ZeroCLI, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -302,22 +301,8 @@ def _flip_a_byte(ckpt: Path) -> None:
     (ckpt / "rank-00000.pt").write_bytes(bytes(data))
 
 
-class Poison:
-    """Unpickling it runs ``open(marker, "w")``: what a malicious checkpoint would do instead."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def _poison(ckpt: Path) -> None:
-    """lightning.pt with a Poison in it, its size and hash in the metadata updated to match."""
-    state = torch.load(ckpt / "lightning.pt", weights_only=True)
-    torch.save({**state, "poison": Poison(ckpt.parent / "marker")}, ckpt / "lightning.pt")
-    new = {"bytes": (ckpt / "lightning.pt").stat().st_size, "sha256": sha256_file(ckpt / "lightning.pt")}
-    _edit_metadata(lambda meta: meta["files"].update({"lightning.pt": new}))(ckpt)
+    poison_checkpoint(ckpt, ckpt.parent / "marker")
 
 
 def _poisoned_plain_file(ckpt: Path) -> None:

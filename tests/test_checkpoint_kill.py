@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import spawn_ranks
+from helpers import spawn_ranks, verify_checkpoint
 from kill_target import train
 
-from lightning_zero.checkpoint.format import check_file, latest, read_metadata
+from lightning_zero.checkpoint.format import latest, read_metadata
 from lightning_zero.checkpoint.save import PAUSE_ENV
 
 # Per step the target saves epoch=0-step=N.ckpt, removes step N-1's, then overwrites last.ckpt. The n-th
@@ -36,10 +36,7 @@ def _visible(dirpath: Path) -> dict[str, int]:
     """Every visible checkpoint, fully verified, by name -> global step."""
     steps = {}
     for ckpt in (p for p in dirpath.iterdir() if not p.name.startswith(".")):
-        meta = read_metadata(ckpt)  # raises unless complete
-        for name, expected in meta.files.items():
-            check_file(ckpt, name, expected, checksum=True)
-        steps[ckpt.name] = meta.global_step
+        steps[ckpt.name] = verify_checkpoint(ckpt)
     return steps
 
 

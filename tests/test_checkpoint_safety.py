@@ -4,7 +4,6 @@ writable, a directory another node cannot see. Loading never runs code from a pi
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shutil
@@ -17,29 +16,27 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
+from helpers import (
+    EquivalenceModule,
+    Poison,
+    make_trainer,
+    poison_checkpoint,
+    spawn_ranks,
+    verify_checkpoint,
+    zero_strategy,
+)
 
 from lightning_zero.checkpoint.format import (
     CheckpointError,
     Metadata,
-    check_file,
     latest,
     read_metadata,
-    sha256_file,
     write_atomically,
 )
 from lightning_zero.checkpoint.save import OURS, remove
 from lightning_zero.checkpoint.save import _prepare as prepare
 from lightning_zero.checkpoint.save import _publish as publish
 from lightning_zero.checkpoint.shards import ShardReader
-
-
-def _intact(ckpt: Path) -> int:
-    """Verifies every file of a checkpoint (sizes and sha256); returns its global step."""
-    meta = read_metadata(ckpt)
-    for name, expected in meta.files.items():
-        check_file(ckpt, name, expected, checksum=True)
-    return meta.global_step
 
 
 def _listing(directory: Path) -> dict[str, bytes]:
@@ -71,31 +68,6 @@ def _as_nobody(active: bool):
             os.seteuid(0)
 
 
-class Evil:
-    """Unpickling it creates the file its path names (what a malicious ``__reduce__`` could do)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-def _poison(good: Path, out: Path, marker: Path) -> None:
-    """A copy of ``good`` whose lightning.pt carries Evil, with the metadata updated to match (so only
-    safe unpickling can stop it)."""
-    shutil.copytree(good, out)
-    state = torch.load(out / "lightning.pt", weights_only=True)
-    state["callbacks"] = {"evil": Evil(str(marker))}
-    torch.save(state, out / "lightning.pt")
-    meta = json.loads((out / "metadata.json").read_text())
-    meta["files"]["lightning.pt"] = {
-        "bytes": (out / "lightning.pt").stat().st_size,
-        "sha256": sha256_file(out / "lightning.pt"),
-    }
-    (out / "metadata.json").write_text(json.dumps(meta))
-
-
 def _raises_everywhere(message: str, action, *args, **kwargs) -> None:
     with pytest.raises(CheckpointError, match=message):
         action(*args, **kwargs)
@@ -112,7 +84,7 @@ def _safety_worker(rank: int, world: int, root: Path) -> None:
     trainer.fit(EquivalenceModule("blocks", steps=2))
     good = root / "good.ckpt"
     trainer.save_checkpoint(good)
-    step = _intact(good)
+    step = verify_checkpoint(good)
     if rank == 0:
         (root / "results").mkdir()
         (root / "results" / "notes.txt").write_text("a week of results")
@@ -130,7 +102,7 @@ def _safety_worker(rank: int, world: int, root: Path) -> None:
         with _file_size_limit(4096 if rank == 1 else resource.RLIM_INFINITY):
             message = rf"cannot save checkpoint {target}: .*rank-00001.pt: File too large"
             _raises_everywhere(message, trainer.save_checkpoint, target)
-    assert _listing(root) == before and _intact(good) == step
+    assert _listing(root) == before and verify_checkpoint(good) == step
 
     # A directory this user may not write to.
     readonly = Path(tempfile.mkdtemp(prefix="readonly")) if rank == 0 else None  # in /tmp: others may enter
@@ -166,8 +138,9 @@ def _safety_worker(rank: int, world: int, root: Path) -> None:
     # A poisoned pickle, in a sharded checkpoint and in a plain Lightning file: refused, nothing runs.
     marker = root / "pwned"
     if rank == 0:
-        _poison(good, root / "poisoned.ckpt", marker)
-        torch.save({"state_dict": {}, "evil": Evil(str(marker))}, root / "poisoned-plain.ckpt")
+        shutil.copytree(good, root / "poisoned.ckpt")
+        poison_checkpoint(root / "poisoned.ckpt", marker)
+        torch.save({"state_dict": {}, "poison": Poison(marker)}, root / "poisoned-plain.ckpt")
     dist.barrier()
     for poisoned in (root / "poisoned.ckpt", root / "poisoned-plain.ckpt"):
         message = (
@@ -261,7 +234,7 @@ def test_a_linked_last_checkpoint_is_replaced_and_removed_as_a_link(tmp_path):
         f.rename(partial / f.name)
     publish(partial, tmp_path / "last.ckpt")
     assert not (tmp_path / "last.ckpt").is_symlink() and read_metadata(tmp_path / "last.ckpt").global_step == 2
-    assert _intact(tmp_path / "step1.ckpt") == 1  # the link's target is untouched
+    assert verify_checkpoint(tmp_path / "step1.ckpt") == 1  # the link's target is untouched
     (tmp_path / "link.ckpt").symlink_to(tmp_path / "step1.ckpt")
     remove(tmp_path / "link.ckpt", rank=0)
-    assert not (tmp_path / "link.ckpt").exists() and _intact(tmp_path / "step1.ckpt") == 1
+    assert not (tmp_path / "link.ckpt").exists() and verify_checkpoint(tmp_path / "step1.ckpt") == 1

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_zero.checkpoint.format import (
     CheckpointError,
-    check_file,
+    check_files,
     fsync_dir,
     load_lightning_state,
     read_metadata,
@@ -54,8 +54,7 @@ Source = tuple[str, Callable[[], Tensor], tuple[int, ...], torch.dtype]  # (iden
 def _sources(directory: Path, weights_only: bool) -> list[tuple[str, Source]]:
     """(state-dict key, where its value comes from), in the module's key order; tied keys share a source."""
     meta = read_metadata(directory)
-    for name, expected in meta.files.items():
-        check_file(directory, name, expected, checksum=True)
+    check_files(directory, meta, checksum=True)
     reader = ShardReader(directory, meta, keep_open=False)
     replicated = load_lightning_state(directory, weights_only=weights_only)["state_dict"]
     by_key: dict[str, Source] = {}

@@ -270,7 +270,8 @@ def _state_dict(models: list[dict[str, Any]], trained: dict[str, Tensor], stage:
         value = trained.get(name, frozen.get(name, value))
         if stage == 3 and value is model["module"][name] and name not in model.get("buffer_names", []):
             raise CheckpointError(f"{where}: no data for {name}: neither trained, frozen nor tied")  # a placeholder
-        state_dict[name] = value.float().clone() if value.is_floating_point() else value.clone()
+        # One copy each (own storage, not a view into a whole flat group; fp32 from bf16/fp16 in the same step)
+        state_dict[name] = value.to(torch.float32 if value.is_floating_point() else value.dtype, copy=True)
     for name, target in shared.items():
         if target in state_dict:
             state_dict[name] = state_dict[target]

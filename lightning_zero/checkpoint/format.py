@@ -270,6 +270,14 @@ def check_file(directory: Path, name: str, expected: dict[str, Any], *, checksum
         raise CheckpointError(f"{path}: corrupted: its sha256 does not match the metadata")
 
 
+def check_files(directory: Path, meta: Metadata, *, checksum: bool, share: tuple[int, int] | None = None) -> None:
+    """Every file the metadata lists: present, of its size and (``checksum``) its sha256; with ``share`` =
+    (rank, world size), this rank hashes only every world-size-th file (the ranks split the hashing)."""
+    for i, (name, expected) in enumerate(sorted(meta.files.items())):
+        mine = share is None or i % share[1] == share[0]
+        check_file(directory, name, expected, checksum=checksum and mine)
+
+
 def read_metadata(directory: Path) -> Metadata:
     if not directory.exists():
         raise CheckpointError(
@@ -293,8 +301,7 @@ def latest(dirpath: str | os.PathLike) -> Path | None:
             continue
         try:
             meta = read_metadata(child)
-            for name, expected in meta.files.items():
-                check_file(child, name, expected, checksum=False)
+            check_files(child, meta, checksum=False)
         except (CheckpointError, OSError):
             continue
         key = (meta.global_step, child.stat().st_mtime, child)
@@ -319,15 +326,20 @@ def unsafe_pickle_error(path: Path, error: pickle.UnpicklingError) -> UnsafePick
     )
 
 
+def load_torch_file(path: Path, *, weights_only: bool) -> Any:
+    """``torch.load`` on the CPU, memory-mapped (tensors are read page by page, not held whole per rank),
+    unpickled safely unless ``weights_only`` is False; every failure is a one-line CheckpointError."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        raise unsafe_pickle_error(path, error) from None
+    except Exception as error:  # noqa: BLE001 - truncated, not a torch file, ...
+        raise CheckpointError(f"{path}: not a readable checkpoint file: {str(error).splitlines()[0][:200]}") from None
+
+
 def load_lightning_state(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """``lightning.pt``, unpickled safely unless ``weights_only`` is False."""
-    try:
-        # mapped: frozen parameters saved whole here (stages 1/2) are read page by page, not held per rank
-        state = torch.load(path / LIGHTNING, map_location="cpu", mmap=True, weights_only=weights_only)
-    except pickle.UnpicklingError as error:
-        raise unsafe_pickle_error(path / LIGHTNING, error) from None
-    except Exception as error:  # a file that passed its size and hash checks but does not load
-        raise CheckpointError(f"{path / LIGHTNING}: cannot be read: {str(error).splitlines()[0][:200]}") from None
+    state = load_torch_file(path / LIGHTNING, weights_only=weights_only)
     if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
         raise CheckpointError(f"{path / LIGHTNING}: not Lightning's state of a lightning_zero checkpoint")
     return state

@@ -20,7 +20,7 @@ from torch.nn import Module
 from lightning_zero.checkpoint.format import (
     CheckpointError,
     Metadata,
-    check_file,
+    check_files,
     load_lightning_state,
     read_metadata,
 )
@@ -60,8 +60,7 @@ def open_checkpoint(
             )
         else:
             meta = read_metadata(path)
-            for i, (name, expected) in enumerate(sorted(meta.files.items())):
-                check_file(path, name, expected, checksum=i % world_size == rank)
+            check_files(path, meta, checksum=True, share=(rank, world_size))
             lightning = load_lightning_state(path, weights_only=weights_only)
             loaded = LoadedCheckpoint(path, meta, lightning, ShardReader(path, meta))
     except CheckpointError as error:

@@ -12,14 +12,13 @@ Lightning's own keys and are restored by Lightning.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.format import CheckpointError, Metadata, unsafe_pickle_error
+from lightning_zero.checkpoint.format import CheckpointError, Metadata, load_torch_file
 
 
 class PlainReader:
@@ -46,12 +45,7 @@ class PlainReader:
 
 
 def _load(path: Path, weights_only: bool) -> dict[str, Any]:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    except pickle.UnpicklingError as error:
-        raise unsafe_pickle_error(path, error) from None
-    except Exception as error:  # noqa: BLE001 - truncated, not a torch file, ...
-        raise CheckpointError(f"{path}: not a readable checkpoint file: {str(error).splitlines()[0][:200]}") from None
+    checkpoint = load_torch_file(path, weights_only=weights_only)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise CheckpointError(f"{path}: not a Lightning checkpoint (no state_dict)")
     return checkpoint

@@ -303,8 +303,9 @@ def _lightning(checkpoint: dict, model: Module, units: Sequence[FlatUnit], optim
 
 
 def _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, files) -> Metadata:
-    keys: dict[int, list[str]] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    entries = model.state_dict(keep_vars=True)
+    keys: dict[int, list[str]] = {}  # tied parameters: every key that holds them
+    for key, value in entries.items():
         keys.setdefault(id(value), []).append(key)
     return Metadata(
         stage=stage,
@@ -322,7 +323,7 @@ def _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_o
             for u in units
         ],
         optimizers=[opt.param_names() for opt in optimizers],
-        state_dict_keys=list(model.state_dict(keep_vars=True)),
+        state_dict_keys=list(entries),
         weights_only=weights_only,
         files=files,
     )

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.format import CheckpointError, Metadata, rank_file
+from lightning_zero.checkpoint.format import Metadata, load_torch_file, rank_file
 from lightning_zero.sharding.layout import FlatLayout, layout_from_buckets
 
 
@@ -49,10 +49,7 @@ class ShardReader:
         if rank in self._files:
             return self._files[rank]
         path = self.directory / rank_file(rank)
-        try:
-            data = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        except Exception as error:  # a file that passed its checks but does not load
-            raise CheckpointError(f"{path}: cannot be read: {error}") from error
+        data = load_torch_file(path, weights_only=True)  # a file that passed its checks may still not load
         if self.keep_open:
             self._files[rank] = data
         return data
