@@ -52,10 +52,16 @@ class ZeroConfig:
         stage: 1 shards the optimizer state (and fp32 master weights); 2 also shards gradients; 3 also
             shards the parameters, gathering each unit only around its use.
         reduce_bucket_size: stages 1 and 2: elements per gradient bucket. Each bucket is one
-            reduce-scatter and one all-gather per step; in stage 2 at most two buckets are in flight, so
-            this bounds the transient gradient memory. (Stage 3 reduces one unit at a time.)
-        overlap_comm: stages 2 and 3: reduce-scatter a bucket asynchronously as soon as it is full, while
-            backward continues. When off, each bucket is reduced synchronously.
+            reduce-scatter and one all-gather per step. (Stage 3 reduces one unit at a time.)
+        overlap_comm: reduce-scatter a bucket asynchronously as soon as its gradients are complete,
+            while backward continues (stage 1: in the backward of the step's last micro-batch). When off,
+            each bucket is reduced synchronously.
+        max_inflight_bytes: gradient bytes of launched reduce-scatters kept in flight at once before
+            the oldest is waited on (at least one is always allowed); with the buckets still filling,
+            this bounds the transient gradient memory.
+        overlap_param_gather: stages 1 and 2: start the all-gathers of the updated parameters right after
+            the optimizer step and wait for each bucket just before the first torch op that reads one of
+            its parameters, so the gathers overlap the next forward (see sharding/param_gather.py).
         timeout: seconds a collective may wait for the other ranks before the run fails with an error.
         unit_module_classes: stage 3: class names of the modules that become units (gathered and freed
             as a whole). Empty: every child of an ``nn.ModuleList`` (transformer blocks), then, outside
@@ -65,6 +71,8 @@ class ZeroConfig:
             embedding); 0 turns that off.
         max_live_parameters: stage 3: prefetching never holds more than this many elements of gathered
             units at once (the unit about to run is gathered regardless).
+        prefetch_bucket_size: stage 3: prefetching holds at most this many elements of units gathered
+            ahead of the one running (DeepSpeed's ``stage3_prefetch_bucket_size``); 0 turns prefetch off.
         param_persistence_threshold: stage 3: units of at most this many elements stay gathered.
         reduce_dtype: the dtype gradients are accumulated and reduce-scattered in: "float32",
             "bfloat16" or "float16"; None (default) keeps the parameters' dtype, except bf16 parameters
@@ -82,10 +90,13 @@ class ZeroConfig:
     stage: int = 2
     reduce_bucket_size: int = 25_000_000
     overlap_comm: bool = True
+    max_inflight_bytes: int = 200_000_000
+    overlap_param_gather: bool = True
     timeout: float = 1800.0
     unit_module_classes: list[str] = field(default_factory=list)
     unit_min_params: int = 1_000_000
     max_live_parameters: int = 1_000_000_000
+    prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
     reduce_dtype: str | None = None
     gather_dtype: str = "compute"
@@ -105,6 +116,18 @@ class ZeroConfig:
             "an integer > 0 (elements)",
         )
         _check(isinstance(self.overlap_comm, bool), "zero.overlap_comm", self.overlap_comm, "true or false")
+        _check(
+            _integer(self.max_inflight_bytes) and self.max_inflight_bytes > 0,
+            "zero.max_inflight_bytes",
+            self.max_inflight_bytes,
+            "an integer > 0 (bytes)",
+        )
+        _check(
+            isinstance(self.overlap_param_gather, bool),
+            "zero.overlap_param_gather",
+            self.overlap_param_gather,
+            "true or false",
+        )
         _check(_number(self.timeout) and self.timeout > 0, "zero.timeout", self.timeout, "a number of seconds > 0")
         _check(
             isinstance(self.unit_module_classes, (list, tuple))
@@ -124,6 +147,12 @@ class ZeroConfig:
             "zero.max_live_parameters",
             self.max_live_parameters,
             "an integer > 0 (elements)",
+        )
+        _check(
+            _integer(self.prefetch_bucket_size) and self.prefetch_bucket_size >= 0,
+            "zero.prefetch_bucket_size",
+            self.prefetch_bucket_size,
+            "an integer >= 0 (elements)",
         )
         _check(
             isinstance(self.check_collectives, bool), "zero.check_collectives", self.check_collectives, "true or false"

@@ -26,6 +26,7 @@ ZERO_KEYS = {
     "reduce_bucket_size": "reduce_bucket_size",
     "overlap_comm": "overlap_comm",
     "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
     "stage3_param_persistence_threshold": "param_persistence_threshold",
 }
 # keys that change nothing here, and why
@@ -35,7 +36,6 @@ NO_EFFECT = {
     "zero_optimization.reduce_scatter": "gradients are always reduce-scattered",
     "zero_optimization.contiguous_gradients": "gradient storage is always contiguous",
     "zero_optimization.round_robin_gradients": "buckets are reduced in one fixed order",
-    "zero_optimization.stage3_prefetch_bucket_size": "stage 3 prefetches the next unit within max_live_parameters",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoints are sharded; see consolidate",
     "zero_optimization.stage3_max_reuse_distance": "units are freed after use and gathered again when needed",
     "zero_optimization.sub_group_size": "the optimizer steps this rank's pieces directly",

@@ -94,12 +94,13 @@ def estimate(shape: ModelShape, world_size: int, precision: str, config: ZeroCon
         for rank in range(n):
             owned, pieces = _owned(group_layouts, rank)
             grads = b * padded if stage == 1 else b * padded // n
-            rows.append(RankBytes(b * padded + frozen, grads, 4 * padded // n + 8 * owned + 4 * pieces))
+            master = 4 * padded // n if b == 2 else 0  # fp32 parameters are stepped in place
+            rows.append(RankBytes(b * padded + frozen, grads, master + 8 * owned + 4 * pieces))
         out[f"zero{stage}"] = rows
     rows = []
     for rank in range(n):
         owned, pieces = _owned(unit_layouts, rank)
-        master = 4 * padded3 // n if b == 2 else 0  # fp32 parameter shards double as the master
+        master = 4 * padded3 // n if b == 2 else 0  # fp32 parameter shards are the master
         rows.append(RankBytes(b * padded3 // n + frozen, b * padded3 // n, master + 8 * owned + 4 * pieces))
     out["zero3"] = rows
     return out

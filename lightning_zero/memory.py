@@ -9,14 +9,15 @@ fp32 weights; 2 with ``16-mixed``, whose ZeroPrecision keeps fp16 ones; Lightnin
 strategy   parameters   gradients   master + Adam (K)   total
 =========  ===========  ==========  ==================  ==================================
 ddp        4 Psi        4 Psi       8 Psi (no master)   16 Psi (every precision)
-zero1      B Psi        B Psi       12 Psi / N          fp32: 8 Psi + 12 Psi / N; fp16: 4 Psi + 12 Psi / N
-zero2      B Psi        B Psi / N   12 Psi / N          fp32: 4 Psi + 16 Psi / N; fp16: 2 Psi + 14 Psi / N
-zero3      B Psi / N    B Psi / N   (12 or 8) Psi / N   16 Psi / N (fp32: the shard is the master)
+zero1      B Psi        B Psi       (12 or 8) Psi / N   fp32: 8 Psi + 8 Psi / N; fp16: 4 Psi + 12 Psi / N
+zero2      B Psi        B Psi / N   (12 or 8) Psi / N   fp32: 4 Psi + 12 Psi / N; fp16: 2 Psi + 14 Psi / N
+zero3      B Psi / N    B Psi / N   (12 or 8) Psi / N   16 Psi / N
 =========  ===========  ==========  ==================  ==================================
 
-The master copy is the fp32 partition the optimizer steps (DeepSpeed keeps one too); with fp32
-parameters it costs 4 Psi / N more than DDP's in-place update, and buys one code path for all
-precisions. Padding adds fewer than 2N elements per bucket. Transient, not counted: stage 2's
+The master copy is the fp32 partition the optimizer steps. With fp32 parameters (``32-true``,
+``bf16-mixed``) there is none (K = 8): the optimizer steps this rank's part of the parameters in
+place (stages 1 and 2: its chunks of the flat buffer; stage 3: its shard), where DeepSpeed keeps a
+second fp32 copy. Padding adds fewer than 2N elements per bucket. Transient, not counted: stage 2's
 in-flight buckets, and at the step the fp32 copy of a 16-bit gradient partition (4 Psi / N) and
 stage 1's reduced partition (B Psi / N).
 """
@@ -35,12 +36,13 @@ def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4
     n, b = world_size, param_bytes
     if strategy == "ddp":
         return {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer_state": 8 * psi}
+    k = 12 if b == 2 else 8  # fp32 parameters are their own master
     if strategy == "zero1":
-        return {"parameters": b * psi, "gradients": b * psi, "optimizer_state": 12 * psi / n}
+        return {"parameters": b * psi, "gradients": b * psi, "optimizer_state": k * psi / n}
     if strategy == "zero2":
-        return {"parameters": b * psi, "gradients": b * psi / n, "optimizer_state": 12 * psi / n}
-    if strategy == "zero3":  # with fp32 parameters the parameter shard is the master: K = 8
-        return {"parameters": b * psi / n, "gradients": b * psi / n, "optimizer_state": (12 if b == 2 else 8) * psi / n}
+        return {"parameters": b * psi, "gradients": b * psi / n, "optimizer_state": k * psi / n}
+    if strategy == "zero3":
+        return {"parameters": b * psi / n, "gradients": b * psi / n, "optimizer_state": k * psi / n}
     raise ValueError(f"strategy must be one of ddp, zero1, zero2, zero3, got {strategy!r}")
 
 

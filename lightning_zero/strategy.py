@@ -38,6 +38,7 @@ from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.flat_unit import FlatUnit, unit_location
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import build_layout
+from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import (
     ShardedModule,
@@ -94,6 +95,7 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._reducer: GradReducer | None = None
+        self._gathers: ParamGathers | None = None  # stages 1 and 2: the post-step parameter all-gathers
         self._construction: ShardedConstruction | None = None  # stage 3, from configure_model to set-up
         self._load_hooks: list = []  # stages 1 and 2
         self._units: list[FlatUnit] = []
@@ -185,7 +187,7 @@ class ZeroStrategy(DDPStrategy):
                 kwargs = {"rank": self.global_rank, "world_size": self.world_size}
                 self._units = units_per_param_group(self.optimizers, names, self.config, **kwargs)
                 self._load_hooks = install_load_hooks(module, self._units)  # load_state_dict reaches the master
-            self.optimizers, self._reducer = wrap_optimizers(
+            self.optimizers, self._reducer, self._gathers = wrap_optimizers(
                 self.optimizers,
                 [u for u in self._units if u.trainable],  # stage 3's frozen units need no gradients
                 names,
@@ -198,6 +200,8 @@ class ZeroStrategy(DDPStrategy):
                 optimizer.activate = self._activate  # add_param_group
             if self._stage3 is not None:
                 self._stage3.reducer = self._reducer
+            if self._gathers is not None:  # see [Note: post-step gathers]
+                self._gathers.overlap = self.config.overlap_param_gather
             if self.precision_plugin.scaler is not None:
                 self._hold_schedulers_on_skipped_steps()
         self.setup_precision_plugin()
@@ -248,6 +252,7 @@ class ZeroStrategy(DDPStrategy):
             sharded.units,
             sharded.modules,
             max_live_parameters=self.config.max_live_parameters,
+            prefetch_bucket_size=self.config.prefetch_bucket_size,
             param_persistence_threshold=self.config.param_persistence_threshold,
             backward_end=self._backward_end,
         )
@@ -281,6 +286,8 @@ class ZeroStrategy(DDPStrategy):
             self._units += units
             self._load_hooks += install_load_hooks(self.lightning_module, units)
         self._reducer.add_units(units)
+        if self._gathers is not None:
+            self._gathers.add_units(units)
         return {p: unit_location(p) for p in params}, names
 
     def _stage3_param_dtype(self) -> torch.dtype | None:
@@ -320,13 +327,32 @@ class ZeroStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_collectives()
         if self._stage3 is None:
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+            self._settle()  # what the forward did not read (see [Note: post-step gathers])
+            return output
         self._stage3.begin_step()
         output = super().training_step(*args, **kwargs)
         self._stage3.end_forward()
         if not self.lightning_module.automatic_optimization:
             self._stage3.end_step()
         return output
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's micro-batches before the step's last: stage 1 only accumulates gradients locally."""
+        if self._reducer is None:
+            yield
+            return
+        self._reducer.accumulating = True
+        try:
+            yield
+        finally:
+            self._reducer.accumulating = False
+
+    def _settle(self) -> None:
+        """Waits for the post-step parameter all-gathers still running (before anything reads parameters)."""
+        if self._gathers is not None:
+            self._gathers.wait_all()
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         self._backward_end.arm_on(closure_loss)  # the end-of-backward callback belongs to this backward
@@ -347,6 +373,7 @@ class ZeroStrategy(DDPStrategy):
     def _forward_only_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         """Stage 3: one forward-only step of a Join (see [Note: uneven inputs] in sharding/stage3.py)."""
         self._check_collectives()
+        self._settle()
         if self._stage3 is None:
             return step(*args, **kwargs)
         self._vote(1)
@@ -391,6 +418,7 @@ class ZeroStrategy(DDPStrategy):
         """Writes the checkpoint as a directory: each rank its own shards (collective; see checkpoint/format.py)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
+        self._settle()
         checkpoint_save.save(
             checkpoint,
             filepath,
@@ -422,6 +450,7 @@ class ZeroStrategy(DDPStrategy):
         return self._loaded.lightning
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        self._settle()
         checkpoint_io.load_model(self._loaded, self.lightning_module, self._units)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -435,6 +464,7 @@ class ZeroStrategy(DDPStrategy):
         """The full, unsharded state dict on every rank; stage 3 gathers it unit by unit, on the CPU
         (collective: call it on every rank). For Lightning's own checkpoint dump nothing is gathered: the
         sharded checkpoint writes each rank's shards (see ``save_checkpoint``)."""
+        self._settle()
         if self._stage3 is None:
             return super().lightning_module_state_dict()
         module = self.lightning_module
@@ -463,6 +493,9 @@ class ZeroStrategy(DDPStrategy):
             self.peak_gathered_bytes = self._stage3.peak_gathered_bytes
             self._stage3.abandon()
             self._stage3.remove_hooks(module)
+        if self._gathers is not None:
+            self._gathers.remove_hooks()  # waits for the gathers still running
+            self._gathers = None
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None

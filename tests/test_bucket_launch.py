@@ -56,10 +56,10 @@ class LiveBuckets(pl.Callback):
 def _worker(rank: int, world: int) -> None:
     for variant in ("in_order", "unused", "reversed"):
         live = LiveBuckets()
-        strategy = zero_strategy(2, reduce_bucket_size=LAYER_NUMEL)
+        strategy = zero_strategy(2, reduce_bucket_size=LAYER_NUMEL, max_inflight_bytes=2 * LAYER_NUMEL * 4)
         make_trainer(strategy, world, steps=5, accumulate=1, callbacks=[live]).fit(Layers(variant))
         assert live.buckets == LAYERS
-        # 2 in flight (ZeroConfig's max) plus the one filling, and one being retired
+        # 2 in flight (max_inflight_bytes) plus the one filling, and one being retired
         assert live.peak <= 4, f"{variant}: {live.peak} of {LAYERS} buckets alive at once"
 
 

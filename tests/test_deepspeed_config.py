@@ -90,6 +90,11 @@ FP16_STATIC = {"fp16": {"enabled": True, "loss_scale": 128}, "zero_optimization"
             ),
         ),
         (
+            {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7}},
+            (),
+            dict(zero=ZeroConfig(stage=3, prefetch_bucket_size=50_000_000), precision=None),
+        ),
+        (
             FP16_STATIC,
             (),
             dict(zero=ZeroConfig(stage=1), precision="16-mixed", loss_scale=LossScaleConfig(static_loss_scale=128.0)),

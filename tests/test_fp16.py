@@ -110,7 +110,7 @@ def _clip_worker(rank: int, world: int) -> None:
     config = ZeroConfig(stage=2, reduce_bucket_size=40)
     names = check_optimizer_params(module, [optimizer], rank=rank)
     units = units_per_param_group([optimizer], names, config, rank=rank, world_size=world)
-    (zero,), reducer = wrap_optimizers(
+    (zero,), reducer, _ = wrap_optimizers(
         [optimizer], units, names, config, world_size=world, backward_end=BackwardEnd(), model=module
     )
     scale, max_norm = 2.0**10, 0.05

@@ -111,3 +111,24 @@ def test_prefetch_fills_the_live_budget_and_no_more():
         schedule.enter(0)
         assert schedule.live_numel() == budget
         assert recorder.sequence == [("gather", u) for u in range(budget // 2)]
+
+
+def test_prefetch_ahead_stays_within_its_own_budget():
+    """``max_prefetch`` (DeepSpeed's stage3_prefetch_bucket_size) bounds what is gathered ahead of the
+    running unit, forward and backward, below a larger live budget; 0 turns prefetch off."""
+    for ahead_budget in (0, 2, 4):
+        recorder = Recorder()
+        schedule = Schedule([2] * 6, set(), 100, recorder, max_prefetch=ahead_budget)
+        schedule.begin_step()
+        tags = []
+        for unit in range(6):
+            tags.append(schedule.enter(unit))
+            ahead = sum(2 for u in recorder.gathered if u > unit)
+            assert ahead == min(ahead_budget, 2 * (5 - unit)), (ahead_budget, unit, sorted(recorder.gathered))
+            schedule.exit(unit)
+        schedule.end_forward()
+        for unit in reversed(range(6)):
+            schedule.backward(tags[unit])
+            ahead = sum(2 for u in recorder.gathered if u < unit)
+            assert ahead == min(ahead_budget, 2 * unit), (ahead_budget, unit, sorted(recorder.gathered))
+        schedule.end_backward()

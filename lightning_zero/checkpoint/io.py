@@ -125,8 +125,8 @@ def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit
         raise CheckpointError(problems[0])
     with torch.no_grad():
         for unit in units:
-            if unit.master is not None:
-                unit.after_step()  # the parameters follow the loaded master
+            if unit.trainable:
+                unit.follow_master()  # the parameters follow the loaded master
             elif unit.gathered:  # a frozen unit kept whole: gather the loaded shards
                 collectives.wait(unit.unshard(async_op=False))
 
@@ -140,9 +140,11 @@ def _read_pieces(units, params, buffers, replicated, read) -> None:
     the others and the buffers; no collective."""
     sharded = set()
     for unit in units:
-        target = unit.master if unit.master is not None else unit.param_shard
         for piece in unit.layout.pieces(unit.rank):
-            view = target[piece.partition_offset : piece.partition_offset + piece.numel]
+            if unit.trainable:
+                view = unit.master_view(piece.partition_offset, piece.numel)
+            else:
+                view = unit.param_shard[piece.partition_offset : piece.partition_offset + piece.numel]
             exact = view.dtype == torch.float32 and view.device.type == "cpu"
             buffer = view if exact else torch.empty(piece.numel)
             read(unit.names[piece.param], piece.lo, piece.hi, buffer)

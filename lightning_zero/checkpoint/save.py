@@ -83,7 +83,7 @@ def _is_elementwise(value: Any, numel: int) -> bool:
 
 def _unit_payload(unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only: bool) -> dict[str, Any]:
     # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
-    master = unit.master if unit.master is not None else unit.param_shard
+    master = unit.master_partition() if unit.trainable else unit.param_shard
     if master is None:
         raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
     payload: dict[str, Any] = {"master": master.float().cpu()}

@@ -14,6 +14,7 @@ from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.optimizer_check import check_elementwise
+from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
@@ -78,8 +79,9 @@ def wrap_optimizers(
     backward_end: BackwardEnd,
     model: Module,
     group=None,
-) -> tuple[list[ZeroOptimizer], GradReducer]:
-    """One gradient reducer over all units and a ZeroOptimizer around each user optimizer."""
+) -> tuple[list[ZeroOptimizer], GradReducer, ParamGathers | None]:
+    """One gradient reducer over all units, the post-step gathers (stages 1 and 2) and a ZeroOptimizer
+    around each user optimizer."""
     for optimizer in optimizers:
         check_elementwise(optimizer)
     locate = {p: (u, i) for u in units for i, p in enumerate(u.params)}
@@ -99,6 +101,9 @@ def wrap_optimizers(
         world_size=world_size,
         backward_end=backward_end,
         model=model,
+        max_inflight_bytes=config.max_inflight_bytes,
         group=group,
     )
-    return [ZeroOptimizer(opt, locate, names, reducer, group=group) for opt in optimizers], reducer
+    gathers = ParamGathers(reducer, group=group) if config.stage < 3 else None
+    zero = [ZeroOptimizer(opt, locate, names, reducer, gathers=gathers, group=group) for opt in optimizers]
+    return zero, reducer, gathers

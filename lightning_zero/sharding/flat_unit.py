@@ -6,7 +6,9 @@ param group, stage 3 one per module subtree. It owns
   ``layout.py``; the model's parameters are views into it, so the model reads what the all-gather
   writes. In stage 3 (``shard_params``) its storage exists only while the unit is gathered;
 - ``master``: this rank's partition (its chunk of every bucket) in fp32: the weights the
-  optimizer updates, copied (and cast) back into the parameters after each step;
+  optimizer updates, copied (and cast) back into the parameters after each step. With fp32
+  parameters in stages 1 and 2 there is no separate copy (``master is None``, ``master_in_place``):
+  the optimizer steps this rank's chunks of the flat buffer itself, which the all-gather then sends;
 - ``param_shard`` (stage 3): this rank's partition in the parameters' dtype, the input of the
   all-gather; with fp32 parameters it *is* ``master``;
 - ``pieces``: per-parameter views into ``master``, one per parameter this rank owns part of. The
@@ -104,8 +106,10 @@ class FlatUnit:
             self.param_shard = torch.empty(layout.partition_numel, dtype=self.param_dtype, device=device)
             self.param_shard.copy_(self.param_chunk(layout.buckets[0]))
             self.reshard()
-        self.used = torch.zeros(len(self.params), dtype=torch.uint8, device=device)
+        self.used = bytearray(len(self.params))  # on the host: set by gradient hooks without touching the device
+        self.flat_grad_dirty = False  # stage 1: the flat gradient holds values no reduction consumed
         self.master: Tensor | None = None
+        self.master_in_place = False  # stages 1 and 2 with fp32 parameters: the master is the flat buffer's chunks
         self.flat_grad: Tensor | None = None
         self.grad_partition: Tensor | None = None
         self.reduced: Tensor | None = None
@@ -131,12 +135,14 @@ class FlatUnit:
         until the step is done. The padding stays zero, since no gradient is ever written there, so
         it never reaches a norm.
         """
-        if self.master is not None:
+        if self.trainable:
             return
         layout, device, fp32 = self.layout, self.flat_param.device, torch.float32
         partition = layout.partition_numel
         if self.param_shard is not None:  # stage 3: fp32 shards are the master themselves
             self.master = self.param_shard if self.param_dtype == fp32 else self.param_shard.to(fp32)
+        elif self.param_dtype == fp32:
+            self.master_in_place = True
         else:
             self.master = torch.empty(partition, dtype=fp32, device=device)
             for bucket in layout.buckets:
@@ -148,13 +154,13 @@ class FlatUnit:
             self.grad_partition = torch.zeros(partition, dtype=self.grad_dtype, device=device)
         self.reduced = self.grad_partition
         self.pieces = layout.pieces(self.rank)
-        self.piece_tensors = [self.master[pc.partition_offset : pc.partition_offset + pc.numel] for pc in self.pieces]
+        self.piece_tensors = [self.master_view(pc.partition_offset, pc.numel) for pc in self.pieces]
         self._piece_index = {pc.param: k for k, pc in enumerate(self.pieces)}
 
     @property
     def trainable(self) -> bool:
         """Whether the unit has master weights and gradients (frozen and evaluation-only units do not)."""
-        return self.master is not None
+        return self.master is not None or self.master_in_place
 
     @property
     def requires_grad(self) -> bool:
@@ -169,7 +175,21 @@ class FlatUnit:
         return slice(bucket.partition_offset, bucket.partition_offset + bucket.chunk_numel)
 
     def master_chunk(self, bucket: Bucket) -> Tensor:
-        return self.master[self.partition_slice(bucket)]
+        return self.param_chunk(bucket) if self.master_in_place else self.master[self.partition_slice(bucket)]
+
+    def master_view(self, offset: int, numel: int) -> Tensor:
+        """Elements [offset, offset + numel) of the master partition, which lie within one bucket's chunk."""
+        if not self.master_in_place:
+            return self.master[offset : offset + numel]
+        bucket = next(b for b in reversed(self.layout.buckets) if b.partition_offset <= offset)
+        start = offset - bucket.partition_offset
+        return self.master_chunk(bucket)[start : start + numel]
+
+    def master_partition(self) -> Tensor:
+        """The master partition as one tensor (a copy of the flat buffer's chunks when it lives there)."""
+        if self.master_in_place:
+            return torch.cat([self.param_chunk(bucket) for bucket in self.layout.buckets])
+        return self.master
 
     def piece_of(self, index: int) -> tuple[Piece | None, Tensor | None]:
         """This rank's piece of parameter ``index`` and its view into the master, or (None, None)."""
@@ -209,8 +229,14 @@ class FlatUnit:
             return
         lo = piece.partition_offset
         own = read(piece.lo, piece.hi)
-        for target in {id(t): t for t in (self.param_shard, self.master) if t is not None}.values():
-            target[lo : lo + piece.numel].copy_(own)
+        targets = [
+            t[lo : lo + piece.numel]
+            for t in {id(t): t for t in (self.param_shard, self.master) if t is not None}.values()
+        ]
+        if self.master_in_place:
+            targets.append(self.master_view(lo, piece.numel))
+        for target in targets:
+            target.copy_(own)
 
     # --- per-step operations -----------------------------------------------------------------------
     def nonfinite(self) -> Tensor:
@@ -223,7 +249,7 @@ class FlatUnit:
         ``used`` is on the host (one flag per parameter): indexing a device tensor here would sync per piece.
         """
         self.used_anywhere = [bool(flag) for flag in used]
-        self.step_grad = self.reduced if self.reduced.dtype == self.master.dtype else self.reduced.to(self.master.dtype)
+        self.step_grad = self.reduced if self.reduced.dtype == torch.float32 else self.reduced.to(torch.float32)
         for piece, tensor in zip(self.pieces, self.piece_tensors):
             lo = piece.partition_offset
             tensor.grad = self.step_grad[lo : lo + piece.numel] if used[piece.param] else None
@@ -237,30 +263,38 @@ class FlatUnit:
             self.reduced = None
 
     def zero_grad(self) -> None:
-        for grad in (self.flat_grad, self.grad_partition):
-            if grad is not None:
-                grad.zero_()
-        self.used.zero_()
+        if self.flat_grad is not None and self.flat_grad_dirty:
+            self.flat_grad.zero_()  # else every bucket's region was zeroed as its reduction consumed it
+        self.flat_grad_dirty = False
+        if self.grad_partition is not None:
+            self.grad_partition.zero_()
+        self.used[:] = bytes(len(self.used))
         self.release_grads()
 
-    def after_step(self, *, group=None) -> None:
-        """Makes the parameters follow the updated master: stage 3 refreshes its shard (the next
-        gather spreads it; a unit gathered right now is gathered again), stages 1 and 2 copy into the
-        flat buffer and all-gather every bucket."""
-        if self.param_shard is not None:
-            if self.param_shard is not self.master:
-                self.param_shard.copy_(self.master)
-            if self.gathered:  # a unit kept gathered (persistent) would hold the old values: refresh it
-                collectives.wait(self.unshard(async_op=False, group=group))
-            return
-        works = []
-        for bucket in self.layout.buckets:
-            own = self.param_chunk(bucket)
+    def follow_master(self, *, group=None) -> None:
+        """Makes the parameters follow the master, now (after a load). Collective."""
+        if self.param_shard is None:
+            for work in [self.publish(bucket, group=group) for bucket in self.layout.buckets]:
+                collectives.wait(work)
+        else:
+            collectives.wait(self.after_step(group=group))
+
+    def after_step(self, *, group=None) -> dist.Work | collectives.Pending | None:
+        """Stage 3: makes the parameters follow the updated master by refreshing the shard (the next
+        gather spreads it). A unit gathered right now (persistent) is gathered again: the returned work,
+        to wait on before the parameters are read. Stages 1 and 2: see ``publish``."""
+        if self.param_shard is not self.master:
+            self.param_shard.copy_(self.master)
+        return self.unshard(async_op=True, group=group) if self.gathered else None
+
+    def publish(self, bucket: Bucket, *, group=None) -> dist.Work | collectives.Pending | None:
+        """Stages 1 and 2 after a step: copies this rank's updated chunk of ``bucket`` into the flat buffer
+        and starts the all-gather that gives every rank the whole bucket (see param_gather.py)."""
+        own = self.param_chunk(bucket)
+        if own.data_ptr() != self.master_chunk(bucket).data_ptr():
             own.copy_(self.master_chunk(bucket))
-            flat = self.flat_param[bucket.start : bucket.start + bucket.numel]
-            works.append(collectives.all_gather(flat, own, async_op=True, group=group))
-        for work in works:
-            collectives.wait(work)
+        flat = self.flat_param[bucket.start : bucket.start + bucket.numel]
+        return collectives.all_gather(flat, own, async_op=True, group=group)
 
     def nbytes(self) -> dict[str, int]:
         """Persistent bytes by category. Stage 3 counts its shard as the parameters (and, with fp32

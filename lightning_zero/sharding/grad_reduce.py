@@ -2,14 +2,16 @@
 
 Each trainable parameter of every unit gets a post-accumulate-grad hook. The hook moves the fresh
 gradient out of ``param.grad`` (freeing it) into gradient storage of its bucket and records that the
-parameter was used. Stage 1 adds it into the unit's full flat gradient buffer; everything is
-reduce-scattered once per optimizer step (``reduce_accumulated``). Stages 2 and 3 add it into a
-bucket buffer whose reduce-scatter (asynchronous when ``overlap`` is on) adds this rank's chunk into
-the unit's gradient partition. Stage 3's schedule decides when a unit's bucket is reduced
-(``reduce_unit``, see stage3_schedule.py); stage 2 decides here.
+parameter was used. Stage 1 adds it into the unit's full flat gradient buffer: while micro-batches
+accumulate (Lightning's ``block_backward_sync``, the ``accumulating`` flag) that is all; in the
+backward of the step's last micro-batch each bucket region is reduce-scattered as soon as its
+gradients are complete, added into the step's reduced partition and zeroed. Stages 2 and 3 add it
+into a bucket buffer whose reduce-scatter (asynchronous when ``overlap`` is on) adds this rank's
+chunk into the unit's gradient partition, every micro-batch. Stage 3's schedule decides when a unit's
+bucket is reduced (``reduce_unit``, see stage3_schedule.py); stages 1 and 2 decide here.
 
 [Note: stage-2 launch order]
-Collectives are matched across ranks by issue order, so stage 2 launches buckets in one order that
+Collectives are matched across ranks by issue order, so stages 1 and 2 launch buckets in one order that
 every rank derives alike: by the model position of the earliest parameter they hold, latest first,
 which is roughly the order backward fills them. After the first backward every rank adopts rank 0's
 order instead (one broadcast), from the order in which rank 0's forward first used each bucket's
@@ -22,10 +24,12 @@ launched (with zeros where no gradient came) as soon as its turn comes, never he
 end of backward (backward_end.py) launches whatever is left, in order.
 
 [Note: bucket lifetime]
-A bucket buffer is allocated (zeroed) when its first gradient arrives and released when its
-reduce-scatter has been waited on and added into the partition. At most ``max_inflight`` launched
-buckets are kept in flight; launching one more first retires the oldest. Together with the buckets
-still filling, this bounds transient gradient memory to a few buckets instead of the full model.
+A bucket buffer (stages 2 and 3) is taken from a pool and zeroed when its first gradient arrives, and
+given back to the pool when its reduce-scatter has been waited on and added into the partition, so
+buffers are allocated once and reused across micro-batches and steps. Each gradient is copied once,
+into its bucket (scaled by 1/world_size on the way). Launched buckets are kept in flight up to
+``max_inflight_bytes``; launching past it first retires the oldest. Together with the buckets still
+filling, this bounds transient gradient memory to a few buckets instead of the full model.
 """
 
 from __future__ import annotations
@@ -56,17 +60,20 @@ class GradReducer:
         world_size: int,
         backward_end: BackwardEnd,
         model: Module | None = None,
-        max_inflight: int = 2,
+        max_inflight_bytes: int = 200_000_000,
         group=None,
     ) -> None:
-        """``model``: stage 2 watches its modules' forwards (see [Note: stage-2 launch order])."""
+        """``model``: stages 1 and 2 watch its modules' forwards (see [Note: stage-2 launch order])."""
         self.stage = stage
         self.overlap = overlap
         self.world_size = world_size
-        self.max_inflight = max_inflight if overlap else 0
+        self.max_inflight_bytes = max_inflight_bytes if overlap else 0
+        self.accumulating = False  # stage 1: inside Lightning's block_backward_sync (not the step's last micro-batch)
+        self.stage1_unreduced = False  # stage 1: a backward accumulated gradients no reduction has consumed yet
         self.backward_end = backward_end
         self.group = group
         self.peak_live_buckets = 0  # most bucket buffers alive at once (filling or in flight)
+        self.buffers_allocated = 0  # bucket buffers ever allocated (the pool reuses them)
 
         self.order: list[tuple[FlatUnit, Bucket]] = []  # launch order; see [Note: stage-2 launch order]
         self._params: list[list[Parameter]] = []
@@ -77,16 +84,18 @@ class GradReducer:
         self._is_expected: list[list[bool]] = []
         self._next = 0  # first bucket in launch order not launched yet in this backward
         self._inflight: deque[tuple[int, dist.Work | None]] = deque()
+        self._inflight_bytes = 0
+        self._pool: dict[tuple, list[Tensor]] = {}  # free bucket buffers by (numel, dtype, device)
+        self.check_param_read = None  # stages 1 and 2: set by ParamGathers (see param_gather.py)
         self._handles = []
         self.units = []
         self.add_units(units, model_position)
         self._forward_used: dict[int, int] = {}  # id(param) -> order of first use in this forward (stage 2)
-        self._order_agreed = stage != 2 or world_size == 1
-        if stage == 2:
+        self._order_agreed = stage == 3 or world_size == 1
+        if stage <= 2:
             self._watch_forwards(model)
             backward_end.on_begin.append(self._expect)
-        if stage >= 2:
-            backward_end.on_end.append(self.finish_backward)
+        backward_end.on_end.append(self.finish_backward)
 
     def add_units(self, units: Sequence[FlatUnit], model_position: dict[Parameter, int] | None = None) -> None:
         """Starts reducing the gradients of ``units`` (at set-up, or when parameters are unfrozen): their
@@ -143,10 +152,14 @@ class GradReducer:
             grad = param.grad
             param.grad = None
             unit.used[index] = 1
+            self.backward_end.arm()
+            if self.check_param_read is not None:
+                self.check_param_read(unit, bucket, index)
             if self.stage == 1:
                 unit.flat_grad[bucket.start + lo : bucket.start + hi].add_(grad.reshape(-1), alpha=scale)
-                return
-            self.backward_end.arm()
+                unit.flat_grad_dirty = True
+                if self.accumulating:
+                    return
             slot = self._slot_of[key]  # looked up: the launch order may change once (_agree_on_order)
             if self._launched[slot]:
                 raise RuntimeError(
@@ -154,18 +167,36 @@ class GradReducer:
                     " backward: it is used where the ZeRO schedule cannot see it (a reentrant activation checkpoint"
                     " that also uses it outside, or a stage-3 parameter read outside its unit on some ranks only)"
                 )
-            if self._buffers[slot] is None:
-                self._buffers[slot] = torch.zeros(bucket.numel, dtype=unit.grad_dtype, device=grad.device)
-                self._count_live()
-            self._buffers[slot][lo:hi].add_(grad.reshape(-1), alpha=scale)
-            if self.stage == 2 and self._is_expected[slot][position]:
+            if self.stage != 1:
+                if self._buffers[slot] is None:
+                    self._buffers[slot] = self._take_buffer(unit, bucket)
+                self._buffers[slot][lo:hi].add_(grad.reshape(-1), alpha=scale)
+            if self.stage <= 2 and self._is_expected[slot][position]:
                 self._arrived[slot] += 1
                 self._launch_ready()
 
         return hook
 
-    def _count_live(self) -> None:
-        self.peak_live_buckets = max(self.peak_live_buckets, sum(b is not None for b in self._buffers))
+    def _take_buffer(self, unit: FlatUnit, bucket: Bucket) -> Tensor:
+        """A zeroed buffer for ``bucket``'s gradients: stage 1's region of the flat gradient, else one from the pool."""
+        if unit.flat_grad is not None:
+            return unit.flat_grad[bucket.start : bucket.start + bucket.numel]
+        free = self._pool.setdefault((bucket.numel, unit.grad_dtype, unit.flat_param.device), [])
+        if not free:
+            free.append(torch.empty(bucket.numel, dtype=unit.grad_dtype, device=unit.flat_param.device))
+            self.buffers_allocated += 1
+        buffer = free.pop()
+        self.peak_live_buckets = max(self.peak_live_buckets, 1 + sum(b is not None for b in self._buffers))
+        return buffer.zero_()
+
+    def _give_back(self, unit: FlatUnit, slot: int) -> None:
+        """Stage 1 zeroes the bucket's region of the flat gradient (consumed); other stages pool the buffer."""
+        buffer = self._buffers[slot]
+        self._buffers[slot] = None
+        if unit.flat_grad is not None:
+            buffer.zero_()
+        else:
+            self._pool[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
 
     # --- stage 2 -------------------------------------------------------------------------------------
     def _expect(self) -> None:
@@ -180,6 +211,8 @@ class GradReducer:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
+        if self.stage == 1 and self.accumulating:
+            return
         while self._next < len(self.order) and self._arrived[self._next] >= self._expected[self._next]:
             self._launch(self._next)
             self._next += 1
@@ -187,24 +220,27 @@ class GradReducer:
     def _launch(self, slot: int) -> None:
         unit, bucket = self.order[slot]
         self._launched[slot] = True
+        if self._buffers[slot] is None:  # stage 1, or no gradient reached this bucket on this rank: zeros
+            self._buffers[slot] = self._take_buffer(unit, bucket)
         buffer = self._buffers[slot]
-        if buffer is None:  # no gradient reached this bucket on this rank: it contributes zeros
-            param = unit.flat_param
-            buffer = self._buffers[slot] = torch.zeros(bucket.numel, dtype=unit.grad_dtype, device=param.device)
-            self._count_live()
         own = buffer[bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
         work = collectives.reduce_scatter(own, buffer, async_op=self.overlap, group=self.group)
         self._inflight.append((slot, work))
-        while len(self._inflight) > self.max_inflight:
+        self._inflight_bytes += buffer.nbytes
+        while len(self._inflight) > 1 and self._inflight_bytes > self.max_inflight_bytes:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
         slot, work = self._inflight.popleft()
         collectives.wait(work)
         unit, bucket = self.order[slot]
-        own = self._buffers[slot][bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
-        unit.grad_partition[unit.partition_slice(bucket)].add_(own)
-        self._buffers[slot] = None
+        buffer = self._buffers[slot]
+        self._inflight_bytes -= buffer.nbytes
+        own = buffer[bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
+        if unit.flat_grad is not None and unit.reduced is None:  # stage 1: the step's reduced partition
+            unit.reduced = torch.zeros(unit.layout.partition_numel, dtype=unit.grad_dtype, device=own.device)
+        unit.reduced[unit.partition_slice(bucket)].add_(own)
+        self._give_back(unit, slot)
 
     def _agree_on_order(self) -> None:
         """Once, after the first backward: every rank adopts the launch order rank 0's forward implies."""
@@ -231,12 +267,12 @@ class GradReducer:
 
     # --- end of backward -----------------------------------------------------------------------------
     def finish_backward(self) -> None:
-        """Launches every bucket not launched yet, in order, and waits for all of them."""
-        for slot in range(len(self.order)):
-            if not self._launched[slot]:
-                self._launch(slot)
-        while self._inflight:
-            self._retire_oldest()
+        """Launches every bucket not launched yet, in order, and waits for all of them (stage 1 only in
+        the step's last micro-batch: before it, gradients just accumulate)."""
+        if self.stage == 1 and self.accumulating:
+            self.stage1_unreduced = True
+        else:
+            self.reduce_pending()
         self._next = 0
         self._launched = [False] * len(self.order)
         self._arrived = [0] * len(self.order)
@@ -244,25 +280,32 @@ class GradReducer:
             self._agree_on_order()
         self._forward_used.clear()
 
+    def reduce_pending(self) -> None:
+        """Launches, in order, every bucket not launched in this backward and waits for all of them."""
+        for slot in range(len(self.order)):
+            if not self._launched[slot]:
+                self._launch(slot)
+        while self._inflight:
+            self._retire_oldest()
+        self._launched = [False] * len(self.order)
+        self.stage1_unreduced = False
+        for unit in self.units:
+            unit.flat_grad_dirty = False  # stage 1: every region was reduced and zeroed
+
     # --- stage 1 -------------------------------------------------------------------------------------
-    def reduce_accumulated(self, units: Sequence[FlatUnit], into: dict[int, Tensor] | None = None) -> None:
-        """Stage 1: reduce-scatters the accumulated full gradients of ``units`` into each unit's
-        ``reduced`` partition (or, given ``into``, into fresh tensors keyed by ``id(unit)``), in launch order."""
-        wanted = {id(u) for u in units}
-        targets = {}
-        for unit in units:
-            out = torch.empty(unit.layout.partition_numel, dtype=unit.flat_grad.dtype, device=unit.flat_grad.device)
-            targets[id(unit)] = out
-            if into is None:
-                unit.reduced = out
-            else:
-                into[id(unit)] = out
+    def peek_accumulated(self, units: Sequence[FlatUnit]) -> dict[int, Tensor]:
+        """Stage 1 between micro-batches: the reduced partition the gradients accumulated so far would give,
+        keyed by ``id(unit)``, from copies (the accumulation itself goes on untouched)."""
+        out = {}
         works = []
         for unit, bucket in self.order:
-            if id(unit) not in wanted:
+            if unit not in units:
                 continue
-            buffer = unit.flat_grad[bucket.start : bucket.start + bucket.numel]
-            out = targets[id(unit)][unit.partition_slice(bucket)]
-            works.append(collectives.reduce_scatter(out, buffer, async_op=True, group=self.group))
+            if id(unit) not in out:
+                out[id(unit)] = unit.flat_grad.new_empty(unit.layout.partition_numel)
+            scratch = unit.flat_grad[bucket.start : bucket.start + bucket.numel].clone()
+            target = out[id(unit)][unit.partition_slice(bucket)]
+            works.append(collectives.reduce_scatter(target, scratch, async_op=True, group=self.group))
         for work in works:
             collectives.wait(work)
+        return out

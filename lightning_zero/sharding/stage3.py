@@ -91,6 +91,7 @@ class Stage3Runtime:
         modules: Sequence[Module | None],
         *,
         max_live_parameters: int,
+        prefetch_bucket_size: int | None = None,
         param_persistence_threshold: int,
         backward_end: BackwardEnd,
         group=None,
@@ -113,7 +114,7 @@ class Stage3Runtime:
         self._owner = {id(p): u for u in units for p in u.params}
         sizes = [sum(u.layout.total_numel for u in group_) for group_ in self.scheduled]
         persistent = {k for k, size in enumerate(sizes) if size <= param_persistence_threshold}
-        self.schedule = Schedule(sizes, persistent, max_live_parameters, self)
+        self.schedule = Schedule(sizes, persistent, max_live_parameters, self, prefetch_bucket_size)
         self.reducer = None  # set by the strategy once the optimizers are wrapped (fitting only)
         self.backward_end = backward_end
         backward_end.on_begin.append(self.schedule.begin_backward)

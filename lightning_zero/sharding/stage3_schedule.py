@@ -22,8 +22,10 @@ events that happen identically on every rank, never of which unit this rank happ
   and reduce-scatters. Autograd runs a single-device graph in decreasing creation order, so when the
   hook of an entry's output fires, every node created after that entry's forward ended has run: the
   gradients of later entries are complete (pinned units are reduced at the end of backward instead).
-- Prefetch (forward and backward) starts the next units in schedule order while the live budget
-  allows; whether a unit is gathered is itself a function of the schedule, so prefetch is too.
+- Prefetch (forward and backward) starts the next units in schedule order while both budgets allow:
+  ``max_live`` elements of gathered units in all, and ``max_prefetch`` elements of units gathered
+  ahead of the one running (DeepSpeed's ``stage3_prefetch_bucket_size``); whether a unit is gathered
+  is itself a function of the schedule, so prefetch is too.
 Frees and waits are local: they change memory and timing, never the sequence.
 """
 
@@ -45,10 +47,19 @@ class Executor(Protocol):
 
 
 class Schedule:
-    def __init__(self, sizes: Sequence[int], persistent: set[int], max_live: int, executor: Executor) -> None:
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        persistent: set[int],
+        max_live: int,
+        executor: Executor,
+        max_prefetch: int | None = None,
+    ) -> None:
+        """``max_prefetch``: elements gathered ahead of the running unit at most (None: only ``max_live``)."""
         self.sizes = list(sizes)
         self.persistent = set(persistent)
         self.max_live = max_live
+        self.max_prefetch = max_live if max_prefetch is None else max_prefetch
         self.run = executor
         self.gathered: set[int] = set(self.persistent)  # persistent units are gathered at set-up
         self.pinned: set[int] = set()
@@ -153,12 +164,14 @@ class Schedule:
                 self._free(unit)
 
     def _prefetch_forward(self) -> None:
+        ahead = sum(self.sizes[u] for u in self.gathered if u >= self._cursor and u not in self.persistent)
         for unit in range(self._cursor, len(self.sizes)):
             if unit in self.gathered:
                 continue
-            if self.live_numel() + self.sizes[unit] > self.max_live:
+            if self.live_numel() + self.sizes[unit] > self.max_live or ahead + self.sizes[unit] > self.max_prefetch:
                 return
             self._gather(unit)
+            ahead += self.sizes[unit]
 
     def end_forward(self) -> None:
         """The forward pass is over (the step returned, or backward starts): serve the rest of S."""
@@ -226,12 +239,16 @@ class Schedule:
             self._free(unit)
 
     def _prefetch_backward(self) -> None:
+        started = {self.entries[k] for k in range(self._top) if self._state[k] == "started"}
+        ahead = sum(self.sizes[u] for u in started - self.persistent - {self.entries[self._top]})
         for k in range(self._top - 1, -1, -1):
             if self._state[k]:
                 continue
             unit = self.entries[k]
-            if unit not in self.gathered and self.live_numel() + self.sizes[unit] > self.max_live:
-                return
+            if unit not in self.gathered:
+                if self.live_numel() + self.sizes[unit] > self.max_live or ahead + self.sizes[unit] > self.max_prefetch:
+                    return
+                ahead += 0 if unit in self.persistent else self.sizes[unit]
             self._start(k)
 
     def end_backward(self) -> None:

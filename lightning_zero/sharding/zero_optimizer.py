@@ -4,15 +4,25 @@ The user's optimizer (whatever ``configure_optimizers`` returned) is kept, with 
 hyper-parameters and LR schedulers; only each group's ``params`` list is replaced by this rank's
 pieces (views into the unit's fp32 master partition). One optimizer step is:
 
-1. ``prepare_grads``: stage 1 reduce-scatters the accumulated gradients; one all-reduce (MAX) of the
-   used-flags tells every rank which parameters got a gradient on any rank (and, in fp16, whether
-   any gradient overflowed); each piece's ``.grad`` becomes a view of its fp32 reduced gradient, or
-   None (as under DDP, the optimizer then leaves that parameter alone: no momentum, no weight decay).
+1. ``prepare_grads``: one all-reduce (MAX) of the host-side used-flags tells every rank which
+   parameters got a gradient on any rank (in fp16 a second one, of a device flag, whether any
+   gradient overflowed: the step's only host sync, see [Note: host syncs]); each piece's ``.grad``
+   becomes a view of its fp32 reduced gradient, or None (as under DDP, the optimizer then leaves
+   that parameter alone: no momentum, no weight decay).
 2. optional clipping: ``clip_grad_norm_`` (one all-reduce of the squared norm, no host sync) or the
    precision plugin's clip-by-value on the pieces (elementwise, so sharding does not change it);
 3. ``step``: the user's optimizer updates the pieces, then every unit all-gathers its updated
-   partition into the flat parameter buffer that the model's parameters view. ``skip_step``
-   instead drops the gradients and leaves everything else as it was.
+   partition into the flat parameter buffer that the model's parameters view (stages 1 and 2:
+   overlapped with the next forward, see param_gather.py). ``skip_step`` instead drops the
+   gradients and leaves everything else as it was.
+
+[Note: host syncs]
+In fp32 and bf16 a step never waits for the device: which parameters got a gradient is recorded on
+the host by the gradient hooks (a bytearray per unit) and all-reduced on a CPU process group
+(``collectives.host_group``), clipping keeps its factor on the device, and the optimizer runs
+without reading anything back. fp16 reads one flag, whether any rank's gradients overflowed: the
+skip decision is the host's (Lightning steps LR schedulers and counts steps on the host, and the
+loss scaler's next scale must be known before the next backward), as in torch's GradScaler.
 
 Its state is saved and loaded per rank by ``lightning_zero.checkpoint`` (sharded checkpoints that
 load at any world size), never gathered in one place.
@@ -34,6 +44,7 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import Piece
+from lightning_zero.sharding.param_gather import ParamGathers
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class ZeroOptimizer:
         names: Mapping[Parameter, str],
         reducer: GradReducer,
         *,
+        gathers: ParamGathers | None = None,
         group=None,
     ) -> None:
         """``locate`` maps each trainable parameter to (unit, index in the unit); frozen ones are absent."""
@@ -99,7 +111,9 @@ class ZeroOptimizer:
             )
         self.optimizer = optimizer
         self.reducer = reducer
+        self.gathers = gathers  # stages 1 and 2
         self.group = group
+        self.host_group = collectives.host_group(group)
         self.activate: Callable[[list[Parameter]], dict] | None = None  # see add_param_group
         # For each group, each original parameter's slot (None when frozen); the numbering of the
         # unsharded optimizer's state dict follows these lists.
@@ -188,23 +202,27 @@ class ZeroOptimizer:
     def prepare_grads(self, *, check_finite: bool = False, loss_scale: float = 1.0) -> bool:
         """Reduces the gradients, tells which parameters got one on any rank, and hands them to the pieces.
 
-        With ``check_finite`` (fp16) the same all-reduce also says whether any rank's gradient holds an
-        inf or nan; that flag is read on the host (the only sync of the step) and returned. When it is
-        set the pieces get no gradients: the caller skips the step. Idempotent within a step.
+        With ``check_finite`` (fp16) a second all-reduce says whether any rank's gradient holds an
+        inf or nan; that flag is read on the host (the only sync of the step, see [Note: host syncs])
+        and returned. When it is set the pieces get no gradients: the caller skips the step.
+        Idempotent within a step.
         """
         if self._prepared:
             return self._found_inf
-        stage1_units = [u for u in self.units if u.flat_grad is not None]
-        if stage1_units:
-            self.reducer.reduce_accumulated(stage1_units)
+        if self.gathers is not None:
+            self.gathers.wait_all()  # a bucket no forward waited on (its modules did not run) is done
+        if self.reducer.stage1_unreduced:  # the step follows accumulating backwards only
+            self.reducer.reduce_pending()
         self._found_inf = False
         if self.units:
-            flags = [u.used for u in self.units]
             if check_finite:
-                flags.append(torch.stack([u.nonfinite() for u in self.units]).amax(dim=0))
-            flags = collectives.all_reduce(torch.cat(flags), dist.ReduceOp.MAX, group=self.group).tolist()
-            self._found_inf = check_finite and flags[-1] > 0
+                overflow = torch.stack([u.nonfinite() for u in self.units]).amax(dim=0)
+                self._found_inf = bool(collectives.all_reduce(overflow, dist.ReduceOp.MAX, group=self.group).item())
             if not self._found_inf:
+                flags = bytearray().join(u.used for u in self.units)  # the tensor below writes into it
+                collectives.all_reduce(
+                    torch.frombuffer(flags, dtype=torch.uint8), dist.ReduceOp.MAX, group=self.host_group
+                )
                 start = 0
                 for unit in self.units:
                     unit.attach_grads(flags[start : start + len(unit.params)])
@@ -224,7 +242,7 @@ class ZeroOptimizer:
             grads, multiplier = [u.step_grad for u in self.units if u.step_grad is not None], self._multiplier
         else:
             grads, multiplier = self._current_grads(), 1.0 / self.loss_scale
-        device = self.units[0].master.device if self.units else torch.device("cpu")
+        device = self.units[0].flat_param.device if self.units else torch.device("cpu")
         squares = torch.zeros((), dtype=torch.float64, device=device)
         for grad in grads:
             squares += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
@@ -233,10 +251,8 @@ class ZeroOptimizer:
 
     def _current_grads(self) -> list[Tensor]:
         """This rank's reduced gradient partitions as accumulated so far, without preparing the step."""
-        pending = [u for u in self.units if u.reduced is None]  # stage 1 outside the step
-        reduced: dict[int, Tensor] = {}
-        if pending:
-            self.reducer.reduce_accumulated(pending, into=reduced)
+        pending = [u for u in self.units if u.reduced is None]  # stage 1 between micro-batches
+        reduced = self.reducer.peek_accumulated(pending) if pending else {}
         return [reduced.get(id(u), u.reduced) for u in self.units]
 
     def grad_norms_by_param(self, norm_type: float = 2.0) -> dict[str, Tensor]:
@@ -249,7 +265,7 @@ class ZeroOptimizer:
         grads = {id(u): g for u, g in zip(self.units, self._current_grads())}
         names = [n for slots, ns in zip(self._slots, self._group_names) for s, n in zip(slots, ns) if s is not None]
         slots = [s for slots in self._slots for s in slots if s is not None]
-        device = self.units[0].master.device if self.units else torch.device("cpu")
+        device = self.units[0].flat_param.device if self.units else torch.device("cpu")
         partial = torch.zeros(len(slots), dtype=torch.float64, device=device)
         for k, slot in enumerate(slots):
             if slot.piece is not None:
@@ -290,8 +306,12 @@ class ZeroOptimizer:
             raise RuntimeError("gradients overflowed: skip this step with skip_step() instead")
         self.unscale_()
         self.optimizer.step()
+        if self.gathers is not None:
+            self.gathers.launch(self.units)
+        else:  # stage 3: the persistent units' gathers all in flight at once
+            for work in [unit.after_step(group=self.group) for unit in self.units]:
+                collectives.wait(work)
         for unit in self.units:
-            unit.after_step(group=self.group)
             unit.release_grads()
         self._prepared = False
         self.last_step_skipped = False

@@ -1,0 +1,107 @@
+"""Stages 1 and 2: the all-gathers that spread each rank's updated parameters after a step.
+
+[Note: post-step gathers]
+After the optimizer step every rank holds the new values of its own chunk of each bucket only; one
+all-gather per bucket makes the flat buffers (which the model's parameters view) whole again. They
+are all launched right after the step, in the order the forward first uses the buckets (the reverse
+of the agreed reduce order, so the same on every rank), and each is waited on where a parameter of
+its bucket is first used: from the launch to the end of the next training step a torch-function
+mode sees every op's arguments and waits for a pending bucket before the first op that reads one of
+its parameters, be it inside a module's forward, a functional call on a parameter, a regulariser
+over ``self.parameters()`` or a callback averaging weights between steps. The gathers thus run while
+the forward of the earlier layers computes, and results are bitwise those of gathering at once.
+
+Whatever is still pending at the end of the next training step, and before anything that reads
+parameters without ops of its own (validation steps, checkpoints, state dicts, the next optimizer
+step, teardown), is waited on by ``wait_all``, which also leaves the mode. As a last net, a gradient
+arriving for a parameter whose bucket was never waited on (read through something that bypasses
+torch functions) stops the run with an error naming it, instead of training on half-written values.
+
+[Note: the mode's lifetime]
+The mode is entered in ``launch`` and left in ``wait_all``, in different frames. Torch keeps modes on
+a stack; ours is popped only when it is on top, which it is unless user code entered a mode of its
+own and is still inside it when ``wait_all`` runs (the strategy calls it between steps, outside user
+code). Otherwise it stays on the stack with nothing pending, where it only passes ops through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from lightning_zero.sharding import collectives
+from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.grad_reduce import GradReducer
+from lightning_zero.sharding.layout import Bucket
+
+
+class ParamGathers:
+    def __init__(self, reducer: GradReducer, *, group=None) -> None:
+        self.reducer = reducer
+        self.group = group
+        self.overlap = False  # ZeroConfig.overlap_param_gather (see the Note)
+        self._mode: _WaitOnUse | None = None
+        self._pending: dict[tuple[int, int], object] = {}  # (id(unit), bucket.start) -> the gather's work
+        self._key_of: dict[int, tuple[int, int]] = {}  # id(param) -> its bucket's key
+        self.add_units(reducer.units)
+        reducer.check_param_read = self.check_read
+
+    def add_units(self, units: Sequence[FlatUnit]) -> None:
+        for unit in units:
+            for index, p in enumerate(unit.params):
+                self._key_of[id(p)] = (id(unit), unit.layout.buckets[unit.layout.param_bucket[index]].start)
+
+    def launch(self, units: Sequence[FlatUnit]) -> None:
+        """After a step: starts the gathers of ``units``' buckets in forward order (and waits, unless overlapping)."""
+        stepped = {id(u) for u in units}
+        for unit, bucket in reversed(self.reducer.order):
+            if id(unit) in stepped:
+                self._pending[(id(unit), bucket.start)] = unit.publish(bucket, group=self.group)
+        if not self.overlap:
+            self.wait_all()
+        elif self._mode is None:
+            self._mode = _WaitOnUse(self)
+            self._mode.__enter__()
+
+    def wait_used(self, args: tuple, kwargs: dict | None) -> None:
+        for arg in (*args, *(kwargs or {}).values()):
+            for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
+                key = self._key_of.get(id(tensor))
+                if key is not None:
+                    work = self._pending.pop(key, None)
+                    if work is not None:
+                        collectives.wait(work)
+
+    def wait_all(self) -> None:
+        pending, self._pending = self._pending, {}
+        for work in pending.values():
+            collectives.wait(work)
+        mode, self._mode = self._mode, None
+        depth = torch._C._len_torch_function_stack()
+        if mode is not None and depth and torch._C._get_function_stack_at(depth - 1) is mode:
+            mode.__exit__(None, None, None)  # see [Note: the mode's lifetime]
+
+    def check_read(self, unit: FlatUnit, bucket: Bucket, index: int) -> None:
+        if self._pending and (id(unit), bucket.start) in self._pending:
+            raise RuntimeError(
+                f"parameter {unit.names[index]!r} got a gradient although it was never read through a torch op"
+                " while its post-step all-gather was running (read through .data_ptr(), a C++ extension or a view"
+                " taken before the step); set ZeroConfig(overlap_param_gather=False)"
+            )
+
+    def remove_hooks(self) -> None:
+        self.wait_all()
+        self.reducer.check_param_read = None
+
+
+class _WaitOnUse(TorchFunctionMode):
+    def __init__(self, gathers: ParamGathers) -> None:
+        super().__init__()
+        self.gathers = gathers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.gathers._pending:
+            self.gathers.wait_used(args, kwargs)
+        return func(*args, **(kwargs or {}))
