@@ -71,8 +71,9 @@ class ZeroConfig:
             embedding); 0 turns that off.
         max_live_parameters: stage 3: prefetching never holds more than this many elements of gathered
             units at once (the unit about to run is gathered regardless).
-        prefetch_bucket_size: stage 3: prefetching holds at most this many elements of units gathered
-            ahead of the one running (DeepSpeed's ``stage3_prefetch_bucket_size``); 0 turns prefetch off.
+        prefetch_bucket_size: stage 3: prefetching gathers units ahead of the one running until they
+            hold this many elements (the last may cross it; DeepSpeed's ``stage3_prefetch_bucket_size``);
+            0 turns prefetch off.
         param_persistence_threshold: stage 3: units of at most this many elements stay gathered.
         reduce_dtype: the dtype gradients are accumulated and reduce-scattered in: "float32",
             "bfloat16" or "float16"; None (default) keeps the parameters' dtype, except bf16 parameters

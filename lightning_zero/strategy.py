@@ -202,6 +202,8 @@ class ZeroStrategy(DDPStrategy):
                 self._stage3.reducer = self._reducer
             if self._gathers is not None:  # see [Note: post-step gathers]
                 self._gathers.overlap = self.config.overlap_param_gather
+            # stage 1 reduces in the backward of a step's last micro-batch, which only automatic optimization tells
+            self._reducer.accumulating = not module.automatic_optimization
             if self.precision_plugin.scaler is not None:
                 self._hold_schedulers_on_skipped_steps()
         self.setup_precision_plugin()
@@ -343,11 +345,11 @@ class ZeroStrategy(DDPStrategy):
         if self._reducer is None:
             yield
             return
-        self._reducer.accumulating = True
+        before, self._reducer.accumulating = self._reducer.accumulating, True
         try:
             yield
         finally:
-            self._reducer.accumulating = False
+            self._reducer.accumulating = before
 
     def _settle(self) -> None:
         """Waits for the post-step parameter all-gathers still running (before anything reads parameters)."""

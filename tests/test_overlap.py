@@ -114,6 +114,23 @@ class Stage1Timing(pl.Callback):
         self.buffers.append(trainer.strategy._reducer.buffers_allocated)
 
 
+class TwoBackwards(EquivalenceModule):
+    """Manual optimization with two backward calls per step, and one step (the second) with no backward."""
+
+    def __init__(self) -> None:
+        super().__init__("toy", steps=4)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        if batch_idx != 1:
+            for half in (slice(0, len(x) // 2), slice(len(x) // 2, None)):
+                self.manual_backward(F.cross_entropy(self.net(x[half], use_branch=True), y[half]))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _reduce_worker(rank: int, world: int) -> None:
     for stage in (1, 2):
         timing = Stage1Timing()
@@ -127,6 +144,14 @@ def _reduce_worker(rank: int, world: int) -> None:
         else:
             assert all(n > 0 for n in timing.inside_backward), timing.inside_backward
             assert timing.buffers[-1] == timing.buffers[1] > 0, timing.buffers  # allocated once, then reused
+
+    # Manual optimization: stage 1 cannot know which backward is the step's last, so it reduces at the
+    # step, once; a step without any backward still steps (with no gradients).
+    timing = Stage1Timing()
+    make_trainer(
+        zero_strategy(1, reduce_bucket_size=40), world, steps=4, accumulate=1, clip=None, callbacks=[timing]
+    ).fit(TwoBackwards())
+    assert timing.inside_backward == [0] * 6, timing.inside_backward
 
 
 @pytest.mark.slow

@@ -115,7 +115,7 @@ _DECOMPOSED: dict[object, bool] = {}
 
 def _decomposed(group) -> bool:
     """Whether this group's reduce-scatter and all-gather are built from per-chunk collectives (gloo)."""
-    key = group if group is not None else "world"
+    key = group if group is not None else dist.group.WORLD  # a new object after a new init_process_group
     if key not in _DECOMPOSED:
         _DECOMPOSED[key] = dist.get_backend(group) == "gloo"
     return _DECOMPOSED[key]
@@ -129,7 +129,7 @@ def host_group(group):
     else a gloo group made once (collective: every rank makes its optimizers at set-up, in one order)."""
     if not dist.is_initialized() or "gloo" in str(dist.get_backend(group)):
         return group
-    key = group if group is not None else "world"
+    key = group if group is not None else dist.group.WORLD
     if key not in _HOST_GROUPS:
         _HOST_GROUPS[key] = dist.new_group(ranks=_peers(group), backend="gloo")
     return _HOST_GROUPS[key]

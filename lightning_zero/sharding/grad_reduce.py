@@ -68,7 +68,9 @@ class GradReducer:
         self.overlap = overlap
         self.world_size = world_size
         self.max_inflight_bytes = max_inflight_bytes if overlap else 0
-        self.accumulating = False  # stage 1: inside Lightning's block_backward_sync (not the step's last micro-batch)
+        # Stage 1: whether a backward only accumulates (set by the strategy: always under manual optimization,
+        # else inside Lightning's block_backward_sync, i.e. before the step's last micro-batch).
+        self.accumulating = False
         self.stage1_unreduced = False  # stage 1: a backward accumulated gradients no reduction has consumed yet
         self.backward_end = backward_end
         self.group = group
@@ -155,11 +157,10 @@ class GradReducer:
             self.backward_end.arm()
             if self.check_param_read is not None:
                 self.check_param_read(unit, bucket, index)
-            if self.stage == 1:
+            if self.stage == 1 and self.accumulating:
                 unit.flat_grad[bucket.start + lo : bucket.start + hi].add_(grad.reshape(-1), alpha=scale)
                 unit.flat_grad_dirty = True
-                if self.accumulating:
-                    return
+                return
             slot = self._slot_of[key]  # looked up: the launch order may change once (_agree_on_order)
             if self._launched[slot]:
                 raise RuntimeError(
@@ -167,10 +168,10 @@ class GradReducer:
                     " backward: it is used where the ZeRO schedule cannot see it (a reentrant activation checkpoint"
                     " that also uses it outside, or a stage-3 parameter read outside its unit on some ranks only)"
                 )
-            if self.stage != 1:
-                if self._buffers[slot] is None:
-                    self._buffers[slot] = self._take_buffer(unit, bucket)
-                self._buffers[slot][lo:hi].add_(grad.reshape(-1), alpha=scale)
+            if self._buffers[slot] is None:
+                self._buffers[slot] = self._take_buffer(unit, bucket)
+            self._buffers[slot][lo:hi].add_(grad.reshape(-1), alpha=scale)
+            unit.flat_grad_dirty = unit.flat_grad is not None
             if self.stage <= 2 and self._is_expected[slot][position]:
                 self._arrived[slot] += 1
                 self._launch_ready()
@@ -226,7 +227,7 @@ class GradReducer:
         own = buffer[bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
         work = collectives.reduce_scatter(own, buffer, async_op=self.overlap, group=self.group)
         self._inflight.append((slot, work))
-        self._inflight_bytes += buffer.nbytes
+        self._inflight_bytes += buffer.nbytes if unit.flat_grad is None else 0  # stage 1's regions are persistent
         while len(self._inflight) > 1 and self._inflight_bytes > self.max_inflight_bytes:
             self._retire_oldest()
 
@@ -235,7 +236,7 @@ class GradReducer:
         collectives.wait(work)
         unit, bucket = self.order[slot]
         buffer = self._buffers[slot]
-        self._inflight_bytes -= buffer.nbytes
+        self._inflight_bytes -= buffer.nbytes if unit.flat_grad is None else 0
         own = buffer[bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
         if unit.flat_grad is not None and unit.reduced is None:  # stage 1: the step's reduced partition
             unit.reduced = torch.zeros(unit.layout.partition_numel, dtype=unit.grad_dtype, device=own.device)

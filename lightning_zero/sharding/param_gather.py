@@ -18,10 +18,12 @@ arriving for a parameter whose bucket was never waited on (read through somethin
 torch functions) stops the run with an error naming it, instead of training on half-written values.
 
 [Note: the mode's lifetime]
-The mode is entered in ``launch`` and left in ``wait_all``, in different frames. Torch keeps modes on
-a stack; ours is popped only when it is on top, which it is unless user code entered a mode of its
-own and is still inside it when ``wait_all`` runs (the strategy calls it between steps, outside user
-code). Otherwise it stays on the stack with nothing pending, where it only passes ops through.
+The mode is entered in ``launch`` and left in ``wait_all``, in different frames, while torch keeps
+modes on a stack that each ``__exit__`` pops from the top. So ``launch`` overlaps only when the stack
+is empty (no mode of the user's is active, so none can pop ours by exiting later); otherwise it waits
+at once. ``wait_all`` pops ours if it is on top; if a mode the user entered after the step is still
+active (entered in one hook, left in a later one), ours is left below it, emptied: it only passes ops
+through, and the next ``launch`` pops it once it is on top again.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ParamGathers:
         self.group = group
         self.overlap = False  # ZeroConfig.overlap_param_gather (see the Note)
         self._mode: _WaitOnUse | None = None
+        self._abandoned: list[_WaitOnUse] = []  # emptied modes left below a user's (see the Note)
         self._pending: dict[tuple[int, int], object] = {}  # (id(unit), bucket.start) -> the gather's work
         self._key_of: dict[int, tuple[int, int]] = {}  # id(param) -> its bucket's key
         self.add_units(reducer.units)
@@ -59,7 +62,9 @@ class ParamGathers:
         for unit, bucket in reversed(self.reducer.order):
             if id(unit) in stepped:
                 self._pending[(id(unit), bucket.start)] = unit.publish(bucket, group=self.group)
-        if not self.overlap:
+        while self._abandoned and _top_mode() is self._abandoned[-1]:
+            self._abandoned.pop().__exit__(None, None, None)
+        if not self.overlap or torch._C._len_torch_function_stack() > 0:
             self.wait_all()
         elif self._mode is None:
             self._mode = _WaitOnUse(self)
@@ -79,9 +84,10 @@ class ParamGathers:
         for work in pending.values():
             collectives.wait(work)
         mode, self._mode = self._mode, None
-        depth = torch._C._len_torch_function_stack()
-        if mode is not None and depth and torch._C._get_function_stack_at(depth - 1) is mode:
+        if mode is not None and _top_mode() is mode:
             mode.__exit__(None, None, None)  # see [Note: the mode's lifetime]
+        elif mode is not None:
+            self._abandoned.append(mode)
 
     def check_read(self, unit: FlatUnit, bucket: Bucket, index: int) -> None:
         if self._pending and (id(unit), bucket.start) in self._pending:
@@ -94,6 +100,11 @@ class ParamGathers:
     def remove_hooks(self) -> None:
         self.wait_all()
         self.reducer.check_param_read = None
+
+
+def _top_mode() -> TorchFunctionMode | None:
+    depth = torch._C._len_torch_function_stack()
+    return torch._C._get_function_stack_at(depth - 1) if depth else None
 
 
 class _WaitOnUse(TorchFunctionMode):

@@ -23,9 +23,9 @@ events that happen identically on every rank, never of which unit this rank happ
   hook of an entry's output fires, every node created after that entry's forward ended has run: the
   gradients of later entries are complete (pinned units are reduced at the end of backward instead).
 - Prefetch (forward and backward) starts the next units in schedule order while both budgets allow:
-  ``max_live`` elements of gathered units in all, and ``max_prefetch`` elements of units gathered
-  ahead of the one running (DeepSpeed's ``stage3_prefetch_bucket_size``); whether a unit is gathered
-  is itself a function of the schedule, so prefetch is too.
+  ``max_live`` elements of gathered units in all, and, ahead of the one running, units up to the
+  first that reaches ``max_prefetch`` elements (DeepSpeed's ``stage3_prefetch_bucket_size``; 0:
+  none); whether a unit is gathered is itself a function of the schedule, so prefetch is too.
 Frees and waits are local: they change memory and timing, never the sequence.
 """
 
@@ -168,7 +168,7 @@ class Schedule:
         for unit in range(self._cursor, len(self.sizes)):
             if unit in self.gathered:
                 continue
-            if self.live_numel() + self.sizes[unit] > self.max_live or ahead + self.sizes[unit] > self.max_prefetch:
+            if self.live_numel() + self.sizes[unit] > self.max_live or ahead >= self.max_prefetch:
                 return
             self._gather(unit)
             ahead += self.sizes[unit]
@@ -246,7 +246,7 @@ class Schedule:
                 continue
             unit = self.entries[k]
             if unit not in self.gathered:
-                if self.live_numel() + self.sizes[unit] > self.max_live or ahead + self.sizes[unit] > self.max_prefetch:
+                if self.live_numel() + self.sizes[unit] > self.max_live or ahead >= self.max_prefetch:
                     return
                 ahead += 0 if unit in self.persistent else self.sizes[unit]
             self._start(k)

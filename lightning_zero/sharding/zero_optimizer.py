@@ -211,7 +211,8 @@ class ZeroOptimizer:
             return self._found_inf
         if self.gathers is not None:
             self.gathers.wait_all()  # a bucket no forward waited on (its modules did not run) is done
-        if self.reducer.stage1_unreduced:  # the step follows accumulating backwards only
+        stage1_missing = any(u.flat_grad is not None and u.reduced is None for u in self.units)  # no backward reduced
+        if self.reducer.stage1_unreduced or stage1_missing:  # (the same on every rank)
             self.reducer.reduce_pending()
         self._found_inf = False
         if self.units:
