@@ -226,3 +226,46 @@ def _collectives_worker(rank: int, world: int) -> None:
 
 def test_gloo_collectives_equal_the_native_ones():
     spawn_ranks(_collectives_worker, 3)
+
+
+class StepCollectives(pl.Callback):
+    """The collectives issued from the optimizer step's start to the end of the batch."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._recording = collectives.record()
+        self._log = self._recording.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._recording.__exit__(None, None, None)
+        self.steps.append(self._log)
+
+
+def _persistent_worker(rank: int, world: int) -> None:
+    states = {}
+    for threshold in (100_000, 0):  # every unit of BlocksNet persistent, or none
+        probe = StepCollectives()
+        pl.seed_everything(0)
+        module = EquivalenceModule("blocks", steps=4)
+        strategy = zero_strategy(3, param_persistence_threshold=threshold)
+        make_trainer(strategy, world, steps=4, accumulate=1, callbacks=[probe]).fit(module)
+        gathers = [[op for op in step if op[0] == "all_gather"] for step in probe.steps]
+        if threshold:
+            runtime = strategy._stage3
+            units = [u for k in sorted(runtime.schedule.persistent) for u in runtime.scheduled[k]]
+            persistent = [u for u in units if u.trainable]  # frozen ones do not change: not gathered again
+            assert len(persistent) > 2
+            expected = sum(u.layout.total_numel for u in persistent)
+            assert all(len(g) == 1 and g[0][2] == expected for g in gathers), (gathers, expected)
+        else:
+            assert all(not g for g in gathers), gathers
+        states[threshold] = strategy.gather_module().state_dict()
+    for name, value in states[0].items():
+        assert torch.equal(value, states[100_000][name]), name
+
+
+@pytest.mark.slow
+def test_stage3_regathers_persistent_units_in_one_collective():
+    spawn_ranks(_persistent_worker, 2)

@@ -14,7 +14,7 @@ and ``ZeroConfig(check_collectives=True)`` compares them after every optimizer s
 
 [Note: per-backend collectives]
 ``reduce_scatter`` and ``all_gather`` keep one meaning on every backend but not one implementation;
-which one a process group gets is fixed once per group (``_decomposed``), so every rank issues the
+which one a process group gets follows from its backend alone (``_decomposed``), so every rank issues the
 same underlying collectives in the same order. NCCL (and any backend but gloo) uses the native
 reduce-scatter and all-gather. Gloo's are slow on the CPU: measured on 2 ranks of this project's
 2-core machines (median ms, float32; reduce_scatter vs one reduce per chunk, all_gather vs one
@@ -110,18 +110,15 @@ class Pending:
             destination.copy_(source)
 
 
-_DECOMPOSED: dict[object, bool] = {}
-
-
 def _decomposed(group) -> bool:
-    """Whether this group's reduce-scatter and all-gather are built from per-chunk collectives (gloo)."""
-    key = group if group is not None else dist.group.WORLD  # a new object after a new init_process_group
-    if key not in _DECOMPOSED:
-        _DECOMPOSED[key] = dist.get_backend(group) == "gloo"
-    return _DECOMPOSED[key]
+    """Whether this group's reduce-scatter and all-gather are built from per-chunk collectives (gloo).
+
+    Looked up per call (a dictionary lookup in torch): caching it would keep the process group object
+    alive past ``destroy_process_group``, and its threads would then be torn down at interpreter exit."""
+    return dist.get_backend(group) == "gloo"
 
 
-_HOST_GROUPS: dict[object, object] = {}
+_HOST_GROUPS: dict[int, object] = {}  # id of an NCCL group -> the gloo group made for it
 
 
 def host_group(group):
@@ -129,7 +126,7 @@ def host_group(group):
     else a gloo group made once (collective: every rank makes its optimizers at set-up, in one order)."""
     if not dist.is_initialized() or "gloo" in str(dist.get_backend(group)):
         return group
-    key = group if group is not None else dist.group.WORLD
+    key = id(group if group is not None else dist.group.WORLD)
     if key not in _HOST_GROUPS:
         _HOST_GROUPS[key] = dist.new_group(ranks=_peers(group), backend="gloo")
     return _HOST_GROUPS[key]

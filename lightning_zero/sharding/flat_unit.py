@@ -204,12 +204,14 @@ class FlatUnit:
     def unshard(self, *, async_op: bool, group=None) -> dist.Work | None:
         """Allocates the flat buffer, starts the all-gather of every rank's shard into it and points
         the parameters at it (their values are valid once the returned work is waited on)."""
+        self._allocate()
+        return collectives.all_gather(self.flat_param, self.param_shard, async_op=async_op, group=group)
+
+    def _allocate(self) -> None:
         storage = self.flat_param.untyped_storage()
         storage.resize_(self.flat_param.numel() * self.flat_param.element_size())
-        work = collectives.all_gather(self.flat_param, self.param_shard, async_op=async_op, group=group)
         for p, view in zip(self.params, self._views):
             p.data = view
-        return work
 
     def reshard(self) -> None:
         """Frees the flat buffer; until the next unshard each parameter is a placeholder (see stage3.py)."""
@@ -277,15 +279,15 @@ class FlatUnit:
             for work in [self.publish(bucket, group=group) for bucket in self.layout.buckets]:
                 collectives.wait(work)
         else:
-            collectives.wait(self.after_step(group=group))
+            self.refresh_shard()
+            if self.gathered:
+                collectives.wait(self.unshard(async_op=False, group=group))
 
-    def after_step(self, *, group=None) -> dist.Work | collectives.Pending | None:
-        """Stage 3: makes the parameters follow the updated master by refreshing the shard (the next
-        gather spreads it). A unit gathered right now (persistent) is gathered again: the returned work,
-        to wait on before the parameters are read. Stages 1 and 2: see ``publish``."""
+    def refresh_shard(self) -> None:
+        """Stage 3 after a step: the shard follows the updated master (the next gather spreads it; a unit
+        gathered now must be gathered again, see ``unshard_together``). Stages 1 and 2: see ``publish``."""
         if self.param_shard is not self.master:
             self.param_shard.copy_(self.master)
-        return self.unshard(async_op=True, group=group) if self.gathered else None
 
     def publish(self, bucket: Bucket, *, group=None) -> dist.Work | collectives.Pending | None:
         """Stages 1 and 2 after a step: copies this rank's updated chunk of ``bucket`` into the flat buffer
@@ -307,3 +309,24 @@ class FlatUnit:
             params = self.flat_param.nbytes
             master = 0 if self.master is None else self.master.nbytes
         return {"parameters": params, "gradients": 0 if grads is None else grads.nbytes, "master": master}
+
+
+def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
+    """Stage 3: gathers ``units`` with one all-gather per dtype: every rank's shards back to back, then
+    each unit's rows copied into its flat buffer. For the persistent units, small by definition, so the
+    copy costs less than a collective per unit."""
+    by_dtype: dict[torch.dtype, list[FlatUnit]] = {}
+    for unit in units:
+        by_dtype.setdefault(unit.param_dtype, []).append(unit)
+    for same in by_dtype.values():
+        packed = torch.cat([u.param_shard for u in same])  # this rank's shards
+        world = same[0].layout.world_size
+        rows = packed.new_empty(world * packed.numel())
+        collectives.all_gather(rows, packed, async_op=False, group=group)
+        rows = rows.view(world, -1)
+        start = 0
+        for unit in same:
+            unit._allocate()
+            numel = unit.param_shard.numel()
+            unit.flat_param.view(world, numel).copy_(rows[:, start : start + numel])
+            start += numel

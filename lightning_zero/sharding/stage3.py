@@ -46,7 +46,7 @@ from torch.nn import Module
 
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd, in_backward
-from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.flat_unit import FlatUnit, unshard_together
 from lightning_zero.sharding.stage3_schedule import Schedule
 
 
@@ -128,9 +128,8 @@ class Stage3Runtime:
         for k, module in enumerate(self._modules):
             self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, k)))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, k)))
-        for k in sorted(persistent):
-            self.gather(k)
-            self.wait(k)
+        unshard_together([u for k in sorted(persistent) for u in self.scheduled[k]], group=group)
+        self.peak_gathered_bytes = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
 
     @property
     def peak_live_numel(self) -> int:

@@ -41,7 +41,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.flat_unit import FlatUnit, unshard_together
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import Piece
 from lightning_zero.sharding.param_gather import ParamGathers
@@ -309,9 +309,10 @@ class ZeroOptimizer:
         self.optimizer.step()
         if self.gathers is not None:
             self.gathers.launch(self.units)
-        else:  # stage 3: the persistent units' gathers all in flight at once
-            for work in [unit.after_step(group=self.group) for unit in self.units]:
-                collectives.wait(work)
+        else:  # stage 3: the shards follow; the units kept gathered (persistent) are gathered again, at once
+            for unit in self.units:
+                unit.refresh_shard()
+            unshard_together([u for u in self.units if u.gathered], group=self.group)
         for unit in self.units:
             unit.release_grads()
         self._prepared = False
