@@ -58,7 +58,8 @@ class ZeroConfig:
             each bucket is reduced synchronously.
         max_inflight_bytes: gradient bytes of launched reduce-scatters kept in flight at once before
             the oldest is waited on (at least one is always allowed); with the buckets still filling,
-            this bounds the transient gradient memory.
+            this bounds the transient gradient memory (stages 2 and 3; stage 1 reduces out of its
+            persistent full gradient, so nothing is gained by waiting early).
         overlap_param_gather: stages 1 and 2: start the all-gathers of the updated parameters right after
             the optimizer step and wait for each bucket just before the first torch op that reads one of
             its parameters, so the gathers overlap the next forward (see sharding/param_gather.py).

@@ -179,7 +179,8 @@ class GradReducer:
         return hook
 
     def _take_buffer(self, unit: FlatUnit, bucket: Bucket) -> Tensor:
-        """A zeroed buffer for ``bucket``'s gradients: stage 1's region of the flat gradient, else one from the pool."""
+        """Where ``bucket``'s gradients go: stage 1's region of the flat gradient (holding what accumulated),
+        else a zeroed buffer from the pool."""
         if unit.flat_grad is not None:
             return unit.flat_grad[bucket.start : bucket.start + bucket.numel]
         free = self._pool.setdefault((bucket.numel, unit.grad_dtype, unit.flat_param.device), [])
@@ -273,9 +274,8 @@ class GradReducer:
         if self.stage == 1 and self.accumulating:
             self.stage1_unreduced = True
         else:
-            self.reduce_pending()
+            self.reduce_pending()  # (an accumulating stage-1 backward launches nothing)
         self._next = 0
-        self._launched = [False] * len(self.order)
         self._arrived = [0] * len(self.order)
         if not self._order_agreed:
             self._agree_on_order()
