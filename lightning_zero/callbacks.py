@@ -116,24 +116,26 @@ class ZeroMetrics(ThroughputMonitor):
         psi = sum(p.numel() for p in trainable)
         strategy = trainer.strategy
         name = f"zero{strategy.config.stage}" if isinstance(strategy, ZeroStrategy) else type(strategy).__name__
+        if isinstance(strategy, ZeroStrategy) and strategy.config.offload_optimizer != "none":
+            name += "+offload_param" if strategy.config.offload_param != "none" else "+offload"
+        host = any(v for mem in self.memory for k, v in mem.items() if k.startswith("host_"))
         title = f"{name}: {trainer.world_size} ranks, precision {trainer.precision}, {psi:,} trainable parameters"
         table = Table(title=title, title_justify="left")
         table.add_column("")
-        for column in ("parameters MiB", "gradients MiB", "optimizer state MiB", "peak memory MiB"):
+        columns = ["parameters MiB", "gradients MiB", "optimizer state MiB"] + (["host MiB"] if host else [])
+        for column in [*columns, "peak memory MiB"]:
             table.add_column(column, justify="right")
         mib = 2**20
         for rank, mem in enumerate(self.memory):
             peak = f"{peak_memory_bytes(strategy.root_device) / mib:.1f}" if rank == 0 else ""
-            table.add_row(
-                f"rank {rank}",
-                f"{mem['parameters'] / mib:.2f}",
-                f"{mem['gradients'] / mib:.2f}",
-                f"{(mem['master'] + mem['optimizer_state']) / mib:.2f}",
-                peak,
-            )
+            cells = [mem["parameters"], mem["gradients"], mem["master"] + mem["optimizer_state"]]
+            cells += [sum(v for k, v in mem.items() if k.startswith("host_"))] if host else []
+            table.add_row(f"rank {rank}", *(f"{c / mib:.2f}" for c in cells), peak)
         if self.memory and name.startswith("zero"):
             f = formula_bytes(name, psi, trainer.world_size, trainable[0].element_size())
-            table.add_row("formula", *(f"{f[k] / mib:.2f}" for k in ("parameters", "gradients", "optimizer_state")), "")
+            cells = [f[k] for k in ("parameters", "gradients", "optimizer_state")]
+            cells += [sum(v for k, v in f.items() if k.startswith("host_"))] if host else []
+            table.add_row("formula", *(f"{c / mib:.2f}" for c in cells), "")
         console = Console()
         console.print(table)
         stage = pl.trainer.states.RunningStage.TRAINING

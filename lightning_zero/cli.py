@@ -257,6 +257,13 @@ def estimate_main(args: list[str]) -> None:
     parser.add_argument(
         "--device-memory", help="memory per device, e.g. 80GB or 80GiB: names the smallest stage that fits"
     )
+    parser.add_argument(
+        "--offload",
+        default="none",
+        choices=["none", "cpu"],
+        help="cpu: also the ZeRO-Offload configurations (master weights and optimizer state in host memory,"
+        " zero3 with parameters there too), with their host bytes per rank",
+    )
     parsed = parser.parse_args(args)
     world = parsed.devices * parsed.nodes
     if world > MAX_ESTIMATE_RANKS:  # the table is computed rank by rank
@@ -269,7 +276,7 @@ def estimate_main(args: list[str]) -> None:
         shape, config = shape_of_count(parsed.params), ZeroConfig()
     else:
         shape, config = _shape_of_model(parsed.model)
-    table = estimate(shape, world, parsed.precision, config)
+    table = estimate(shape, world, parsed.precision, config, offload=parsed.offload == "cpu")
     print(
         f"{shape.psi:,} trainable parameters on {world} ranks ({parsed.devices} per node x {parsed.nodes} nodes),"
         f" precision {parsed.precision}; per rank (the rank that needs the most), GiB:"
@@ -277,7 +284,10 @@ def estimate_main(args: list[str]) -> None:
     print(format_table(table, capacity))
     if capacity is not None:
         fitting = smallest_fitting(table, capacity)
-        verdict = f"the smallest stage that fits: {fitting}" if fitting else "none fits: add devices or nodes"
+        verdict = f"the smallest configuration that fits: {fitting}" if fitting else "none fits: add devices or nodes"
+        if fitting and table[fitting][0].host_total:
+            host = max(r.host_total for r in table[fitting]) * parsed.devices
+            verdict += f" (host memory per node: {host / 2**30:.2f} GiB)"
         print(f"{parsed.device_memory} per device ({capacity:,} bytes), activations not counted: {verdict}")
 
 

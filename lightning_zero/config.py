@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_zero.sharding.offload import HostOffload
+
 SUPPORTED_STAGES = (1, 2, 3)
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
+OFFLOAD_DEVICES = "none or cpu (nvme offload is not supported)"
 
 
 def stage_of_strategy(name: object) -> int | None:
@@ -52,7 +55,10 @@ class ZeroConfig:
         stage: 1 shards the optimizer state (and fp32 master weights); 2 also shards gradients; 3 also
             shards the parameters, gathering each unit only around its use.
         reduce_bucket_size: stages 1 and 2: elements per gradient bucket. Each bucket is one
-            reduce-scatter and one all-gather per step. (Stage 3 reduces one unit at a time.)
+            reduce-scatter and one all-gather per step. Stage 3: units released for reduction one after
+            another are reduce-scattered together until they hold this many elements (a larger unit is
+            reduced on its own); smaller values start reductions earlier in backward, larger ones issue
+            fewer collectives.
         overlap_comm: reduce-scatter a bucket asynchronously as soon as its gradients are complete,
             while backward continues (stage 1: in the backward of the step's last micro-batch). When off,
             each bucket is reduced synchronously.
@@ -83,6 +89,12 @@ class ZeroConfig:
         gather_dtype: stage 3 with ``bf16-mixed``: "compute" (default) keeps parameter shards in bf16 and
             gathers units in bf16 from the fp32 master (half the bytes, and autocast keeps no second
             copy of each weight for backward); "float32" gathers fp32 weights that autocast casts.
+        offload_optimizer: "cpu" keeps each rank's fp32 master partition, optimizer state and reduced
+            gradient partition in host memory and runs the optimizer step there (ZeRO-Offload; see
+            sharding/offload.py); "none" (default) keeps them on the device. Stages 1, 2 and 3.
+        offload_param: stage 3: "cpu" keeps the parameter shards in host memory too, each brought to the
+            device for its unit's all-gather (ZeRO-Infinity without NVMe); needs ``offload_optimizer="cpu"``.
+        offload_pin_memory: pin the host buffers (CUDA), so copies to and from the device do not block.
         check_collectives: debug mode: record every collective the strategy issues and, before each
             step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
             the sequences when they differ): a rank that would issue a different collective fails with
@@ -102,6 +114,9 @@ class ZeroConfig:
     param_persistence_threshold: int = 100_000
     reduce_dtype: str | None = None
     gather_dtype: str = "compute"
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    offload_pin_memory: bool = True
     check_collectives: bool = False
 
     def __post_init__(self) -> None:
@@ -156,6 +171,16 @@ class ZeroConfig:
             self.prefetch_bucket_size,
             "an integer >= 0 (elements)",
         )
+        for key in ("offload_optimizer", "offload_param"):
+            _check(getattr(self, key) in ("none", "cpu"), f"zero.{key}", getattr(self, key), OFFLOAD_DEVICES)
+        _check(
+            self.offload_param == "none" or (self.stage == 3 and self.offload_optimizer == "cpu"),
+            "zero.offload_param",
+            self.offload_param,
+            "none unless zero.stage is 3 and zero.offload_optimizer is cpu",
+        )
+        pin = self.offload_pin_memory
+        _check(isinstance(pin, bool), "zero.offload_pin_memory", pin, "true or false")
         _check(
             isinstance(self.check_collectives, bool), "zero.check_collectives", self.check_collectives, "true or false"
         )
@@ -174,6 +199,16 @@ class ZeroConfig:
             self.param_persistence_threshold,
             "an integer >= 0 (elements)",
         )
+
+    def host_offload(self) -> HostOffload | None:
+        """Where units keep their training state: None on the device, else what goes to the host."""
+        if self.offload_optimizer == "none":
+            return None
+        return HostOffload(params=self.offload_param == "cpu", pin_memory=self.offload_pin_memory)
+
+    def unit_options(self, param_dtype: torch.dtype) -> dict:
+        """The keyword arguments a trainable unit of ``param_dtype`` parameters is built with."""
+        return {"grad_dtype": self.grad_dtype(param_dtype), "offload": self.host_offload()}
 
     def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """The dtype gradients of ``param_dtype`` parameters are reduced and accumulated in."""

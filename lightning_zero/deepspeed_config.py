@@ -48,6 +48,20 @@ NO_EFFECT = {
     "zero_allow_untested_optimizer": "any elementwise torch optimizer is supported",
     "prescale_gradients": "gradients are always divided by the world size before the reduction",
 }
+OFFLOAD_SECTIONS = {  # -> the ZeroConfig field
+    "zero_optimization.offload_optimizer": "offload_optimizer",
+    "zero_optimization.offload_param": "offload_param",
+}
+OFFLOAD_NVME_KEYS = (
+    "nvme_path",
+    "buffer_count",
+    "buffer_size",
+    "max_in_cpu",
+    "pipeline_read",
+    "pipeline_write",
+    "fast_init",
+    "pipeline",
+)
 COMMUNICATION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # -> ZeroConfig.reduce_dtype
 LOSS_SCALE_KEYS = {
     "initial_scale_power": "initial_scale_power",
@@ -96,6 +110,36 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def _offload(key: str, section: Any, zero: dict[str, Any], no_effect: list[str]) -> None:
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: {device, pin_memory, ratio, NVMe settings}."""
+    if not isinstance(section, dict):
+        raise ValueError(f'DeepSpeed config: {key} must be an object such as {{"device": "cpu"}}, got {section!r}')
+    device = section.get("device", "none")
+    if device not in ("none", "cpu"):
+        raise ValueError(
+            f"DeepSpeed config: {key}.device {device!r} is not supported (NVMe offload is not implemented); use"
+            " 'cpu' or 'none'"
+        )
+    zero[OFFLOAD_SECTIONS[key]] = device
+    for name, value in section.items():
+        if name == "pin_memory" and device == "cpu":
+            if not isinstance(value, bool):
+                raise ValueError(f"DeepSpeed config: {key}.pin_memory must be true or false, got {value!r}")
+            if zero.setdefault("offload_pin_memory", value) != value:
+                raise ValueError("DeepSpeed config: offload_optimizer.pin_memory and offload_param.pin_memory differ")
+        elif name == "ratio" and value != 1:
+            raise ValueError(
+                f"DeepSpeed config: {key}.ratio {value!r} (partial offload) is not supported; remove it to offload"
+                " all of it"
+            )
+        elif name in OFFLOAD_NVME_KEYS or (name in ("pin_memory", "ratio") and device == "none"):
+            no_effect.append(f"{key}.{name} (no NVMe offload here)" if name in OFFLOAD_NVME_KEYS else f"{key}.{name}")
+        elif name not in ("device", "pin_memory", "ratio"):
+            raise ValueError(f"DeepSpeed config: {key}.{name} is not supported")
+    if device == "none":
+        no_effect.append(f"{key} (device 'none': nothing is offloaded)")
 
 
 def _number(key: str, value: Any, kind: type) -> Any:
@@ -164,10 +208,12 @@ def read_deepspeed_config(
             zero["reduce_dtype"] = COMMUNICATION_DTYPES[value]
         elif key in NO_EFFECT:
             no_effect.append(f"{key} ({NO_EFFECT[key]})")
-        elif key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param") and (
-            isinstance(value, dict) and value.get("device", "none") == "none"
-        ):
-            no_effect.append(f"{key} (device 'none': nothing is offloaded)")
+        elif key in OFFLOAD_SECTIONS:
+            _offload(key, value, zero, no_effect)
+        elif key == "zero_optimization.cpu_offload":  # DeepSpeed's older spelling of offload_optimizer: cpu
+            if not isinstance(value, bool):
+                raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")
+            zero["offload_optimizer"] = "cpu" if value else "none"
         else:
             unsupported.append(key)
     if unsupported:

@@ -25,17 +25,29 @@ from lightning_zero.sharding.layout import FlatLayout, build_layout
 from lightning_zero.sharding.stage3_setup import assign_units, unit_modules
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+# With ``--offload cpu``: ZeroConfig(offload_optimizer="cpu"), and for zero3 also offload_param="cpu"
+OFFLOADED = ("zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_param")
 
 
 @dataclass(frozen=True)
 class RankBytes:
+    """One rank's bytes on the device, and (``host_*``) in host memory with offload."""
+
     parameters: int
     gradients: int
     optimizer_state: int  # master weights + the optimizer's state
+    host_parameters: int = 0
+    host_gradients: int = 0
+    host_optimizer_state: int = 0
 
     @property
     def total(self) -> int:
+        """Device bytes."""
         return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def host_total(self) -> int:
+        return self.host_parameters + self.host_gradients + self.host_optimizer_state
 
 
 @dataclass(frozen=True)
@@ -74,9 +86,15 @@ def _owned(layouts: Sequence[FlatLayout], rank: int) -> tuple[int, int]:
     return sum(pc.numel for pc in pieces), len(pieces)
 
 
-def estimate(shape: ModelShape, world_size: int, precision: str, config: ZeroConfig) -> dict[str, list[RankBytes]]:
-    """Bytes per rank (index = rank) for each strategy; the ZeRO strategies' parameters are in fp32 unless
-    precision is 16-mixed, ddp's always."""
+def estimate(
+    shape: ModelShape, world_size: int, precision: str, config: ZeroConfig, *, offload: bool = False
+) -> dict[str, list[RankBytes]]:
+    """Bytes per rank (index = rank) for each strategy, and with ``offload`` for each of ``OFFLOADED`` too;
+    the ZeRO strategies' parameters are in fp32 unless precision is 16-mixed, ddp's always.
+
+    Offloaded (sharding/offload.py): the fp32 master (a copy of its own even for fp32 parameters, except
+    fp32 shards offloaded with offload_param, which are the master), the optimizer state and, in stages
+    2 and 3, the reduced gradient partition in fp32 move to the host; stage 1's full gradient stays."""
     b = 2 if precision == "16-mixed" else 4
     n = world_size
     frozen = shape.frozen_elements * b
@@ -103,6 +121,28 @@ def estimate(shape: ModelShape, world_size: int, precision: str, config: ZeroCon
         master = 4 * padded3 // n if b == 2 else 0  # fp32 parameter shards are the master
         rows.append(RankBytes(b * padded3 // n + frozen, b * padded3 // n, master + 8 * owned + 4 * pieces))
     out["zero3"] = rows
+    if not offload:
+        return out
+    for name in OFFLOADED:
+        stage, layouts = int(name[4]), unit_layouts if name.startswith("zero3") else group_layouts
+        total = sum(layout.total_numel for layout in layouts)
+        rows = []
+        for rank in range(n):
+            owned, pieces = _owned(layouts, rank)
+            shard_on_host = name.endswith("offload_param")
+            device_params = 0 if shard_on_host else (b * total // n if stage == 3 else b * total)
+            master = 0 if shard_on_host and b == 4 else 4 * total // n
+            rows.append(
+                RankBytes(
+                    device_params + frozen,
+                    b * total if stage == 1 else 0,
+                    0,
+                    host_parameters=b * total // n if shard_on_host else 0,
+                    host_gradients=0 if stage == 1 else 4 * total // n,
+                    host_optimizer_state=master + 8 * owned + 4 * pieces,
+                )
+            )
+        out[name] = rows
     return out
 
 
@@ -117,23 +157,28 @@ def parse_bytes(text: str) -> int:
 
 
 def smallest_fitting(table: dict[str, list[RankBytes]], capacity: int) -> str | None:
-    for name in STRATEGIES:
-        if max(r.total for r in table[name]) <= capacity:
+    """The first configuration, in the table's order (least sharding and offload first), whose device bytes fit."""
+    for name, rows in table.items():
+        if max(r.total for r in rows) <= capacity:
             return name
     return None
 
 
 def format_table(table: dict[str, list[RankBytes]], capacity: int | None = None) -> str:
     gib = 2**30
+    host = any(r.host_total for rows in table.values() for r in rows)
     lines = [
-        f"{'strategy':<9}{'parameters':>12}{'gradients':>12}{'optimizer':>12}{'total GiB':>12}"
+        f"{'strategy':<20}{'parameters':>12}{'gradients':>12}{'optimizer':>12}{'total GiB':>12}"
+        + (f"{'host GiB':>12}" if host else "")
         + (f"{'fits':>8}" if capacity else "")
     ]
-    for name in STRATEGIES:
-        worst = max(table[name], key=lambda r: r.total)  # the rank that needs the most
+    for name, rows in table.items():
+        worst = max(rows, key=lambda r: (r.total, r.host_total))  # the rank that needs the most
         fits = ("   yes" if worst.total <= capacity else "    no") if capacity else ""
         lines.append(
-            f"{name:<9}{worst.parameters / gib:>12.3f}{worst.gradients / gib:>12.3f}"
-            f"{worst.optimizer_state / gib:>12.3f}{worst.total / gib:>12.3f}{fits:>8}"
+            f"{name:<20}{worst.parameters / gib:>12.3f}{worst.gradients / gib:>12.3f}"
+            f"{worst.optimizer_state / gib:>12.3f}{worst.total / gib:>12.3f}"
+            + (f"{worst.host_total / gib:>12.3f}" if host else "")
+            + f"{fits:>8}"
         )
     return "\n".join(lines)

@@ -14,6 +14,19 @@ zero2      B Psi        B Psi / N   (12 or 8) Psi / N   fp32: 4 Psi + 12 Psi / N
 zero3      B Psi / N    B Psi / N   (12 or 8) Psi / N   16 Psi / N
 =========  ===========  ==========  ==================  ==================================
 
+With ZeRO-Offload (``offload_optimizer="cpu"``; sharding/offload.py) the master (always a copy of its
+own, 4 Psi / N), Adam's moments (8 Psi / N) and, in stages 2 and 3, the reduced gradient partition in
+fp32 (4 Psi / N) live in host memory:
+
+====================  ==========================  ===========================================
+strategy              device                      host
+====================  ==========================  ===========================================
+zero1+offload         2 B Psi                     12 Psi / N
+zero2+offload         B Psi                       16 Psi / N
+zero3+offload         B Psi / N                   16 Psi / N
+zero3+offload_param   0                           16 Psi / N (fp32); 18 Psi / N (fp16 shards)
+====================  ==========================  ===========================================
+
 The master copy is the fp32 partition the optimizer steps. With fp32 parameters (``32-true``,
 ``bf16-mixed``) there is none (K = 8): the optimizer steps this rank's part of the parameters in
 place (stages 1 and 2: its chunks of the flat buffer; stage 3: its shard), where DeepSpeed keeps a
@@ -28,12 +41,23 @@ import torch
 
 
 def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4) -> dict[str, float]:
-    """Per-rank bytes by category for ``strategy`` in ("ddp", "zero1", "zero2", "zero3") with Adam.
+    """Per-rank bytes by category for ``strategy`` in ("ddp", "zero1", "zero2", "zero3", "zero1+offload",
+    "zero2+offload", "zero3+offload", "zero3+offload_param") with Adam; offloaded categories are ``host_*``.
 
     ``param_bytes`` is 4 for fp32 parameters and 2 for fp16 ones (``16-mixed``); ddp ignores it: its
     parameters and gradients are fp32 under every precision.
     """
     n, b = world_size, param_bytes
+    if strategy in ("zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_param"):
+        stage, shard_on_host = int(strategy[4]), strategy.endswith("offload_param")
+        return {
+            "parameters": 0 if shard_on_host else (b * psi / n if stage == 3 else b * psi),
+            "gradients": b * psi if stage == 1 else 0,
+            "optimizer_state": 0,
+            "host_parameters": b * psi / n if shard_on_host else 0,
+            "host_gradients": 0 if stage == 1 else 4 * psi / n,
+            "host_optimizer_state": (8 if shard_on_host and b == 4 else 12) * psi / n,
+        }
     if strategy == "ddp":
         return {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer_state": 8 * psi}
     k = 12 if b == 2 else 8  # fp32 parameters are their own master
@@ -43,7 +67,7 @@ def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4
         return {"parameters": b * psi, "gradients": b * psi / n, "optimizer_state": k * psi / n}
     if strategy == "zero3":
         return {"parameters": b * psi / n, "gradients": b * psi / n, "optimizer_state": k * psi / n}
-    raise ValueError(f"strategy must be one of ddp, zero1, zero2, zero3, got {strategy!r}")
+    raise ValueError(f"strategy must be one of ddp, zero1, zero2, zero3 (or zeroN+offload), got {strategy!r}")
 
 
 class SavedBytes:

@@ -217,7 +217,7 @@ class ZeroStrategy(DDPStrategy):
             if fitting:
                 for unit in sharded.units:
                     if unit.requires_grad:
-                        unit.make_trainable(grad_dtype=self.config.grad_dtype(unit.param_dtype))
+                        unit.make_trainable(**self.config.unit_options(unit.param_dtype))
         else:
             dtype = self._stage3_param_dtype()
 
@@ -274,17 +274,13 @@ class ZeroStrategy(DDPStrategy):
         if self.config.stage == 3:
             units = list(dict.fromkeys(unit_location(p)[0] for p in params))
             for unit in units:
-                unit.make_trainable(grad_dtype=self.config.grad_dtype(unit.param_dtype))
+                unit.make_trainable(**self.config.unit_options(unit.param_dtype))
         else:
             numels = [p.numel() for p in params]
             layout = build_layout(numels, self.world_size, self.config.reduce_bucket_size)
-            grad_dtype = self.config.grad_dtype(params[0].dtype)
+            options = self.config.unit_options(params[0].dtype)
             full = self.config.stage == 1
-            units = [
-                FlatUnit(
-                    params, [names[p] for p in params], layout, self.global_rank, full_grad=full, grad_dtype=grad_dtype
-                )
-            ]
+            units = [FlatUnit(params, [names[p] for p in params], layout, self.global_rank, full_grad=full, **options)]
             self._units += units
             self._load_hooks += install_load_hooks(self.lightning_module, units)
         self._reducer.add_units(units)
@@ -520,19 +516,22 @@ class ZeroStrategy(DDPStrategy):
 
     # --- introspection ----------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
-        """This rank's persistent bytes: parameters, gradients, master weights and optimizer state.
+        """This rank's persistent bytes: parameters, gradients, master weights and optimizer state on the
+        device, and under ``host_*`` what offload keeps in host memory (zeros without offload).
 
         Parameters include frozen ones (stage 3: the shards, not units gathered for a moment; see
         ``peak_gathered_bytes``); gradients are the stage's persistent storage (in-flight buckets
         are transient and not counted).
         """
-        totals = {"parameters": 0, "gradients": 0, "master": 0, "optimizer_state": 0}
+        totals = dict.fromkeys(("parameters", "gradients", "master", "optimizer_state"), 0)
+        totals.update({f"host_{key}": 0 for key in tuple(totals)})
         for unit in self._units:
             for key, value in unit.nbytes().items():
                 totals[key] += value
+        offloaded = self.config.offload_optimizer != "none"
         for optimizer in self.optimizers:
             if isinstance(optimizer, ZeroOptimizer):
-                totals["optimizer_state"] += optimizer.state_nbytes()
+                totals["host_optimizer_state" if offloaded else "optimizer_state"] += optimizer.state_nbytes()
         sharded = {id(p) for u in self._units for p in u.params}
         totals["parameters"] += sum(
             p.nbytes for p in self.lightning_module.parameters() if not p.requires_grad and id(p) not in sharded

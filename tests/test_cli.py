@@ -118,4 +118,4 @@ def test_estimate_subcommand(capsys):
     assert float(lines["zero2"][3]) == pytest.approx((2 * psi + 14 * psi / n) / gib, rel=1e-3)
     assert float(lines["zero3"][3]) == pytest.approx(16 * psi / n / gib, rel=1e-3)
     assert lines["ddp"][-1] == "no" and lines["zero1"][-1] == "yes"
-    assert "the smallest stage that fits: zero1" in stdout
+    assert "the smallest configuration that fits: zero1" in stdout

@@ -182,7 +182,7 @@ def test_no_effect_keys_are_reported_with_reasons():
 def test_unsupported_keys_are_listed_in_one_error():
     config = {
         **ZERO3,
-        "zero_optimization": {**ZERO3["zero_optimization"], "offload_optimizer": {"device": "cpu"}},
+        "zero_optimization": {**ZERO3["zero_optimization"], "zero_quantized_weights": True},
         "activation_checkpointing": {"partition_activations": True},
         "optimizer": {"type": "Adam"},
     }
@@ -190,7 +190,7 @@ def test_unsupported_keys_are_listed_in_one_error():
         read_deepspeed_config(config)
     assert str(info.value).startswith(
         "DeepSpeed config: these keys are not supported: activation_checkpointing, optimizer,"
-        " zero_optimization.offload_optimizer."
+        " zero_optimization.zero_quantized_weights."
     )
 
 
@@ -204,6 +204,16 @@ def test_unsupported_keys_are_listed_in_one_error():
         ({"fp16": {"hysteresis": 2}}, "need fp16.enabled: true"),
         ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis must be an integer >= 1, got 0"),
         ({"communication_data_type": "int8"}, "communication_data_type must be one of fp32, fp16, bf16, got 'int8'"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+            r"offload_optimizer.ratio 0.3 \(partial offload\) is not supported",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+            "zero.offload_param must be none unless zero.stage is 3 and zero.offload_optimizer is cpu, got 'cpu'",
+        ),
+        ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param.device 'nvme' is not supported"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "foo": 1}}}, "offload_optimizer.foo is not"),
     ],
 )
 def test_bad_deepspeed_values(config, message):
@@ -222,3 +232,20 @@ def test_strategy_and_trainer_from_a_deepspeed_config(tmp_path):
     assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.stage == 1
     assert isinstance(trainer.precision_plugin, ZeroPrecision) and trainer.precision_plugin.scaler.scale == 128.0
     assert trainer.gradient_clip_val == 0.5
+
+
+def test_offload_sections_map():
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 1.0},
+            "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 5},
+        }
+    }
+    with pytest.warns(UserWarning, match=r"offload_param.buffer_count \(no NVMe offload here\)"):
+        zero = read_deepspeed_config(config).zero
+    assert (zero.offload_optimizer, zero.offload_param, zero.offload_pin_memory) == ("cpu", "cpu", True)
+    older = read_deepspeed_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero
+    assert (older.offload_optimizer, older.offload_param) == ("cpu", "none")
+    unpinned = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": False}}}
+    assert read_deepspeed_config(unpinned).zero.offload_pin_memory is False

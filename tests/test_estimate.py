@@ -14,14 +14,26 @@ from lightning.pytorch.core.optimizer import _configure_optimizers
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.config import ZeroConfig
-from lightning_zero.estimate import STRATEGIES, ModelShape, estimate, shape_of_count, shape_of_module
+from lightning_zero.estimate import OFFLOADED, STRATEGIES, ModelShape, estimate, shape_of_count, shape_of_module
 from lightning_zero.estimate_model import shape_of_config
 from lightning_zero.memory import formula_bytes
 
+OFFLOAD = {
+    "zero1+offload": {},
+    "zero2+offload": {},
+    "zero3+offload": {},
+    "zero3+offload_param": {"offload_param": "cpu"},
+}
+
 
 def _worker(rank: int, world: int) -> None:
-    for stage, precision in itertools.product((1, 2, 3), ("32-true", "16-mixed")):
+    runs = [(f"zero{stage}", precision) for stage, precision in itertools.product((1, 2, 3), ("32-true", "16-mixed"))]
+    runs += [(name, precision) for name in OFFLOAD for precision in ("32-true", "16-mixed")]
+    for name, precision in runs:
+        stage = int(name[4])
         config = {"reduce_bucket_size": 3000, "param_persistence_threshold": 0}
+        if name in OFFLOAD:
+            config.update(offload_optimizer="cpu", **OFFLOAD[name])
         pl.seed_everything(0)
         module = EquivalenceModule("gpt", steps=1, lazy=True)
         trainer = make_trainer(zero_strategy(stage, **config), world, steps=1, plugins=[ZeroPrecision(precision)])
@@ -33,15 +45,14 @@ def _worker(rank: int, world: int) -> None:
         optimizers, _, _ = _configure_optimizers(fresh.configure_optimizers())
         groups = [g["params"] for g in optimizers[0].param_groups]
         shape = shape_of_module(fresh, groups, ZeroConfig(stage=stage, **config))
-        row = estimate(shape, world, precision, ZeroConfig(stage=stage, **config))[f"zero{stage}"][rank]
-        assert row.parameters == measured["parameters"], (stage, precision, row, measured)
-        assert row.gradients == measured["gradients"], (stage, precision, row, measured)
-        assert row.optimizer_state == measured["master"] + measured["optimizer_state"], (
-            stage,
-            precision,
-            row,
-            measured,
-        )
+        row = estimate(shape, world, precision, ZeroConfig(stage=stage, **config), offload=True)[name][rank]
+        what = (name, precision, row, measured)
+        assert row.parameters == measured["parameters"], what
+        assert row.gradients == measured["gradients"], what
+        assert row.optimizer_state == measured["master"] + measured["optimizer_state"], what
+        assert row.host_parameters == measured["host_parameters"], what
+        assert row.host_gradients == measured["host_gradients"], what
+        assert row.host_optimizer_state == measured["host_master"] + measured["host_optimizer_state"], what
 
 
 @pytest.mark.slow
@@ -60,16 +71,20 @@ def test_count_only_estimate_follows_the_formulas():
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES + OFFLOADED)
 def test_estimate_equals_the_formulas(strategy, precision):
-    """`lightning-zero estimate`, `memory.formula_bytes` and the README's table (which it is) agree: with no
-    padding (Psi a multiple of 2N, one bucket) they differ only by Adam's step counter, 4 bytes per tensor."""
+    """`lightning-zero estimate`, `memory.formula_bytes` and the README's tables (which they are) agree: with
+    no padding (Psi a multiple of 2N, one bucket) they differ only by Adam's step counter, 4 bytes per tensor."""
     psi, n = 1_000_000, 8
-    rows = estimate(shape_of_count(psi), n, precision, ZeroConfig())[strategy]
+    rows = estimate(shape_of_count(psi), n, precision, ZeroConfig(), offload=True)[strategy]
     formula = formula_bytes(strategy, psi, n, param_bytes=2 if precision == "16-mixed" else 4)
+    step = 4 if strategy in STRATEGIES else 0
     for row in rows:
         assert (row.parameters, row.gradients) == (formula["parameters"], formula["gradients"])
-        assert row.optimizer_state == formula["optimizer_state"] + 4
+        assert row.optimizer_state == formula["optimizer_state"] + step
+        if strategy in OFFLOADED:
+            assert (row.host_parameters, row.host_gradients) == (formula["host_parameters"], formula["host_gradients"])
+            assert row.host_optimizer_state == formula["host_optimizer_state"] + 4
 
 
 def test_ddp_keeps_fp32_weights_under_16_mixed():

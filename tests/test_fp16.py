@@ -1,6 +1,6 @@
 """fp16 with dynamic loss scaling under ZeRO: overflow on one rank skips the step everywhere and
-changes nothing, unscale + clip equals fp32 clipping of the unscaled gradients, and the scaler and
-the fp32 master weights come back from a checkpoint."""
+changes nothing (also with the optimizer offloaded), unscale + clip equals fp32 clipping of the
+unscaled gradients, and the scaler and the fp32 master weights come back from a checkpoint."""
 
 from __future__ import annotations
 
@@ -79,14 +79,16 @@ class WatchTheSkip(pl.Callback):
 
 def _overflow_worker(rank: int, world: int) -> None:
     # inf with hysteresis 1: the scale halves at once; nan with the default hysteresis 2: it holds.
+    # With the optimizer offloaded the overflow is found in the host partitions.
     cases = [
-        (float("inf"), LossScaleConfig(hysteresis=1), (2.0**15, 1)),
-        (float("nan"), LossScaleConfig(), (2.0**16, 1)),
+        (float("inf"), LossScaleConfig(hysteresis=1), (2.0**15, 1), "none"),
+        (float("nan"), LossScaleConfig(), (2.0**16, 1), "none"),
+        (float("inf"), LossScaleConfig(hysteresis=1), (2.0**15, 1), "cpu"),
     ]
-    for stage, (value, config, expected) in itertools.product((1, 2, 3), cases):
+    for stage, (value, config, expected, offload) in itertools.product((1, 2, 3), cases):
         pl.seed_everything(0)
         trainer = make_trainer(
-            zero_strategy(stage, reduce_bucket_size=50),
+            zero_strategy(stage, reduce_bucket_size=50, offload_optimizer=offload),
             world,
             steps=STEPS,
             plugins=[ZeroPrecision("16-mixed", loss_scale=config)],

@@ -269,3 +269,48 @@ def _persistent_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_stage3_regathers_persistent_units_in_one_collective():
     spawn_ranks(_persistent_worker, 2)
+
+
+class StepReductions(pl.Callback):
+    """The element counts of the reduce-scatters issued in each training step (forward, backward, step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._recording = collectives.record()
+        self._log = self._recording.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._recording.__exit__(None, None, None)
+        self.steps.append([numel for op, _, numel, _ in self._log if op == "reduce_scatter"])
+
+
+def _coalesce_worker(rank: int, world: int) -> None:
+    results = {}
+    for bucket in (1, 150, 10**9):  # every unit alone; a few together; everything at once
+        probe = StepReductions()
+        pl.seed_everything(0)
+        module = EquivalenceModule("blocks", steps=6)
+        strategy = zero_strategy(3, reduce_bucket_size=bucket, param_persistence_threshold=0)
+        make_trainer(strategy, world, steps=6, accumulate=1, callbacks=[probe]).fit(module)
+        sizes = [u.layout.total_numel for u in strategy._stage3.units if u.trainable]
+        assert all(sum(step) == sum(sizes) for step in probe.steps), (probe.steps, sizes)  # every unit, once
+        if bucket == 1:
+            assert all(sorted(step) == sorted(sizes) for step in probe.steps), (probe.steps, sizes)
+        elif bucket == 150:
+            assert all(1 < len(step) < len(sizes) for step in probe.steps), (probe.steps, sizes)
+            assert all(n >= 150 for step in probe.steps for n in step[:-1]), probe.steps
+        else:
+            assert all(len(step) == 1 for step in probe.steps), probe.steps
+        results[bucket] = (module.losses, strategy.gather_module().state_dict())
+    losses, state = results[1]
+    for bucket, (other_losses, other_state) in results.items():
+        assert other_losses == losses, bucket
+        for name, value in state.items():
+            assert torch.equal(value, other_state[name]), f"reduce_bucket_size={bucket}: {name} differs"
+
+
+@pytest.mark.slow
+def test_stage3_reductions_fill_buckets_of_reduce_bucket_size_and_change_nothing():
+    spawn_ranks(_coalesce_worker, 2)

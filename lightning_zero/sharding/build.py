@@ -62,10 +62,8 @@ def units_per_param_group(
             if trainable:
                 layout = build_layout([p.numel() for p in trainable], world_size, config.reduce_bucket_size)
                 names_ = [names[p] for p in trainable]
-                grad_dtype = config.grad_dtype(trainable[0].dtype)
-                units.append(
-                    FlatUnit(trainable, names_, layout, rank, full_grad=config.stage == 1, grad_dtype=grad_dtype)
-                )
+                options = config.unit_options(trainable[0].dtype)
+                units.append(FlatUnit(trainable, names_, layout, rank, full_grad=config.stage == 1, **options))
     return units
 
 
@@ -102,6 +100,7 @@ def wrap_optimizers(
         backward_end=backward_end,
         model=model,
         max_inflight_bytes=config.max_inflight_bytes,
+        coalesce_numel=config.reduce_bucket_size if config.stage == 3 else 0,
         group=group,
     )
     gathers = ParamGathers(reducer, group=group) if config.stage < 3 else None

@@ -16,6 +16,8 @@ param group, stage 3 one per module subtree. It owns
   skipped: no momentum, no weight decay) hold exactly as on the unsharded model;
 - gradient storage (see [Note: gradient storage]) and ``used``: which parameters received a
   gradient since the last ``zero_grad``.
+With ``offload`` the master, the reduced gradient partition (and stage 3's shard with
+``offload.params``) are host buffers of their own (see offload.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.nn import Parameter
 
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.layout import Bucket, FlatLayout, Piece
+from lightning_zero.sharding.offload import HostOffload, copy_to, host_empty
 
 _LOCATIONS: dict[int, tuple[weakref.ref, FlatUnit, int]] = {}  # id(param) -> its unit and index there
 
@@ -57,6 +60,7 @@ class FlatUnit:
         trainable: bool = True,
         device: torch.device | None = None,
         grad_dtype: torch.dtype | None = None,
+        offload: HostOffload | None = None,
     ) -> None:
         """``full_grad``: stage 1's full gradient buffer, else a gradient partition (stages 2 and 3).
         ``shard_params``: stage 3; needs a one-bucket layout. ``trainable``: False when only evaluating
@@ -100,10 +104,14 @@ class FlatUnit:
         self._placeholders = [nan.expand(shape) for shape in self.shapes]
 
         self.param_shard = None
+        self.offload = offload
         for index, p in enumerate(self.params):
             _LOCATIONS[id(p)] = (weakref.ref(p), self, index)
         if shard_params:
-            self.param_shard = torch.empty(layout.partition_numel, dtype=self.param_dtype, device=device)
+            if offload is not None and offload.params:
+                self.param_shard = host_empty(layout.partition_numel, self.param_dtype, device, offload)
+            else:
+                self.param_shard = torch.empty(layout.partition_numel, dtype=self.param_dtype, device=device)
             self.param_shard.copy_(self.param_chunk(layout.buckets[0]))
             self.reshard()
         self.used = bytearray(len(self.params))  # on the host: set by gradient hooks without touching the device
@@ -120,9 +128,11 @@ class FlatUnit:
         self._piece_index: dict[int, int] = {}
         self.grad_dtype = grad_dtype or self.param_dtype
         if trainable:
-            self.make_trainable(full_grad=full_grad, grad_dtype=grad_dtype)
+            self.make_trainable(full_grad=full_grad, grad_dtype=grad_dtype, offload=offload)
 
-    def make_trainable(self, *, full_grad: bool = False, grad_dtype: torch.dtype | None = None) -> None:
+    def make_trainable(
+        self, *, full_grad: bool = False, grad_dtype: torch.dtype | None = None, offload: HostOffload | None = None
+    ) -> None:
         """Adds what training needs: the fp32 master partition, gradient storage and the pieces.
 
         [Note: gradient storage]
@@ -133,13 +143,24 @@ class FlatUnit:
         and accumulate only this rank's partition, which is ``reduced`` at all times. At the step the
         optimizer gets ``step_grad``: ``reduced`` itself when it is fp32, else an fp32 copy that lives
         until the step is done. The padding stays zero, since no gradient is ever written there, so
-        it never reaches a norm.
+        it never reaches a norm. With ``offload`` the partition lives on the host in fp32 (the device's
+        reduced chunks are added into it, see offload.py), and so does the master.
         """
         if self.trainable:
             return
         layout, device, fp32 = self.layout, self.flat_param.device, torch.float32
         partition = layout.partition_numel
-        if self.param_shard is not None:  # stage 3: fp32 shards are the master themselves
+        self.offload = offload
+        if offload is not None:  # a host master of its own, unless the shard is fp32 and on the host already
+            shard_on_host = self.param_shard is not None and self.param_shard.device.type == "cpu" and offload.params
+            if shard_on_host and self.param_dtype == fp32:
+                self.master = self.param_shard
+            else:
+                self.master = host_empty(partition, fp32, device, offload)
+                for bucket in layout.buckets:
+                    own = self.param_shard if self.param_shard is not None else self.param_chunk(bucket)
+                    self.master[self.partition_slice(bucket)].copy_(own)
+        elif self.param_shard is not None:  # stage 3: fp32 shards are the master themselves
             self.master = self.param_shard if self.param_dtype == fp32 else self.param_shard.to(fp32)
         elif self.param_dtype == fp32:
             self.master_in_place = True
@@ -151,11 +172,17 @@ class FlatUnit:
         if full_grad:
             self.flat_grad = torch.zeros(layout.total_numel, dtype=self.grad_dtype, device=device)
         else:
-            self.grad_partition = torch.zeros(partition, dtype=self.grad_dtype, device=device)
+            self.grad_partition = self.new_reduced()
         self.reduced = self.grad_partition
         self.pieces = layout.pieces(self.rank)
         self.piece_tensors = [self.master_view(pc.partition_offset, pc.numel) for pc in self.pieces]
         self._piece_index = {pc.param: k for k, pc in enumerate(self.pieces)}
+
+    def new_reduced(self) -> Tensor:
+        """A zeroed reduced-gradient partition: on the device in ``grad_dtype``, or offloaded in fp32."""
+        if self.offload is None:
+            return torch.zeros(self.layout.partition_numel, dtype=self.grad_dtype, device=self.flat_param.device)
+        return host_empty(self.layout.partition_numel, torch.float32, self.flat_param.device, self.offload).zero_()
 
     @property
     def trainable(self) -> bool:
@@ -205,7 +232,10 @@ class FlatUnit:
         """Allocates the flat buffer, starts the all-gather of every rank's shard into it and points
         the parameters at it (their values are valid once the returned work is waited on)."""
         self._allocate()
-        return collectives.all_gather(self.flat_param, self.param_shard, async_op=async_op, group=group)
+        shard = self.param_shard
+        if shard.device != self.flat_param.device:  # offloaded: brought to the device for the gather
+            shard = shard.to(self.flat_param.device, non_blocking=shard.is_pinned())
+        return collectives.all_gather(self.flat_param, shard, async_op=async_op, group=group)
 
     def _allocate(self) -> None:
         storage = self.flat_param.untyped_storage()
@@ -287,28 +317,32 @@ class FlatUnit:
         """Stage 3 after a step: the shard follows the updated master (the next gather spreads it; a unit
         gathered now must be gathered again, see ``unshard_together``). Stages 1 and 2: see ``publish``."""
         if self.param_shard is not self.master:
-            self.param_shard.copy_(self.master)
+            copy_to(self.param_shard, self.master)
 
     def publish(self, bucket: Bucket, *, group=None) -> dist.Work | collectives.Pending | None:
         """Stages 1 and 2 after a step: copies this rank's updated chunk of ``bucket`` into the flat buffer
         and starts the all-gather that gives every rank the whole bucket (see param_gather.py)."""
         own = self.param_chunk(bucket)
         if own.data_ptr() != self.master_chunk(bucket).data_ptr():
-            own.copy_(self.master_chunk(bucket))
+            copy_to(own, self.master_chunk(bucket))
         flat = self.flat_param[bucket.start : bucket.start + bucket.numel]
         return collectives.all_gather(flat, own, async_op=True, group=group)
 
     def nbytes(self) -> dict[str, int]:
-        """Persistent bytes by category. Stage 3 counts its shard as the parameters (and, with fp32
-        parameters, not again as the master it doubles as); a gathered flat buffer is transient."""
+        """Persistent bytes by category, on the device and (``host_*``) offloaded to the host. Stage 3 counts
+        its shard as the parameters (and, with fp32 parameters, not again as the master it doubles as); a
+        gathered flat buffer is transient."""
+        out = dict.fromkeys(("parameters", "gradients", "master"), 0)
+        out.update({f"host_{key}": 0 for key in tuple(out)})
         grads = self.flat_grad if self.flat_grad is not None else self.grad_partition
-        if self.param_shard is not None:
-            params = self.param_shard.nbytes
-            master = 0 if self.master is None or self.master is self.param_shard else self.master.nbytes
-        else:
-            params = self.flat_param.nbytes
-            master = 0 if self.master is None else self.master.nbytes
-        return {"parameters": params, "gradients": 0 if grads is None else grads.nbytes, "master": master}
+        params = self.param_shard if self.param_shard is not None else self.flat_param
+        master = None if self.master is params else self.master
+        for key, tensor in (("parameters", params), ("gradients", grads), ("master", master)):
+            if tensor is not None:
+                on_host = self.offload is not None and tensor is not self.flat_param and tensor is not self.flat_grad
+                on_host = on_host and (key != "parameters" or self.offload.params)
+                out[f"host_{key}" if on_host else key] += tensor.nbytes
+        return out
 
 
 def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:

@@ -30,6 +30,16 @@ buffers are allocated once and reused across micro-batches and steps. Each gradi
 into its bucket (scaled by 1/world_size on the way). Launched buckets are kept in flight up to
 ``max_inflight_bytes``; launching past it first retires the oldest. Together with the buckets still
 filling, this bounds transient gradient memory to a few buckets instead of the full model.
+
+[Note: stage-3 reduction buckets]
+A stage-3 unit is one bucket (its all-gather is one collective), reduced when the schedule says its
+gradients are complete on every rank. Units the schedule releases one after another are reduced
+together until they hold ``coalesce_numel`` elements (``ZeroConfig.reduce_bucket_size``), as DeepSpeed's
+stage 3 fills its reduction bucket: their buffers are copied side by side, rank-major (row r = every
+unit's chunk r), into one pooled buffer, so one reduce-scatter delivers every unit's chunk r to rank r,
+and the units' own buffers go back to the pool at once. A unit at least that large is reduced on its
+own, from its own buffer (no copy). The end of backward reduces whatever is still waiting. Releases
+follow the schedule, so every rank groups the same units in the same order.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.layout import Bucket
+from lightning_zero.sharding.offload import HostGradients
 
 
 class GradReducer:
@@ -61,9 +72,11 @@ class GradReducer:
         backward_end: BackwardEnd,
         model: Module | None = None,
         max_inflight_bytes: int = 200_000_000,
+        coalesce_numel: int = 0,
         group=None,
     ) -> None:
-        """``model``: stages 1 and 2 watch its modules' forwards (see [Note: stage-2 launch order])."""
+        """``model``: stages 1 and 2 watch its modules' forwards (see [Note: stage-2 launch order]).
+        ``coalesce_numel``: stage 3 (see [Note: stage-3 reduction buckets])."""
         self.stage = stage
         self.overlap = overlap
         self.world_size = world_size
@@ -85,7 +98,10 @@ class GradReducer:
         self._expected: list[int] = []
         self._is_expected: list[list[bool]] = []
         self._next = 0  # first bucket in launch order not launched yet in this backward
-        self._inflight: deque[tuple[int, dist.Work | None]] = deque()
+        self._inflight: deque[tuple[list[int], Tensor, dist.Work | None]] = deque()  # slots, buffer, work
+        self.coalesce_numel = coalesce_numel
+        self._to_host = HostGradients()  # offloaded units' partitions (a plain add for the others)
+        self._coalescing: list[int] = []  # stage 3: released slots waiting to fill a reduction bucket
         self._inflight_bytes = 0
         self._pool: dict[tuple, list[Tensor]] = {}  # free bucket buffers by (numel, dtype, device)
         self.check_param_read = None  # stages 1 and 2: set by ParamGathers (see param_gather.py)
@@ -183,13 +199,15 @@ class GradReducer:
         else a zeroed buffer from the pool."""
         if unit.flat_grad is not None:
             return unit.flat_grad[bucket.start : bucket.start + bucket.numel]
-        free = self._pool.setdefault((bucket.numel, unit.grad_dtype, unit.flat_param.device), [])
-        if not free:
-            free.append(torch.empty(bucket.numel, dtype=unit.grad_dtype, device=unit.flat_param.device))
-            self.buffers_allocated += 1
-        buffer = free.pop()
         self.peak_live_buckets = max(self.peak_live_buckets, 1 + sum(b is not None for b in self._buffers))
-        return buffer.zero_()
+        return self._pooled(bucket.numel, unit.grad_dtype, unit.flat_param.device).zero_()
+
+    def _pooled(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        free = self._pool.setdefault((numel, dtype, device), [])
+        if not free:
+            free.append(torch.empty(numel, dtype=dtype, device=device))
+            self.buffers_allocated += 1
+        return free.pop()
 
     def _give_back(self, unit: FlatUnit, slot: int) -> None:
         """Stage 1 zeroes the bucket's region of the flat gradient (consumed); other stages pool the buffer."""
@@ -224,25 +242,52 @@ class GradReducer:
         self._launched[slot] = True
         if self._buffers[slot] is None:  # stage 1, or no gradient reached this bucket on this rank: zeros
             self._buffers[slot] = self._take_buffer(unit, bucket)
-        buffer = self._buffers[slot]
-        own = buffer[bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
+        self._start([slot], self._buffers[slot], counted=unit.flat_grad is None)  # stage 1's regions persist
+
+    def _launch_together(self, slots: list[int]) -> None:
+        """Stage 3: one reduce-scatter for several units' buckets (see [Note: stage-3 reduction buckets])."""
+        unit = self.order[slots[0]][0]
+        total = sum(self.order[s][1].numel for s in slots)
+        combined = self._pooled(total, unit.grad_dtype, unit.flat_param.device)
+        rows = combined.view(self.world_size, -1)
+        column = 0
+        for slot in slots:
+            chunk = self.order[slot][1].chunk_numel
+            if self._buffers[slot] is None:
+                rows[:, column : column + chunk].zero_()
+            else:
+                rows[:, column : column + chunk].copy_(self._buffers[slot].view(self.world_size, chunk))
+                self._give_back(self.order[slot][0], slot)
+            column += chunk
+        self._start(slots, combined, counted=True)
+
+    def _start(self, slots: list[int], buffer: Tensor, *, counted: bool) -> None:
+        """Reduce-scatters ``buffer`` (rank-major: row r goes to rank r), keeping in flight at most
+        ``max_inflight_bytes`` of it and earlier launches."""
+        own = buffer.view(self.world_size, -1)[self.order[slots[0]][0].rank]
         work = collectives.reduce_scatter(own, buffer, async_op=self.overlap, group=self.group)
-        self._inflight.append((slot, work))
-        self._inflight_bytes += buffer.nbytes if unit.flat_grad is None else 0  # stage 1's regions are persistent
+        self._inflight.append((slots, buffer, work))
+        self._inflight_bytes += buffer.nbytes if counted else 0
         while len(self._inflight) > 1 and self._inflight_bytes > self.max_inflight_bytes:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        slot, work = self._inflight.popleft()
+        slots, buffer, work = self._inflight.popleft()
         collectives.wait(work)
-        unit, bucket = self.order[slot]
-        buffer = self._buffers[slot]
+        unit = self.order[slots[0]][0]
         self._inflight_bytes -= buffer.nbytes if unit.flat_grad is None else 0
-        own = buffer[bucket.chunk_numel * unit.rank : bucket.chunk_numel * (unit.rank + 1)]
-        if unit.flat_grad is not None and unit.reduced is None:  # stage 1: the step's reduced partition
-            unit.reduced = torch.zeros(unit.layout.partition_numel, dtype=unit.grad_dtype, device=own.device)
-        unit.reduced[unit.partition_slice(bucket)].add_(own)
-        self._give_back(unit, slot)
+        own = buffer.view(self.world_size, -1)[unit.rank]
+        column = 0
+        for slot in slots:
+            unit, bucket = self.order[slot]
+            if unit.flat_grad is not None and unit.reduced is None:  # stage 1: the step's reduced partition
+                unit.reduced = unit.new_reduced()
+            self._to_host.add(unit.reduced[unit.partition_slice(bucket)], own[column : column + bucket.chunk_numel])
+            column += bucket.chunk_numel
+        if len(slots) == 1 and buffer is self._buffers[slots[0]]:
+            self._give_back(unit, slots[0])
+        else:
+            self._pool[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
 
     def _agree_on_order(self) -> None:
         """Once, after the first backward: every rank adopts the launch order rank 0's forward implies."""
@@ -259,13 +304,31 @@ class GradReducer:
 
     # --- stage 3 -------------------------------------------------------------------------------------
     def reduce_unit(self, unit: FlatUnit) -> None:
-        """Stage 3: the schedule says ``unit``'s gradients are complete on every rank: reduce them."""
+        """Stage 3: the schedule says ``unit``'s gradients are complete on every rank: reduce them (together
+        with the units released before it, see [Note: stage-3 reduction buckets])."""
         if unit.grad_partition is None:
             return  # not trainable (evaluating)
         for bucket in unit.layout.buckets:
             slot = self._slot_of[(id(unit), bucket.start)]
-            if not self._launched[slot]:
+            if self._launched[slot]:
+                continue
+            if bucket.numel >= self.coalesce_numel:
                 self._launch(slot)
+                continue
+            first = self.order[self._coalescing[0]][0] if self._coalescing else unit
+            if (first.grad_dtype, first.flat_param.device) != (unit.grad_dtype, unit.flat_param.device):
+                self._flush_coalescing()
+            self._launched[slot] = True  # a gradient arriving after this is an error, as after a launch
+            self._coalescing.append(slot)
+            if sum(self.order[s][1].numel for s in self._coalescing) >= self.coalesce_numel:
+                self._flush_coalescing()
+
+    def _flush_coalescing(self) -> None:
+        slots, self._coalescing = self._coalescing, []
+        if len(slots) == 1:
+            self._launch(slots[0])
+        elif slots:
+            self._launch_together(slots)
 
     # --- end of backward -----------------------------------------------------------------------------
     def finish_backward(self) -> None:
@@ -283,11 +346,13 @@ class GradReducer:
 
     def reduce_pending(self) -> None:
         """Launches, in order, every bucket not launched in this backward and waits for all of them."""
+        self._flush_coalescing()
         for slot in range(len(self.order)):
             if not self._launched[slot]:
                 self._launch(slot)
         while self._inflight:
             self._retire_oldest()
+        self._to_host.drain()
         self._launched = [False] * len(self.order)
         self.stage1_unreduced = False
         for unit in self.units:

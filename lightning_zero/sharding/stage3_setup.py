@@ -203,7 +203,7 @@ def build_units(
                 shard_params=True,
                 trainable=trainable and requires_grad,
                 device=device,
-                grad_dtype=config.grad_dtype(members[0].dtype),
+                **config.unit_options(members[0].dtype),
             )
             units.append(unit)
             modules.append(module)

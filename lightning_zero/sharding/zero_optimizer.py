@@ -44,6 +44,7 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit, unshard_together
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import Piece
+from lightning_zero.sharding.offload import use_fused_host_step
 from lightning_zero.sharding.param_gather import ParamGathers
 
 
@@ -124,6 +125,8 @@ class ZeroOptimizer:
             params = list(param_group["params"])
             self._adopt(param_group, params, locate, names)
         self.units = list({id(s.unit): s.unit for slots in self._slots for s in slots if s is not None}.values())
+        if any(unit.offload is not None for unit in self.units):
+            use_fused_host_step(optimizer)
         self._prepared = False
         self._found_inf = False
         self._multiplier: float | Tensor = 1.0
@@ -218,7 +221,8 @@ class ZeroOptimizer:
         if self.units:
             if check_finite:
                 overflow = torch.stack([u.nonfinite() for u in self.units]).amax(dim=0)
-                self._found_inf = bool(collectives.all_reduce(overflow, dist.ReduceOp.MAX, group=self.group).item())
+                found = collectives.all_reduce(overflow, dist.ReduceOp.MAX, group=self._group_for(overflow))
+                self._found_inf = bool(found.item())
             if not self._found_inf:
                 flags = bytearray().join(u.used for u in self.units)  # the tensor below writes into it
                 collectives.all_reduce(
@@ -243,12 +247,22 @@ class ZeroOptimizer:
             grads, multiplier = [u.step_grad for u in self.units if u.step_grad is not None], self._multiplier
         else:
             grads, multiplier = self._current_grads(), 1.0 / self.loss_scale
-        device = self.units[0].flat_param.device if self.units else torch.device("cpu")
-        squares = torch.zeros((), dtype=torch.float64, device=device)
+        squares = torch.zeros((), dtype=torch.float64, device=self._grad_device())
         for grad in grads:
-            squares += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
-        norm = collectives.all_reduce(squares, dist.ReduceOp.SUM, group=self.group).sqrt()
+            squares += torch.linalg.vector_norm(grad, dtype=torch.float64).square().to(squares.device)
+        norm = collectives.all_reduce(squares, dist.ReduceOp.SUM, group=self._group_for(squares)).sqrt()
         return (norm * multiplier).float()
+
+    def _grad_device(self) -> torch.device:
+        """Where the reduced gradients live: the host when offloaded, else the parameters' device."""
+        if not self.units:
+            return torch.device("cpu")
+        unit = self.units[0]
+        return torch.device("cpu") if unit.offload is not None else unit.flat_param.device
+
+    def _group_for(self, tensor: Tensor):
+        """The process group that reduces ``tensor``: the host group for host tensors (offload)."""
+        return self.host_group if tensor.device.type == "cpu" else self.group
 
     def _current_grads(self) -> list[Tensor]:
         """This rank's reduced gradient partitions as accumulated so far, without preparing the step."""
@@ -266,14 +280,13 @@ class ZeroOptimizer:
         grads = {id(u): g for u, g in zip(self.units, self._current_grads())}
         names = [n for slots, ns in zip(self._slots, self._group_names) for s, n in zip(slots, ns) if s is not None]
         slots = [s for slots in self._slots for s in slots if s is not None]
-        device = self.units[0].flat_param.device if self.units else torch.device("cpu")
-        partial = torch.zeros(len(slots), dtype=torch.float64, device=device)
+        partial = torch.zeros(len(slots), dtype=torch.float64, device=self._grad_device())
         for k, slot in enumerate(slots):
             if slot.piece is not None:
                 lo = slot.piece.partition_offset
                 piece = grads[id(slot.unit)][lo : lo + slot.piece.numel]
                 partial[k] = piece.double().abs().pow(norm_type).sum()
-        collectives.all_reduce(partial, dist.ReduceOp.SUM, group=self.group)
+        collectives.all_reduce(partial, dist.ReduceOp.SUM, group=self._group_for(partial))
         scale = 1.0 / self.loss_scale
         norms = (partial.pow(1.0 / norm_type) * scale).float()
         out = {f"grad_{float(norm_type)}_norm/{n}": norms[k] for k, n in enumerate(names)}

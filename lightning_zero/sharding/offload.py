@@ -1,0 +1,91 @@
+"""ZeRO-Offload: the fp32 master partition, the optimizer state and the reduced gradient partition of
+every unit live in host memory, and the optimizer steps there.
+
+[Note: what lives where with offload]
+Device: the parameters (stages 1 and 2: the flat buffer; stage 3: the shard, or only the gathered
+units with ``offload_param``), stage 1's full gradient buffer, and the gradient buckets in flight.
+Host: the fp32 master partition (a separate allocation even when the parameters are fp32: the
+device keeps its own copy to compute with), the reduced fp32 gradient partition the optimizer reads,
+the optimizer's state (torch optimizers allocate it beside the host pieces they step), and with
+``offload_param`` the stage-3 parameter shards. Buffers are pinned when the device is CUDA and
+``offload_pin_memory`` is on, so copies in either direction run without blocking the host.
+
+[Note: offloaded gradients]
+A bucket's reduced chunk is added into the host partition when its reduce-scatter is retired. On a
+CPU "device" that is one add. On CUDA the chunk is copied into a pinned staging buffer on the
+current stream (ordered after the reduction, which the compute stream already waits for; the host
+does not wait), an event marks the copy, and ``drain`` (end of backward, or the step) waits for the
+events and adds the staged chunks on the host, accumulating in fp32 across micro-batches. The bucket
+buffer goes back to the pool at once: its next use is queued on the same stream, after the copy.
+
+[Note: the host step]
+Adam and AdamW groups that leave ``foreach`` and ``fused`` unset get ``fused=True`` when offloaded:
+torch's fused CPU kernel (one call for all of a group's pieces, vectorized, parallel over
+``torch.get_num_threads()`` threads) instead of the per-parameter loop torch picks for CPU tensors
+by default. Other optimizers run as written, on host tensors. The updated master goes back to the
+device as part of the post-step gather (stages 1 and 2: ``FlatUnit.publish``; stage 3:
+``refresh_shard``), cast to the parameters' dtype by the copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.optim import Adam, AdamW, Optimizer
+
+
+@dataclass(frozen=True)
+class HostOffload:
+    """Where a unit's training state lives when offloaded (``ZeroConfig.offload_*``)."""
+
+    params: bool = False  # stage 3: the parameter shards live in host memory too
+    pin_memory: bool = True
+
+
+def host_empty(numel: int, dtype: torch.dtype, device: torch.device, offload: HostOffload) -> Tensor:
+    """A new host buffer for a unit whose parameters are on ``device``: pinned when copies to and from a
+    CUDA device should not block."""
+    pin = offload.pin_memory and device.type == "cuda"
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+def copy_to(target: Tensor, source: Tensor) -> None:
+    """``target.copy_(source)`` across host and device; asynchronous from pinned host memory."""
+    target.copy_(source, non_blocking=source.is_pinned() or target.is_pinned())
+
+
+class HostGradients:
+    """Adds reduced device gradient chunks into host partitions (see [Note: offloaded gradients])."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Tensor, Tensor, torch.cuda.Event]] = []
+
+    def add(self, target: Tensor, source: Tensor) -> None:
+        if target.device == source.device or source.device.type != "cuda":
+            target.add_(source)
+            return
+        staging = torch.empty(source.shape, dtype=source.dtype, pin_memory=target.is_pinned())
+        staging.copy_(source, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._pending.append((target, staging, copied))
+
+    def drain(self) -> None:
+        """Waits for the staged copies and adds them into their host partitions."""
+        for target, staging, copied in self._pending:
+            copied.synchronize()
+            target.add_(staging)
+        self._pending.clear()
+
+
+def use_fused_host_step(optimizer: Optimizer) -> None:
+    """Adam/AdamW groups that leave the implementation to torch take the fused CPU kernel (see [Note: the
+    host step]); an explicit ``foreach`` or ``fused`` is kept."""
+    if not isinstance(optimizer, (Adam, AdamW)):
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused") is None and group.get("foreach") is None and not group.get("differentiable"):
+            group["fused"] = True
+            group["foreach"] = False
