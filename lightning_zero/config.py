@@ -11,11 +11,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_zero.sharding.offload import HostOffload
-
 SUPPORTED_STAGES = (1, 2, 3)
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
-OFFLOAD_DEVICES = "none or cpu (nvme offload is not supported)"
+OFFLOAD_ALLOWED = "none or cpu (nvme offload is not supported)"
+
+
+@dataclass(frozen=True)
+class HostOffload:
+    """Where a unit's training state lives when offloaded (see sharding/offload.py)."""
+
+    params: bool = False  # stage 3: the parameter shards live in host memory too
+    pin_memory: bool = True
 
 
 def stage_of_strategy(name: object) -> int | None:
@@ -172,7 +178,7 @@ class ZeroConfig:
             "an integer >= 0 (elements)",
         )
         for key in ("offload_optimizer", "offload_param"):
-            _check(getattr(self, key) in ("none", "cpu"), f"zero.{key}", getattr(self, key), OFFLOAD_DEVICES)
+            _check(getattr(self, key) in ("none", "cpu"), f"zero.{key}", getattr(self, key), OFFLOAD_ALLOWED)
         _check(
             self.offload_param == "none" or (self.stage == 3 and self.offload_optimizer == "cpu"),
             "zero.offload_param",

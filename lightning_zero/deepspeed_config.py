@@ -122,14 +122,15 @@ def _offload(key: str, section: Any, zero: dict[str, Any], no_effect: list[str])
             f"DeepSpeed config: {key}.device {device!r} is not supported (NVMe offload is not implemented); use"
             " 'cpu' or 'none'"
         )
-    zero[OFFLOAD_SECTIONS[key]] = device
+    if zero.setdefault(OFFLOAD_SECTIONS[key], device) != device:
+        raise ValueError(f"DeepSpeed config: {key} and zero_optimization.cpu_offload disagree")
     for name, value in section.items():
         if name == "pin_memory" and device == "cpu":
             if not isinstance(value, bool):
                 raise ValueError(f"DeepSpeed config: {key}.pin_memory must be true or false, got {value!r}")
             if zero.setdefault("offload_pin_memory", value) != value:
                 raise ValueError("DeepSpeed config: offload_optimizer.pin_memory and offload_param.pin_memory differ")
-        elif name == "ratio" and value != 1:
+        elif name == "ratio" and value != 1 and device == "cpu":
             raise ValueError(
                 f"DeepSpeed config: {key}.ratio {value!r} (partial offload) is not supported; remove it to offload"
                 " all of it"
@@ -213,7 +214,8 @@ def read_deepspeed_config(
         elif key == "zero_optimization.cpu_offload":  # DeepSpeed's older spelling of offload_optimizer: cpu
             if not isinstance(value, bool):
                 raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")
-            zero["offload_optimizer"] = "cpu" if value else "none"
+            if zero.setdefault("offload_optimizer", "cpu" if value else "none") != ("cpu" if value else "none"):
+                raise ValueError(f"DeepSpeed config: {key} and zero_optimization.offload_optimizer disagree")
         else:
             unsupported.append(key)
     if unsupported:

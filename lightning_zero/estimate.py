@@ -93,8 +93,8 @@ def estimate(
     the ZeRO strategies' parameters are in fp32 unless precision is 16-mixed, ddp's always.
 
     Offloaded (sharding/offload.py): the fp32 master (a copy of its own even for fp32 parameters, except
-    fp32 shards offloaded with offload_param, which are the master), the optimizer state and, in stages
-    2 and 3, the reduced gradient partition in fp32 move to the host; stage 1's full gradient stays."""
+    fp32 shards offloaded with offload_param, which are the master), the optimizer state and the reduced
+    gradient partition in fp32 are on the host; stage 1's full gradient stays on the device."""
     b = 2 if precision == "16-mixed" else 4
     n = world_size
     frozen = shape.frozen_elements * b
@@ -138,7 +138,7 @@ def estimate(
                     b * total if stage == 1 else 0,
                     0,
                     host_parameters=b * total // n if shard_on_host else 0,
-                    host_gradients=0 if stage == 1 else 4 * total // n,
+                    host_gradients=4 * total // n,
                     host_optimizer_state=master + 8 * owned + 4 * pieces,
                 )
             )

@@ -15,13 +15,13 @@ zero3      B Psi / N    B Psi / N   (12 or 8) Psi / N   16 Psi / N
 =========  ===========  ==========  ==================  ==================================
 
 With ZeRO-Offload (``offload_optimizer="cpu"``; sharding/offload.py) the master (always a copy of its
-own, 4 Psi / N), Adam's moments (8 Psi / N) and, in stages 2 and 3, the reduced gradient partition in
-fp32 (4 Psi / N) live in host memory:
+own, 4 Psi / N), Adam's moments (8 Psi / N) and the reduced gradient partition in fp32 (4 Psi / N;
+stage 1 keeps its full gradient on the device as well) live in host memory:
 
 ====================  ==========================  ===========================================
 strategy              device                      host
 ====================  ==========================  ===========================================
-zero1+offload         2 B Psi                     12 Psi / N
+zero1+offload         2 B Psi                     16 Psi / N
 zero2+offload         B Psi                       16 Psi / N
 zero3+offload         B Psi / N                   16 Psi / N
 zero3+offload_param   0                           16 Psi / N (fp32); 18 Psi / N (fp16 shards)
@@ -55,7 +55,7 @@ def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4
             "gradients": b * psi if stage == 1 else 0,
             "optimizer_state": 0,
             "host_parameters": b * psi / n if shard_on_host else 0,
-            "host_gradients": 0 if stage == 1 else 4 * psi / n,
+            "host_gradients": 4 * psi / n,
             "host_optimizer_state": (8 if shard_on_host and b == 4 else 12) * psi / n,
         }
     if strategy == "ddp":

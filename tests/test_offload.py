@@ -2,7 +2,7 @@
 
 - Training with ``offload_optimizer="cpu"`` (stages 1, 2, 3; stage 3 also with ``offload_param``) at 2
   and 4 ranks equals a single-process run (AdamW with two param groups, an LR schedule, clipping by
-  norm, gradient accumulation), ranks identical.
+  norm and by value, gradient accumulation), ranks identical.
 - What lives where: on this CPU machine the "device" is the CPU too, so the test checks that every
   offloaded buffer is an allocation of its own, that the optimizer steps views of the host master and
   keeps its state beside them (through torch's fused CPU AdamW), and that ``memory_bytes`` counts
@@ -26,8 +26,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero import ZeroStrategy
 
 STEPS = 8
-CLIP = 0.3
-RUNS = [(1, "none"), (2, "none"), (3, "none"), (3, "cpu")]  # (stage, offload_param)
+CLIP = {"norm": 0.3, "value": 0.02}
+RUNS = [(1, "none", "norm"), (2, "none", "norm"), (3, "none", "norm"), (3, "cpu", "norm"), (2, "none", "value")]
+RUNS_AT_4 = RUNS[:3]  # (stage, offload_param, clipping algorithm)
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -54,10 +55,8 @@ class CheckPlacement(pl.Callback):
             assert unit.offload is not None and unit.master.device.type == "cpu"
             assert _storage(unit.master) not in device_buffers
             assert all(_storage(t) == _storage(unit.master) for t in unit.piece_tensors)  # the optimizer steps it
-            if self.stage > 1:
-                assert (
-                    unit.grad_partition.dtype == torch.float32 and _storage(unit.grad_partition) not in device_buffers
-                )
+            assert unit.grad_partition.dtype == torch.float32  # stage 1 too: the step's partition, kept
+            assert _storage(unit.grad_partition) not in device_buffers
         assert all(group["fused"] is True for group in zero.optimizer.param_groups)
         state = [v for s in zero.state.values() for v in s.values() if torch.is_tensor(v)]
         assert state and all(v.device.type == "cpu" and _storage(v) not in device_buffers for v in state)
@@ -69,7 +68,7 @@ class CheckPlacement(pl.Callback):
         assert mem["host_parameters"] == (4 * partition if shard_is_master else 0), mem
         padded = sum(u.layout.total_numel for u in zero.units)
         assert mem["gradients"] == (4 * padded if self.stage == 1 else 0), mem
-        assert mem["host_gradients"] == (0 if self.stage == 1 else 4 * partition), mem
+        assert mem["host_gradients"] == 4 * partition, mem
         self.checked = True
 
 
@@ -79,12 +78,15 @@ def _offload(stage: int, offload_param: str = "none", **config) -> ZeroStrategy:
 
 
 def _worker(rank: int, world: int, out_dir) -> None:
-    for stage, offload_param in RUNS if world == 2 else RUNS[:3]:
+    for stage, offload_param, algorithm in RUNS if world == 2 else RUNS_AT_4:
         pl.seed_everything(0)
         module = EquivalenceModule("gpt", steps=STEPS, lazy=stage == 3)
         placement = CheckPlacement(stage, offload_param)
         strategy = _offload(stage, offload_param, reduce_bucket_size=3000)
-        make_trainer(strategy, world, steps=STEPS, clip=CLIP, callbacks=[placement]).fit(module)
+        trainer = make_trainer(
+            strategy, world, steps=STEPS, clip=CLIP[algorithm], gradient_clip_algorithm=algorithm, callbacks=[placement]
+        )
+        trainer.fit(module)
         assert placement.checked
         state = strategy.gather_module().state_dict()
         flat = torch.cat([v.reshape(-1) for v in state.values()])
@@ -92,14 +94,18 @@ def _worker(rank: int, world: int, out_dir) -> None:
         dist.all_gather(gathered, flat)
         assert all(torch.equal(g, flat) for g in gathered), "ranks differ"
         if rank == 0:
-            torch.save({"state": state, "norms": module.grad_norms}, out_dir / f"{stage}-{offload_param}.pt")
+            torch.save(
+                {"state": state, "norms": module.grad_norms}, out_dir / f"{stage}-{offload_param}-{algorithm}.pt"
+            )
 
 
 @functools.cache
-def _reference():
+def _reference(algorithm: str):
     pl.seed_everything(0)
     module = EquivalenceModule("gpt", steps=STEPS)
-    make_trainer("auto", 1, steps=STEPS, clip=CLIP).fit(module)
+    make_trainer("auto", 1, steps=STEPS, clip=CLIP[algorithm], gradient_clip_algorithm=algorithm).fit(module)
+    clipped = max(module.grad_norms) > CLIP["norm"] if algorithm == "norm" else max(module.grad_max) > CLIP["value"]
+    assert clipped  # clipping is active
     return {k: v.clone() for k, v in module.state_dict().items()}, module.grad_norms
 
 
@@ -107,13 +113,12 @@ def _reference():
 @pytest.mark.parametrize("world", [2, 4])
 def test_offloaded_training_matches_single_process(world, tmp_path):
     spawn_ranks(_worker, world, tmp_path)
-    ref_state, ref_norms = _reference()
-    assert max(ref_norms) > CLIP  # clipping is active
-    for stage, offload_param in RUNS if world == 2 else RUNS[:3]:
-        result = torch.load(tmp_path / f"{stage}-{offload_param}.pt")
+    for stage, offload_param, algorithm in RUNS if world == 2 else RUNS_AT_4:
+        ref_state, ref_norms = _reference(algorithm)
+        result = torch.load(tmp_path / f"{stage}-{offload_param}-{algorithm}.pt")
         for name, ref in ref_state.items():
             err = relative_error(result["state"][name], ref)
-            assert err <= 1e-5, f"stage {stage} offload_param={offload_param}: {name} differs by {err:.2e}"
+            assert err <= 1e-5, f"stage {stage} offload_param={offload_param} {algorithm}: {name} differs by {err:.2e}"
         assert relative_error(torch.tensor(result["norms"]), torch.tensor(ref_norms)) <= 1e-5
 
 

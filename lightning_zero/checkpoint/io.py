@@ -30,6 +30,8 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")  # not restored from a checkpoint
+
 
 @dataclass
 class LoadedCheckpoint:
@@ -169,7 +171,8 @@ def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimize
             f" {optimizer.param_names()} here, {saved_names} saved"
         )
     for group, saved in zip(optimizer.param_groups, loaded.lightning["optimizer_groups"][index]):
-        group.update(saved)
+        # hyper-parameters come back; how this run's optimizer computes (fused, foreach, ...) stays its own
+        group.update({k: v for k, v in saved.items() if k not in IMPLEMENTATION_KEYS})
     problem = None
     try:
         _read_optimizer_state(loaded, optimizer)

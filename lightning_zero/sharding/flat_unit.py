@@ -30,9 +30,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_zero.config import HostOffload
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.layout import Bucket, FlatLayout, Piece
-from lightning_zero.sharding.offload import HostOffload, copy_to, host_empty
+from lightning_zero.sharding.offload import copy_to, host_empty
 
 _LOCATIONS: dict[int, tuple[weakref.ref, FlatUnit, int]] = {}  # id(param) -> its unit and index there
 
@@ -171,18 +172,23 @@ class FlatUnit:
         self.grad_dtype = grad_dtype or self.param_dtype
         if full_grad:
             self.flat_grad = torch.zeros(layout.total_numel, dtype=self.grad_dtype, device=device)
-        else:
-            self.grad_partition = self.new_reduced()
-        self.reduced = self.grad_partition
+        if not full_grad or offload is not None:  # stage 1 offloaded: the step's partition, kept and reused
+            self.grad_partition = self._new_partition()
+        self.reduced = None if full_grad else self.grad_partition
         self.pieces = layout.pieces(self.rank)
         self.piece_tensors = [self.master_view(pc.partition_offset, pc.numel) for pc in self.pieces]
         self._piece_index = {pc.param: k for k, pc in enumerate(self.pieces)}
 
-    def new_reduced(self) -> Tensor:
+    def _new_partition(self) -> Tensor:
         """A zeroed reduced-gradient partition: on the device in ``grad_dtype``, or offloaded in fp32."""
         if self.offload is None:
             return torch.zeros(self.layout.partition_numel, dtype=self.grad_dtype, device=self.flat_param.device)
         return host_empty(self.layout.partition_numel, torch.float32, self.flat_param.device, self.offload).zero_()
+
+    def new_reduced(self) -> Tensor:
+        """Stage 1 in the step's last backward: the zeroed partition its reductions add into (offloaded: the
+        persistent host one, else a transient one)."""
+        return self._new_partition() if self.grad_partition is None else self.grad_partition.zero_()
 
     @property
     def trainable(self) -> bool:
@@ -298,7 +304,7 @@ class FlatUnit:
         if self.flat_grad is not None and self.flat_grad_dirty:
             self.flat_grad.zero_()  # else every bucket's region was zeroed as its reduction consumed it
         self.flat_grad_dirty = False
-        if self.grad_partition is not None:
+        if self.grad_partition is not None and self.flat_grad is None:  # (stage 1's is zeroed when next used)
             self.grad_partition.zero_()
         self.used[:] = bytes(len(self.used))
         self.release_grads()
@@ -334,10 +340,10 @@ class FlatUnit:
         gathered flat buffer is transient."""
         out = dict.fromkeys(("parameters", "gradients", "master"), 0)
         out.update({f"host_{key}": 0 for key in tuple(out)})
-        grads = self.flat_grad if self.flat_grad is not None else self.grad_partition
         params = self.param_shard if self.param_shard is not None else self.flat_param
         master = None if self.master is params else self.master
-        for key, tensor in (("parameters", params), ("gradients", grads), ("master", master)):
+        held = (("parameters", params), ("gradients", self.flat_grad), ("gradients", self.grad_partition))
+        for key, tensor in (*held, ("master", master)):
             if tensor is not None:
                 on_host = self.offload is not None and tensor is not self.flat_param and tensor is not self.flat_grad
                 on_host = on_host and (key != "parameters" or self.offload.params)
@@ -353,7 +359,7 @@ def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
     for unit in units:
         by_dtype.setdefault(unit.param_dtype, []).append(unit)
     for same in by_dtype.values():
-        packed = torch.cat([u.param_shard for u in same])  # this rank's shards
+        packed = torch.cat([u.param_shard for u in same]).to(same[0].flat_param.device)  # this rank's shards
         world = same[0].layout.world_size
         rows = packed.new_empty(world * packed.numel())
         collectives.all_gather(rows, packed, async_op=False, group=group)

@@ -98,7 +98,8 @@ class GradReducer:
         self._expected: list[int] = []
         self._is_expected: list[list[bool]] = []
         self._next = 0  # first bucket in launch order not launched yet in this backward
-        self._inflight: deque[tuple[list[int], Tensor, dist.Work | None]] = deque()  # slots, buffer, work
+        # slots, buffer, its bytes counted against max_inflight_bytes, work
+        self._inflight: deque[tuple[list[int], Tensor, int, dist.Work | None]] = deque()
         self.coalesce_numel = coalesce_numel
         self._to_host = HostGradients()  # offloaded units' partitions (a plain add for the others)
         self._coalescing: list[int] = []  # stage 3: released slots waiting to fill a reduction bucket
@@ -266,17 +267,17 @@ class GradReducer:
         ``max_inflight_bytes`` of it and earlier launches."""
         own = buffer.view(self.world_size, -1)[self.order[slots[0]][0].rank]
         work = collectives.reduce_scatter(own, buffer, async_op=self.overlap, group=self.group)
-        self._inflight.append((slots, buffer, work))
-        self._inflight_bytes += buffer.nbytes if counted else 0
+        counted_bytes = buffer.nbytes if counted else 0
+        self._inflight.append((slots, buffer, counted_bytes, work))
+        self._inflight_bytes += counted_bytes
         while len(self._inflight) > 1 and self._inflight_bytes > self.max_inflight_bytes:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        slots, buffer, work = self._inflight.popleft()
+        slots, buffer, counted_bytes, work = self._inflight.popleft()
         collectives.wait(work)
-        unit = self.order[slots[0]][0]
-        self._inflight_bytes -= buffer.nbytes if unit.flat_grad is None else 0
-        own = buffer.view(self.world_size, -1)[unit.rank]
+        self._inflight_bytes -= counted_bytes
+        own = buffer.view(self.world_size, -1)[self.order[slots[0]][0].rank]
         column = 0
         for slot in slots:
             unit, bucket = self.order[slot]
@@ -284,9 +285,9 @@ class GradReducer:
                 unit.reduced = unit.new_reduced()
             self._to_host.add(unit.reduced[unit.partition_slice(bucket)], own[column : column + bucket.chunk_numel])
             column += bucket.chunk_numel
-        if len(slots) == 1 and buffer is self._buffers[slots[0]]:
+        if len(slots) == 1:  # the slot's own buffer
             self._give_back(unit, slots[0])
-        else:
+        else:  # a combined buffer (the slots' own went back at launch)
             self._pool[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
 
     def _agree_on_order(self) -> None:
@@ -306,13 +307,14 @@ class GradReducer:
     def reduce_unit(self, unit: FlatUnit) -> None:
         """Stage 3: the schedule says ``unit``'s gradients are complete on every rank: reduce them (together
         with the units released before it, see [Note: stage-3 reduction buckets])."""
-        if unit.grad_partition is None:
-            return  # not trainable (evaluating)
+        if not unit.trainable:
+            return  # evaluating
         for bucket in unit.layout.buckets:
             slot = self._slot_of[(id(unit), bucket.start)]
             if self._launched[slot]:
                 continue
             if bucket.numel >= self.coalesce_numel:
+                self._flush_coalescing()  # (units released before it go first)
                 self._launch(slot)
                 continue
             first = self.order[self._coalescing[0]][0] if self._coalescing else unit

@@ -29,19 +29,11 @@ device as part of the post-step gather (stages 1 and 2: ``FlatUnit.publish``; st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 from torch.optim import Adam, AdamW, Optimizer
 
-
-@dataclass(frozen=True)
-class HostOffload:
-    """Where a unit's training state lives when offloaded (``ZeroConfig.offload_*``)."""
-
-    params: bool = False  # stage 3: the parameter shards live in host memory too
-    pin_memory: bool = True
+from lightning_zero.config import HostOffload
 
 
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device, offload: HostOffload) -> Tensor:
@@ -52,7 +44,13 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device, offload: Ho
 
 
 def copy_to(target: Tensor, source: Tensor) -> None:
-    """``target.copy_(source)`` across host and device; asynchronous from pinned host memory."""
+    """``target.copy_(source)`` across host and device; asynchronous from pinned host memory. From the
+    host master to 16-bit device parameters the cast happens on the host, into a pinned staging buffer
+    (the caching host allocator keeps it until the copy is done), so half the bytes cross the bus."""
+    if source.device.type == "cpu" and target.device.type == "cuda" and source.dtype != target.dtype:
+        staging = torch.empty(source.shape, dtype=target.dtype, pin_memory=True)
+        staging.copy_(source)
+        source = staging
     target.copy_(source, non_blocking=source.is_pinned() or target.is_pinned())
 
 
@@ -78,6 +76,14 @@ class HostGradients:
             copied.synchronize()
             target.add_(staging)
         self._pending.clear()
+
+
+def wait_for_device(units) -> None:
+    """Before a host step of offloaded units on CUDA: waits until the device has done everything queued so
+    far, the non-blocking copies out of the host master after the last step included (the step writes it)."""
+    devices = {u.flat_param.device for u in units if u.offload is not None and u.flat_param.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def use_fused_host_step(optimizer: Optimizer) -> None:

@@ -44,7 +44,7 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit, unshard_together
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import Piece
-from lightning_zero.sharding.offload import use_fused_host_step
+from lightning_zero.sharding.offload import use_fused_host_step, wait_for_device
 from lightning_zero.sharding.param_gather import ParamGathers
 
 
@@ -164,6 +164,8 @@ class ZeroOptimizer:
         inner = self.optimizer.param_groups[-1]
         self._adopt(inner, params, locate, names)
         self.units += [u for u in dict.fromkeys(unit for unit, _ in locate.values()) if u not in self.units]
+        if any(unit.offload is not None for unit in self.units):
+            use_fused_host_step(self.optimizer)
 
     @property
     def state(self) -> dict:
@@ -247,18 +249,14 @@ class ZeroOptimizer:
             grads, multiplier = [u.step_grad for u in self.units if u.step_grad is not None], self._multiplier
         else:
             grads, multiplier = self._current_grads(), 1.0 / self.loss_scale
-        squares = torch.zeros((), dtype=torch.float64, device=self._grad_device())
+        squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else self._device())
         for grad in grads:
             squares += torch.linalg.vector_norm(grad, dtype=torch.float64).square().to(squares.device)
         norm = collectives.all_reduce(squares, dist.ReduceOp.SUM, group=self._group_for(squares)).sqrt()
         return (norm * multiplier).float()
 
-    def _grad_device(self) -> torch.device:
-        """Where the reduced gradients live: the host when offloaded, else the parameters' device."""
-        if not self.units:
-            return torch.device("cpu")
-        unit = self.units[0]
-        return torch.device("cpu") if unit.offload is not None else unit.flat_param.device
+    def _device(self) -> torch.device:
+        return self.units[0].flat_param.device if self.units else torch.device("cpu")
 
     def _group_for(self, tensor: Tensor):
         """The process group that reduces ``tensor``: the host group for host tensors (offload)."""
@@ -280,7 +278,8 @@ class ZeroOptimizer:
         grads = {id(u): g for u, g in zip(self.units, self._current_grads())}
         names = [n for slots, ns in zip(self._slots, self._group_names) for s, n in zip(slots, ns) if s is not None]
         slots = [s for slots in self._slots for s in slots if s is not None]
-        partial = torch.zeros(len(slots), dtype=torch.float64, device=self._grad_device())
+        device = next(iter(grads.values())).device if grads else self._device()
+        partial = torch.zeros(len(slots), dtype=torch.float64, device=device)
         for k, slot in enumerate(slots):
             if slot.piece is not None:
                 lo = slot.piece.partition_offset
@@ -319,6 +318,7 @@ class ZeroOptimizer:
         if self.prepare_grads():
             raise RuntimeError("gradients overflowed: skip this step with skip_step() instead")
         self.unscale_()
+        wait_for_device(self.units)  # offloaded: the last step's copies to the device have read the master
         self.optimizer.step()
         if self.gathers is not None:
             self.gathers.launch(self.units)

@@ -1,0 +1,71 @@
+"""ZeRO-Offload on a CUDA GPU (skipped without one; run by benchmarks/gpu_check.sh): the master weights and
+optimizer state are pinned host tensors, the device holds no more than the parameters and the pooled
+gradient buckets (``torch.cuda.memory_allocated``), and training equals the same run without offload."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import relative_error, spawn_ranks
+
+from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero.data import SyntheticTextDataModule
+from lightning_zero.models.gpt import GPTConfig, GPTModule
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+RUNS = {
+    "zero2": {"stage": 2},
+    "zero2+offload": {"stage": 2, "offload_optimizer": "cpu"},
+    "zero3+offload_param": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+}
+SLACK = 96 * 2**20  # cuBLAS workspaces and the like, far below the 12 bytes per parameter offloaded
+
+
+class DeviceBytes(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        torch.cuda.synchronize()
+        strategy = trainer.strategy
+        (zero,) = strategy.optimizers
+        self.allocated = torch.cuda.memory_allocated()
+        self.memory = strategy.memory_bytes()
+        self.pooled = sum(b.nbytes for free in strategy._reducer._pool.values() for b in free)
+        self.on_host = all(u.master.device.type == "cpu" and u.master.is_pinned() for u in zero.units) and all(
+            v.device.type == "cpu" for s in zero.state.values() for v in s.values() if torch.is_tensor(v)
+        )
+
+
+def _worker(rank: int, world: int, out) -> None:
+    states = {}
+    for name, config in RUNS.items():
+        pl.seed_everything(0)
+        module = GPTModule(GPTConfig(vocab_size=32, block_size=64, n_layer=4, n_head=8, n_embd=512), max_steps=6)
+        probe = DeviceBytes()
+        trainer = pl.Trainer(
+            strategy=ZeroStrategy(ZeroConfig(reduce_bucket_size=2_000_000, timeout=120, **config)),
+            accelerator="gpu",
+            devices=world,
+            max_steps=6,
+            callbacks=[probe],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, SyntheticTextDataModule(block_size=64, batch_size=8, num_train=256, seed=0))
+        if name != "zero2":
+            assert probe.on_host, name
+            offloaded = probe.memory["host_master"] + probe.memory["host_optimizer_state"]
+            assert offloaded > 4 * SLACK, probe.memory
+            device = probe.memory["parameters"] + probe.memory["gradients"] + probe.pooled
+            assert probe.allocated <= device + SLACK, (name, probe.allocated, device, probe.memory)
+        states[name] = {k: v.float().cpu() for k, v in trainer.strategy.gather_module().state_dict().items()}
+    for name in RUNS:
+        for key, value in states["zero2"].items():
+            err = relative_error(states[name][key], value)
+            assert err <= 1e-5, f"{name}: {key} differs from zero2 without offload by {err:.2e}"
+
+
+def test_offload_keeps_the_optimizer_off_the_device(tmp_path):
+    spawn_ranks(_worker, 1, tmp_path)
