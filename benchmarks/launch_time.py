@@ -81,11 +81,11 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--run", choices=STRATEGIES, help=argparse.SUPPRESS)  # one launch (internal)
+    parser.add_argument("--one-launch", choices=STRATEGIES, help=argparse.SUPPRESS)  # one launch (internal)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.run:
-        _run(args.run, args.world_size, args.dir)
+    if args.one_launch:
+        _run(args.one_launch, args.world_size, args.dir)
         return
 
     world = str(args.world_size)
@@ -94,7 +94,7 @@ def main() -> None:
     added_import: list[float] = []
     for _ in range(args.rounds):
         for name in STRATEGIES:
-            script = [__file__, "--world-size", world, "--run", name]
+            script = [__file__, "--world-size", world, "--one-launch", name]
             whole[name].append(_launch([sys.executable, *script])[0])
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", world]
             setup[name].append(_launch([*torchrun, *script])[1])

@@ -1,18 +1,21 @@
 // Scaled, masked / causal softmax with fused dropout, over the last dimension of attention scores
-// [rows = batch * heads * q_len, cols = k_len]. x = scores * scale + mask (mask: optional fp32
-// [batch, q_len, k_len], shared by the heads); causal hides key k > q + (k_len - q_len). A fully
+// [rows = batch * heads * q_len, cols = k_len]. x = scores * scale + mask (mask: optional fp32, any
+// shape that broadcasts to [batch, heads, q_len, k_len], read through its strides for batch, head and
+// query, its keys contiguous: a [batch, 1, 1, k_len] padding mask is never expanded); causal hides key
+// k > q + (k_len - q_len). A fully
 // hidden row gives zeros. Forward writes the probabilities (kept for backward) and, with dropout, the
 // dropped-out output; dropout regenerates its mask in backward from (seed, offset, row * cols + col).
 #include "common.cuh"
 
 template <typename T>
-__device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* __restrict__ mask, T* __restrict__ probs,
-                                    T* __restrict__ out, i64 cols, i64 heads, i64 q_len, float scale, int causal,
-                                    float p_drop, unsigned long long seed, unsigned long long offset) {
+__device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* __restrict__ mask, i64 mask_sb,
+                                    i64 mask_sh, i64 mask_sq, T* __restrict__ probs, T* __restrict__ out, i64 cols,
+                                    i64 heads, i64 q_len, float scale, int causal, float p_drop,
+                                    unsigned long long seed, unsigned long long offset) {
   __shared__ float scratch[32];
-  const i64 row = blockIdx.x, q = row % q_len, batch = row / (heads * q_len);
+  const i64 row = blockIdx.x, q = row % q_len, head = (row / q_len) % heads, batch = row / (heads * q_len);
   const i64 visible = causal ? min(cols, q + (cols - q_len) + 1) : cols;
-  const float* mask_row = mask != nullptr ? mask + (batch * q_len + q) * cols : nullptr;
+  const float* mask_row = mask != nullptr ? mask + batch * mask_sb + head * mask_sh + q * mask_sq : nullptr;
   float row_max = -LZ_INF;
   for (i64 c = threadIdx.x; c < visible; c += blockDim.x)
     row_max = fmaxf(row_max, to_f32(scores[row * cols + c]) * scale + (mask_row ? mask_row[c] : 0.f));
@@ -57,10 +60,12 @@ __device__ void softmax_dropout_bwd(const T* __restrict__ dout, const T* __restr
 }
 
 #define LZ_SOFTMAX_DROPOUT(T, N)                                                                                   \
-  extern "C" __global__ void softmax_dropout_fwd_##N(const T* scores, const float* mask, T* probs, T* out, i64 cols, \
-                                                     i64 heads, i64 q_len, float scale, int causal, float p_drop,  \
+  extern "C" __global__ void softmax_dropout_fwd_##N(const T* scores, const float* mask, i64 mask_sb, i64 mask_sh,   \
+                                                     i64 mask_sq, T* probs, T* out, i64 cols, i64 heads, i64 q_len, \
+                                                     float scale, int causal, float p_drop,                        \
                                                      unsigned long long seed, unsigned long long offset) {         \
-    softmax_dropout_fwd<T>(scores, mask, probs, out, cols, heads, q_len, scale, causal, p_drop, seed, offset);     \
+    softmax_dropout_fwd<T>(scores, mask, mask_sb, mask_sh, mask_sq, probs, out, cols, heads, q_len, scale, causal, \
+                           p_drop, seed, offset);                                                                  \
   }                                                                                                                \
   extern "C" __global__ void softmax_dropout_bwd_##N(const T* dout, const T* probs, T* dscores, i64 cols,         \
                                                      float scale, float p_drop, unsigned long long seed,           \

@@ -303,7 +303,10 @@ class ZeroStrategy(DDPStrategy):
             yield
             return
         self._construction = ShardedConstruction(
-            rank=self.global_rank, world_size=self.world_size, device=self.root_device
+            rank=self.global_rank,
+            world_size=self.world_size,
+            device=self.root_device,
+            max_whole_numel=self.config.max_live_parameters,
         )
         with self._construction:
             yield

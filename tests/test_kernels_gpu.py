@@ -93,6 +93,17 @@ def test_softmax(dtype, causal, with_mask, q_len, k_len):
     _flash_rule(kernel, _run(torch_fn, [scores], g), _run(torch_fn, [scores.double()], g.double()), f"softmax {dtype}")
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 1, 37), (1, 3, 5, 37), (5, 37), (2, 3, 5, 37)])
+def test_softmax_masks_are_read_through_their_strides(shape):
+    """Padding, per-head and 2-D masks (bool: True attends) without expanding them, as the CPU reference."""
+    scores = torch.randn(2, 3, 5, 37, device="cuda")
+    mask = torch.rand(shape, device="cuda") > 0.3
+    mask[..., 0] = True
+    out = ops.softmax_dropout(scores, 0.5, mask=mask)
+    expected = ops.softmax_dropout(scores.cpu(), 0.5, mask=mask.cpu())
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_dropout_residual_without_dropout(dtype):
     x, b, r = (

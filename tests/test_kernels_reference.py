@@ -72,7 +72,9 @@ def test_layer_norm_reference(shape):
 def test_bias_gelu_reference(approximate):
     x, b = torch.randn(4, 9, 997), torch.randn(997)
     gelu = torch.nn.GELU(approximate=approximate)
-    _assert_same(_grads(lambda x, b: ops.bias_gelu(x, b, approximate), x, b), _grads(lambda x, b: gelu(x + b), x, b))
+    ours, torchs = _grads(lambda x, b: ops.bias_gelu(x, b, approximate), x, b), _grads(lambda x, b: gelu(x + b), x, b)
+    # the reference's own backward: the bias gradient sums 36 rows in another order than autograd's
+    _assert_same(ours, torchs, tol=1e-5)
 
 
 def test_causal_softmax_reference():
@@ -89,6 +91,21 @@ def test_masked_softmax_reference_and_fully_masked_rows():
     out, (grad,) = _grads(lambda s: ops.softmax_dropout(s, 1.0, mask=mask), scores)
     assert torch.equal(out[0, :, 1], torch.zeros(3, 11)) and torch.isfinite(grad).all()
     torch.testing.assert_close(out[1], torch.softmax(scores[1] + mask[1], dim=-1))
+
+
+def test_bool_per_head_and_padding_masks_mean_what_sdpa_means():
+    """A bool mask keeps True (as scaled_dot_product_attention does); masks broadcast from any shape."""
+    q = k = v = torch.randn(2, 3, 5, 4)
+    scores = q @ k.transpose(-1, -2)
+    for mask in (
+        torch.rand(2, 1, 5, 5) > 0.3,  # per batch, shared by the heads
+        torch.rand(1, 3, 5, 5) > 0.3,  # per head
+        torch.tensor([[True] * 4 + [False], [True] * 5]).view(2, 1, 1, 5),  # padding: (batch, 1, 1, keys)
+        torch.randn(5, 5),  # additive, (q_len, k_len)
+    ):
+        mask = mask | torch.eye(5, dtype=torch.bool) if mask.dtype == torch.bool else mask  # no row fully hidden
+        ours = ops.softmax_dropout(scores, 0.5, mask=mask) @ v
+        torch.testing.assert_close(ours, torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=0.5))
 
 
 def test_softmax_dropout_reference_drops_with_the_philox_stream():
@@ -196,4 +213,19 @@ def test_kernel_arguments_are_checked_with_clear_errors():
         ops.bias_gelu(torch.zeros(2), torch.zeros(2), approximate="fast")
     with pytest.raises(ValueError, match="scores must be \\(batch, heads, q_len, k_len\\), got shape \\(2, 3\\)"):
         ops.softmax_dropout(torch.zeros(2, 3), 1.0)
+    x = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match=r"bias must have shape \(6,\) \(from x's shape \(4, 6\)\), got \(4,\)"):
+        ops.bias_gelu(x, torch.zeros(4))
+    with pytest.raises(ValueError, match=r"residual must have shape \(4, 6\) \(from x's shape \(4, 6\)\), got \(6,\)"):
+        ops.bias_dropout_residual(x, torch.zeros(6), torch.zeros(6))
+    with pytest.raises(ValueError, match=r"weight must have shape \(6,\) .* got \(6, 1\)"):
+        ops.layer_norm(x, torch.ones(6, 1), torch.zeros(6))
+    with pytest.raises(ValueError, match="weight must be a floating-point tensor, got torch.int64"):
+        ops.layer_norm(x, torch.ones(6, dtype=torch.long), torch.zeros(6))
+    with pytest.raises(ValueError, match="x must be a float32, float16 or bfloat16 tensor .* got torch.int64"):
+        ops.layer_norm(x.long(), torch.ones(6), torch.zeros(6))
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 3\) does not broadcast to the scores' \(1, 2, 4, 5\)"):
+        ops.softmax_dropout(torch.zeros(1, 2, 4, 5), 1.0, mask=torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="mask must be bool .* or floating-point .* got torch.int64"):
+        ops.softmax_dropout(torch.zeros(1, 2, 4, 5), 1.0, mask=torch.zeros(4, 5, dtype=torch.long))
     assert fused_adamw_module.LOWP[None] == "none"

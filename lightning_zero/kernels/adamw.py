@@ -30,7 +30,7 @@ def check_finite_(grad: Tensor, found_inf: Tensor) -> None:
         i64(grad.numel()),
         tensor(found_inf, "found_inf", dtypes=(torch.int32,), like=grad),
     )
-    launch("adamw.cu", f"check_finite_{SUFFIX[grad.dtype]}", grid_for(grad.numel()), 256, args)
+    launch("adamw.cu", f"check_finite_{SUFFIX[grad.dtype]}", grid_for(grad.numel()), 256, args, device=grad.device)
 
 
 @torch.no_grad()
@@ -99,7 +99,7 @@ def fused_adamw_(
         int(vec4),
     )
     kernel = f"adamw_{SUFFIX[grad.dtype]}_{LOWP[None if lowp_out is None else lowp_out.dtype]}"
-    launch("adamw.cu", kernel, grid_for(n, 4 if vec4 else 1), 256, args)
+    launch("adamw.cu", kernel, grid_for(n, 4 if vec4 else 1), 256, args, device=param.device)
 
 
 class FusedAdamW(torch.optim.Optimizer):

@@ -9,7 +9,8 @@ header (``-DLZ_SOURCES=<sha1>``): editing ``common.cuh`` recompiles everything.
 [Note: launching]
 Tensors are passed as their ``data_ptr()`` once their device, dtype and layout are checked; outputs are
 allocated by the callers with torch, so one caching allocator owns all memory. Kernels run on the
-stream torch is using at the time of the call, wrapped for CuPy with ``ExternalStream``.
+device of their tensors and on that device's current torch stream (wrapped for CuPy with
+``ExternalStream``), whichever device is current: a module on ``cuda:1`` launches on ``cuda:1``.
 
 Without a GPU or without CuPy the ops use their pure-torch references (``reference.py``); which one
 runs is logged once.
@@ -142,12 +143,16 @@ def grid_for(n: int, per_thread: int = 1) -> int:
     return max(1, min(-(-n // (BLOCK * per_thread)), 65535))
 
 
-def launch(source: str, kernel: str, grid: int | tuple[int, ...], block: int, args: tuple) -> None:
+def launch(
+    source: str, kernel: str, grid: int | tuple[int, ...], block: int, args: tuple, *, device: torch.device
+) -> None:
+    """Runs ``kernel`` on ``device`` (its tensors' device) on that device's current torch stream."""
     cupy = _cupy()
-    device = torch.cuda.current_device()
-    function = _module(source, device).get_function(kernel)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    function = _module(source, index).get_function(kernel)
     grid = grid if isinstance(grid, tuple) else (grid,)
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    stream = torch.cuda.current_stream(index).cuda_stream
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream):
         function(grid, (block,), args)
 
 

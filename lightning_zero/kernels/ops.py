@@ -1,8 +1,17 @@
-"""The fused ops: CUDA kernels with autograd on CUDA tensors (CuPy present), pure-torch references elsewhere.
+"""The fused ops, as torch custom ops: CUDA kernels on CUDA tensors (CuPy present), pure-torch references
+elsewhere, one op for each forward and each backward.
 
 Each op takes activations of any leading shape in fp32, fp16 or bf16; parameters (weight, bias) may be
 in any float dtype: the kernels read them as fp32 and their gradients come back in their own dtype.
-Split as kernels.md advises: kernel source (``cuda_kernels/``) / host launch (here) / autograd.
+Split as kernels.md advises: kernel source (``cuda_kernels/``) / host launch (``launchers.py``) / the
+ops and their autograd (here).
+
+[Note: custom ops]
+Every forward and backward is a ``torch.library.custom_op`` (namespace ``lightning_zero``) with a fake
+implementation (shapes and dtypes only) and its autograd registered, so ``torch.compile`` traces through
+them without a graph break and AOT autograd sees the backward as one op too; ``torch.library.opcheck``
+checks the registrations in the CPU test suite. Inside, ``use_kernels`` picks the kernel or the reference,
+so the same op runs on any device.
 """
 
 from __future__ import annotations
@@ -10,243 +19,232 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_zero.kernels import reference
-from lightning_zero.kernels.loader import BLOCK, SUFFIX, f32, grid_for, i64, launch, tensor, u64, use_kernels
+from lightning_zero.kernels import launchers, reference
+from lightning_zero.kernels.loader import SUFFIX, use_kernels
 
 FLOATS = tuple(SUFFIX)
-ROWS_PER_CHUNK = 256  # rows each block of a column reduction sums
+_LIB = "lightning_zero::"
 
 
-def _row_block(cols: int) -> int:
-    """Threads per block for one-row-per-block kernels: a multiple of 32, enough for the row, at most 1024."""
-    return min(1024, max(32, 1 << (cols - 1).bit_length()))
+def _pick(x: Tensor, name: str):
+    """The kernel launcher ``name`` for CUDA tensors (kernels available), else the reference of that name."""
+    return getattr(launchers if use_kernels(x) else reference, name)
 
 
-def _column_sum(data: Tensor, cols: int) -> Tensor:
-    """fp32 sums over rows of ``data`` viewed as [rows, cols] (the gradient of a broadcast bias)."""
-    rows = data.numel() // cols
-    chunks = -(-rows // ROWS_PER_CHUNK)
-    partial = torch.empty(chunks, cols, dtype=torch.float32, device=data.device)
-    args = (tensor(data, "data", dtypes=FLOATS), i64(rows), i64(cols), i64(ROWS_PER_CHUNK), partial.data_ptr())
-    launch("reduce.cu", f"column_sum_partial_{SUFFIX[data.dtype]}", (-(-cols // BLOCK), chunks), BLOCK, args)
-    return partial.sum(0)
+# --- layer norm -------------------------------------------------------------------------------------
+@torch.library.custom_op(_LIB + "layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _pick(x, "layer_norm_fwd")(x, weight, bias, eps)
 
 
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-        cols = x.shape[-1]
-        rows = x.numel() // cols
-        w, b = weight.float().contiguous(), bias.float().contiguous()
-        y = torch.empty_like(x)
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        args = (
-            tensor(x, "x", dtypes=FLOATS),
-            tensor(w, "weight", dtypes=(torch.float32,), like=x),
-            tensor(b, "bias", dtypes=(torch.float32,), like=x),
-            y.data_ptr(),
-            mean.data_ptr(),
-            rstd.data_ptr(),
-            i64(cols),
-            f32(eps),
-        )
-        launch("layer_norm.cu", f"layer_norm_fwd_{SUFFIX[x.dtype]}", rows, _row_block(cols), args)
-        ctx.save_for_backward(x, w, mean, rstd)
-        ctx.param_dtypes = (weight.dtype, bias.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, w, mean, rstd = ctx.saved_tensors
-        dy = dy.contiguous()
-        cols = x.shape[-1]
-        rows = x.numel() // cols
-        name = SUFFIX[x.dtype]
-        dx = torch.empty_like(x)
-        launch(
-            "layer_norm.cu",
-            f"layer_norm_bwd_input_{name}",
-            rows,
-            _row_block(cols),
-            (
-                tensor(dy, "dy", dtypes=(x.dtype,), like=x),
-                x.data_ptr(),
-                w.data_ptr(),
-                mean.data_ptr(),
-                rstd.data_ptr(),
-                dx.data_ptr(),
-                i64(cols),
-            ),
-        )
-        chunks = -(-rows // ROWS_PER_CHUNK)
-        partial_dw = torch.empty(chunks, cols, dtype=torch.float32, device=x.device)
-        partial_db = torch.empty_like(partial_dw)
-        launch(
-            "layer_norm.cu",
-            f"layer_norm_bwd_params_{name}",
-            (-(-cols // BLOCK), chunks),
-            BLOCK,
-            (
-                dy.data_ptr(),
-                x.data_ptr(),
-                mean.data_ptr(),
-                rstd.data_ptr(),
-                i64(rows),
-                i64(cols),
-                i64(ROWS_PER_CHUNK),
-                partial_dw.data_ptr(),
-                partial_db.data_ptr(),
-            ),
-        )
-        w_dtype, b_dtype = ctx.param_dtypes
-        return dx, partial_dw.sum(0).to(w_dtype), partial_db.sum(0).to(b_dtype), None
+@_layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    rows = x.numel() // x.shape[-1]
+    return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
-class _BiasGelu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, bias: Tensor, tanh: bool) -> Tensor:
-        b = bias.float().contiguous()
-        y = torch.empty_like(x)
-        args = (
-            tensor(x, "x", dtypes=FLOATS),
-            tensor(b, "bias", dtypes=(torch.float32,), like=x),
-            y.data_ptr(),
-            i64(x.numel()),
-            i64(x.shape[-1]),
-            int(tanh),
-        )
-        launch("bias_gelu.cu", f"bias_gelu_fwd_{SUFFIX[x.dtype]}", grid_for(x.numel()), BLOCK, args)
-        ctx.save_for_backward(x, b)
-        ctx.tanh, ctx.bias_dtype = tanh, bias.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, b = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = torch.empty_like(x)
-        args = (
-            tensor(dy, "dy", dtypes=(x.dtype,), like=x),
-            x.data_ptr(),
-            b.data_ptr(),
-            dx.data_ptr(),
-            i64(x.numel()),
-            i64(x.shape[-1]),
-            int(ctx.tanh),
-        )
-        launch("bias_gelu.cu", f"bias_gelu_bwd_{SUFFIX[x.dtype]}", grid_for(x.numel()), BLOCK, args)
-        return dx, _column_sum(dx, x.shape[-1]).to(ctx.bias_dtype), None
+@torch.library.custom_op(_LIB + "layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, bias_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _pick(x, "layer_norm_bwd")(dy, x, weight, mean, rstd, bias_dtype)
 
 
-class _SoftmaxDropout(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, seed: int, offset: int
-    ) -> Tensor:
-        batch, heads, q_len, k_len = scores.shape
-        probs = torch.empty_like(scores)
-        out = torch.empty_like(scores) if p > 0 else probs
-        mask_ptr = 0
-        if mask is not None:
-            mask = mask.float().expand(batch, 1, q_len, k_len).contiguous()
-            mask_ptr = tensor(mask, "mask", dtypes=(torch.float32,), like=scores)
-        args = (
-            tensor(scores, "scores", dtypes=FLOATS),
-            mask_ptr,
-            probs.data_ptr(),
-            out.data_ptr(),
-            i64(k_len),
-            i64(heads),
-            i64(q_len),
-            f32(scale),
-            int(causal),
-            f32(p),
-            u64(seed),
-            u64(offset),
-        )
-        rows = batch * heads * q_len
-        launch("softmax_dropout.cu", f"softmax_dropout_fwd_{SUFFIX[scores.dtype]}", rows, _row_block(k_len), args)
-        ctx.save_for_backward(probs)
-        ctx.params = (scale, p, seed, offset)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        (probs,) = ctx.saved_tensors
-        scale, p, seed, offset = ctx.params
-        dout = dout.contiguous()
-        dscores = torch.empty_like(probs)
-        k_len = probs.shape[-1]
-        args = (
-            tensor(dout, "dout", dtypes=(probs.dtype,), like=probs),
-            probs.data_ptr(),
-            dscores.data_ptr(),
-            i64(k_len),
-            f32(scale),
-            f32(p),
-            u64(seed),
-            u64(offset),
-        )
-        launch(
-            "softmax_dropout.cu",
-            f"softmax_dropout_bwd_{SUFFIX[probs.dtype]}",
-            probs.numel() // k_len,
-            _row_block(k_len),
-            args,
-        )
-        return dscores, None, None, None, None, None, None
+@_layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, bias_dtype):
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape, dtype=bias_dtype)
 
 
-class _BiasDropoutResidual(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
-        b = bias.float().contiguous()
-        y = torch.empty_like(x)
-        args = (
-            tensor(x, "x", dtypes=FLOATS),
-            tensor(b, "bias", dtypes=(torch.float32,), like=x),
-            tensor(residual, "residual", dtypes=(x.dtype,), like=x),
-            y.data_ptr(),
-            i64(x.numel()),
-            i64(x.shape[-1]),
-            f32(p),
-            u64(seed),
-            u64(offset),
-        )
-        launch(
-            "bias_dropout_residual.cu", f"bias_dropout_residual_fwd_{SUFFIX[x.dtype]}", grid_for(x.numel()), BLOCK, args
-        )
-        ctx.params = (p, seed, offset, x.shape[-1], bias.dtype)
-        return y
+def _layer_norm_setup(ctx, inputs, output) -> None:
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.bias_dtype = bias.dtype
 
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        p, seed, offset, cols, bias_dtype = ctx.params
-        dy = dy.contiguous()
-        if p > 0:
-            dx = torch.empty_like(dy)
-            args = (tensor(dy, "dy", dtypes=FLOATS), dx.data_ptr(), i64(dy.numel()), f32(p), u64(seed), u64(offset))
-            launch("bias_dropout_residual.cu", f"dropout_bwd_{SUFFIX[dy.dtype]}", grid_for(dy.numel()), BLOCK, args)
-        else:
-            dx = dy
-        return dx, _column_sum(dx, cols).to(bias_dtype), dy, None, None, None
+
+def _layer_norm_backward(ctx, dy, _mean, _rstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.bias_dtype)
+    return dx, dw, db, None
+
+
+_layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+# --- bias + GeLU ------------------------------------------------------------------------------------
+@torch.library.custom_op(_LIB + "bias_gelu_fwd", mutates_args=())
+def _bias_gelu_fwd(x: Tensor, bias: Tensor, tanh: bool) -> Tensor:
+    if use_kernels(x):
+        return launchers.bias_gelu_fwd(x, bias, tanh)
+    return reference.bias_gelu(x, bias, "tanh" if tanh else "none")
+
+
+@_bias_gelu_fwd.register_fake
+def _(x, bias, tanh):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(_LIB + "bias_gelu_bwd", mutates_args=())
+def _bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool) -> tuple[Tensor, Tensor]:
+    return _pick(x, "bias_gelu_bwd")(dy, x, bias, tanh)
+
+
+@_bias_gelu_bwd.register_fake
+def _(dy, x, bias, tanh):
+    return torch.empty_like(x), torch.empty_like(bias)
+
+
+def _bias_gelu_setup(ctx, inputs, output) -> None:
+    x, bias, tanh = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.tanh = tanh
+
+
+def _bias_gelu_backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, db = _bias_gelu_bwd(dy, x, bias, ctx.tanh)
+    return dx, db, None
+
+
+_bias_gelu_fwd.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
+
+
+# --- softmax + dropout --------------------------------------------------------------------------------
+@torch.library.custom_op(_LIB + "softmax_dropout_fwd", mutates_args=())
+def _softmax_dropout_fwd(
+    scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    return _pick(scores, "softmax_dropout_fwd")(scores, mask, scale, causal, p, seed, offset)
+
+
+@_softmax_dropout_fwd.register_fake
+def _(scores, mask, scale, causal, p, seed, offset):
+    return torch.empty_like(scores), (torch.empty_like(scores) if p > 0 else scores.new_empty(0))
+
+
+@torch.library.custom_op(_LIB + "softmax_dropout_bwd", mutates_args=())
+def _softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, seed: int, offset: int) -> Tensor:
+    return _pick(probs, "softmax_dropout_bwd")(dout, probs, scale, p, seed, offset)
+
+
+@_softmax_dropout_bwd.register_fake
+def _(dout, probs, scale, p, seed, offset):
+    return torch.empty_like(probs)
+
+
+def _softmax_dropout_setup(ctx, inputs, output) -> None:
+    _, _, scale, _, p, seed, offset = inputs
+    out, probs = output
+    ctx.save_for_backward(probs if p > 0 else out)  # without dropout the output is the probabilities
+    ctx.params = (scale, p, seed, offset)
+
+
+def _softmax_dropout_backward(ctx, dout, _probs):
+    (probs,) = ctx.saved_tensors
+    return _softmax_dropout_bwd(dout, probs, *ctx.params), None, None, None, None, None, None
+
+
+_softmax_dropout_fwd.register_autograd(_softmax_dropout_backward, setup_context=_softmax_dropout_setup)
+
+
+# --- bias + dropout + residual ---------------------------------------------------------------------------
+@torch.library.custom_op(_LIB + "bias_dropout_residual_fwd", mutates_args=())
+def _bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    if use_kernels(x):
+        return launchers.bias_dropout_residual_fwd(x, bias, residual, p, seed, offset)
+    return reference.bias_dropout_residual(x, bias, residual, p, seed, offset)
+
+
+@_bias_dropout_residual_fwd.register_fake
+def _(x, bias, residual, p, seed, offset):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(_LIB + "dropout_bwd", mutates_args=())
+def _dropout_bwd(dy: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    return _pick(dy, "dropout_bwd")(dy, p, seed, offset)  # (called with p > 0 only: at 0 it would alias dy)
+
+
+@_dropout_bwd.register_fake
+def _(dy, p, seed, offset):
+    return torch.empty_like(dy)
+
+
+@torch.library.custom_op(_LIB + "column_sum", mutates_args=())
+def _column_sum(data: Tensor, dtype: torch.dtype) -> Tensor:
+    return _pick(data, "column_sum")(data, dtype)
+
+
+@_column_sum.register_fake
+def _(data, dtype):
+    return data.new_empty(data.shape[-1], dtype=dtype)
+
+
+def _bias_dropout_residual_setup(ctx, inputs, output) -> None:
+    _, bias, _, p, seed, offset = inputs
+    ctx.params = (p, seed, offset)
+    ctx.bias_dtype = bias.dtype
+
+
+def _bias_dropout_residual_backward(ctx, dy):
+    dx = _dropout_bwd(dy, *ctx.params) if ctx.params[0] > 0 else dy
+    return dx, _column_sum(dx, ctx.bias_dtype), dy, None, None, None
+
+
+_bias_dropout_residual_fwd.register_autograd(
+    _bias_dropout_residual_backward, setup_context=_bias_dropout_residual_setup
+)
+
+
+def _check_input(x: Tensor, name: str = "x") -> None:
+    if x.dtype not in FLOATS or x.dim() == 0:
+        raise ValueError(f"{name} must be a float32, float16 or bfloat16 tensor of at least 1 dimension, got {x.dtype}")
+
+
+def _check_like(name: str, t: Tensor, x: Tensor, shape: tuple[int, ...]) -> None:
+    """``t`` (a parameter or a second input) has ``shape``, a float dtype and ``x``'s device."""
+    shape = tuple(shape)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} (from x's shape {tuple(x.shape)}), got {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def _additive_mask(mask: Tensor, scores: Tensor) -> Tensor:
+    """An fp32 additive mask broadcastable to the scores: a bool mask keeps True (as in
+    ``scaled_dot_product_attention``) and hides False."""
+    if mask.device != scores.device:
+        raise ValueError(f"mask is on {mask.device} but scores are on {scores.device}")
+    try:
+        torch.broadcast_shapes(mask.shape, scores.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' {tuple(scores.shape)}"
+            " (batch, heads, q_len, k_len)"
+        ) from None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    if not mask.is_floating_point():
+        raise ValueError(f"mask must be bool (True = attend) or floating-point (added to the scores), got {mask.dtype}")
+    return mask.float()
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last dimension."""
-    if use_kernels(x):
-        return _LayerNorm.apply(x.contiguous(), weight, bias, eps)
-    return reference.layer_norm(x, weight, bias, eps)
+    _check_input(x)
+    _check_like("weight", weight, x, x.shape[-1:])
+    _check_like("bias", bias, x, x.shape[-1:])
+    return _layer_norm_fwd(x, weight, bias, eps)[0]
 
 
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
     """gelu(x + bias); ``approximate`` is "tanh" (GPT-2's) or "none" (exact erf)."""
     if approximate not in ("tanh", "none"):
         raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
-    if use_kernels(x):
-        return _BiasGelu.apply(x.contiguous(), bias, approximate == "tanh")
-    return reference.bias_gelu(x, bias, approximate)
+    _check_input(x)
+    _check_like("bias", bias, x, x.shape[-1:])
+    return _bias_gelu_fwd(x, bias, approximate == "tanh")
 
 
 def softmax_dropout(
@@ -259,14 +257,17 @@ def softmax_dropout(
     seed: int = 0,
     offset: int = 0,
 ) -> Tensor:
-    """dropout(softmax(scores * scale + mask)) over the keys of (batch, heads, q_len, k_len) scores."""
+    """dropout(softmax(scores * scale + mask)) over the keys of (batch, heads, q_len, k_len) scores.
+
+    ``mask``: any shape that broadcasts to the scores; bool (True = attend, as in
+    ``scaled_dot_product_attention``) or floating-point (added to the scaled scores)."""
     if scores.dim() != 4:
         raise ValueError(f"scores must be (batch, heads, q_len, k_len), got shape {tuple(scores.shape)}")
+    _check_input(scores, "scores")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
-    if use_kernels(scores):
-        return _SoftmaxDropout.apply(scores.contiguous(), mask, scale, causal, p, seed, offset)
-    return reference.softmax_dropout(scores, scale, causal=causal, mask=mask, p=p, seed=seed, offset=offset)
+    mask = None if mask is None else _additive_mask(mask, scores)
+    return _softmax_dropout_fwd(scores, mask, scale, causal, p, seed, offset)[0]
 
 
 def bias_dropout_residual(
@@ -276,8 +277,10 @@ def bias_dropout_residual(
     under autocast the residual stream stays fp32 while x comes out of a bf16 matmul)."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
+    _check_input(x)
+    _check_input(residual, "residual")
+    _check_like("bias", bias, x, x.shape[-1:])
+    _check_like("residual", residual, x, tuple(x.shape))
     dtype = torch.promote_types(x.dtype, residual.dtype)
     x, residual = x.to(dtype), residual.to(dtype)
-    if use_kernels(x):
-        return _BiasDropoutResidual.apply(x.contiguous(), bias, residual.contiguous(), p, seed, offset)
-    return reference.bias_dropout_residual(x, bias, residual, p, seed, offset)
+    return _bias_dropout_residual_fwd(x, bias, residual, p, seed, offset)

@@ -69,6 +69,43 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
     return F.gelu(x.float() + bias.float(), approximate=approximate).to(x.dtype)
 
 
+# --- forward and backward apart, as the kernels split them (launchers.py): fp32 inside, their dtypes out ---
+def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    rows = x.float().reshape(-1, x.shape[-1])
+    mean = rows.mean(-1)
+    rstd = torch.rsqrt(rows.var(-1, unbiased=False) + eps)
+    y = (rows - mean[:, None]) * rstd[:, None] * weight.float() + bias.float()
+    return y.view(x.shape).to(x.dtype), mean, rstd
+
+
+def layer_norm_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, bias_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    cols = x.shape[-1]
+    dy_rows = dy.float().reshape(-1, cols)
+    xhat = (x.float().reshape(-1, cols) - mean[:, None]) * rstd[:, None]
+    g = dy_rows * weight.float()
+    dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dx.view(x.shape).to(x.dtype), (dy_rows * xhat).sum(0).to(weight.dtype), dy_rows.sum(0).to(bias_dtype)
+
+
+def gelu_derivative(u: Tensor, tanh: bool) -> Tensor:
+    if tanh:  # in torch's own order of operations
+        k, u2 = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5, u * u
+        t = torch.tanh(k * (u + 0.044715 * (u2 * u)))
+        return 0.5 * (1.0 + t) + (0.5 * u) * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * u2)
+    return 0.5 * (1.0 + torch.erf(u / math.sqrt(2.0))) + u * torch.exp(-0.5 * u * u) / math.sqrt(2.0 * math.pi)
+
+
+def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool) -> tuple[Tensor, Tensor]:
+    dx = (dy.float() * gelu_derivative(x.float() + bias.float(), tanh)).to(x.dtype)
+    return dx, column_sum(dx, bias.dtype)
+
+
+def column_sum(data: Tensor, dtype: torch.dtype) -> Tensor:
+    return data.float().reshape(-1, data.shape[-1]).sum(0).to(dtype)
+
+
 def softmax_dropout(
     scores: Tensor,
     scale: float,
@@ -81,9 +118,16 @@ def softmax_dropout(
 ) -> Tensor:
     """softmax(scores * scale + mask, hiding keys after the query when causal), then dropout.
 
-    ``scores`` is (batch, heads, q_len, k_len); ``mask`` is additive, (batch, 1, q_len, k_len) or
-    broadcastable to it. A row with every key hidden gives zeros.
+    ``scores`` is (batch, heads, q_len, k_len); ``mask`` is additive and broadcasts to it (ops.softmax_dropout
+    turns a bool mask into one). A row with every key hidden gives zeros.
     """
+    return softmax_dropout_fwd(scores, mask, scale, causal, p, seed, offset)[0]
+
+
+def softmax_dropout_fwd(
+    scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    """As launchers.softmax_dropout_fwd: the output, and the probabilities when dropout is on (else empty)."""
     x = scores.float() * scale
     if mask is not None:
         x = x + mask.float()
@@ -94,7 +138,22 @@ def softmax_dropout(
     all_hidden = torch.isneginf(x).all(dim=-1, keepdim=True)
     probs = torch.softmax(x.masked_fill(all_hidden, 0.0), dim=-1)  # no NaN, in values or in gradients
     probs = probs.masked_fill(all_hidden, 0.0)
-    return dropout(probs, p, seed, offset).to(scores.dtype)
+    out = dropout(probs, p, seed, offset).to(scores.dtype)
+    return out, (probs.to(scores.dtype) if p > 0 else scores.new_empty(0))
+
+
+def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, seed: int, offset: int) -> Tensor:
+    d = dropout_bwd(dout.float(), p, seed, offset)
+    pf = probs.float()
+    return (scale * pf * (d - (d * pf).sum(-1, keepdim=True))).to(probs.dtype)
+
+
+def dropout_bwd(dy: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    """The gradient through ``dropout(., p, seed, offset)``: the same elements kept and scaled."""
+    if p == 0.0:
+        return dy
+    keep = _keep(dy.shape, p, seed, offset, dy.device)
+    return torch.where(keep, dy.float() * (1.0 / (1.0 - p)), 0.0).to(dy.dtype)
 
 
 def bias_dropout_residual(x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:

@@ -9,12 +9,15 @@ rank computes the values an unsharded construction computes, bitwise, whatever t
 whole at once. A global parameter-registration hook adopts every new parameter, and the registering
 module's ``_parameters`` becomes a dict that makes a parameter whole before anyone reads it (attribute
 access, ``parameters()``, ``state_dict()``). Making a parameter of one module whole first evicts the
-whole parameters of every other module: each rank keeps only its slice of an evicted parameter (1/N
-of its elements) and its ``.data`` becomes a NaN placeholder; reading it again all-gathers the slices
-(every rank runs the same code, so the same reads in the same order). So at most one module's own
-parameters are whole at a time (``peak_bytes``). When the context ends every parameter is evicted;
-the stage-3 set-up then builds each unit from its parameters made whole one unit at a time
-(``materialize``) and keeps the pieces the unit's layout gives this rank.
+least recently used parameters of other modules until the whole ones fit in ``max_whole_numel``
+elements (``ZeroConfig.max_live_parameters``): each rank keeps only its slice of an evicted parameter
+(1/N of its elements) and its ``.data`` becomes a NaN placeholder; reading it again all-gathers the
+slices of the module's evicted parameters in one collective (every rank runs the same code, so the same
+reads in the same order). So at most ``max_whole_numel`` elements, or one module's own parameters if
+that is more, are whole at a time (``peak_bytes``); a model within the bound is built as it would be
+unsharded, with no collective. After the context the stage-3 set-up builds each unit from its
+parameters made whole one unit at a time (``materialize``: those still whole as they are, the others
+gathered) and keeps the pieces the unit's layout gives this rank.
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ from lightning_zero.sharding import collectives
 class _Managed:
     """One adopted parameter: this rank's slice while evicted, and the modules that register it."""
 
-    __slots__ = ("param", "owners", "slice", "numel")
+    __slots__ = ("param", "owners", "slice", "numel", "nbytes")
 
     def __init__(self, param: Parameter) -> None:
         self.param = param
         self.owners: set[int] = set()
         self.slice: Tensor | None = None
         self.numel = param.numel()
+        self.nbytes = self.numel * param.element_size()
 
 
 class _MaterializingParameters(dict):
@@ -69,13 +73,17 @@ class _MaterializingParameters(dict):
 class ShardedConstruction:
     active: ShardedConstruction | None = None  # the one whose context is open (load_pretrained writes into it)
 
-    def __init__(self, *, rank: int, world_size: int, device: torch.device, group=None) -> None:
+    def __init__(
+        self, *, rank: int, world_size: int, device: torch.device, max_whole_numel: int = 0, group=None
+    ) -> None:
+        self.max_whole_numel = max_whole_numel
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.group = group
         self.managed: dict[int, _Managed] = {}
-        self._whole: dict[int, _Managed] = {}  # the parameters that are whole now
+        self._whole: dict[int, _Managed] = {}  # the parameters that are whole now, least recently used first
+        self._whole_numel = self._whole_bytes = 0
         self._modules: list[tuple[Module, dict]] = []  # (module, its own _parameters) to restore
         self.peak_bytes = 0
         self._hook = None
@@ -94,8 +102,6 @@ class ShardedConstruction:
         ShardedConstruction.active = None
         self._hook.remove()
         self._device_context.__exit__(*exc)
-        for managed in list(self._whole.values()):
-            self._evict(managed)
         for module, _ in self._modules:
             if isinstance(module._parameters, _MaterializingParameters):
                 module._parameters = dict(dict.items(module._parameters))
@@ -111,6 +117,8 @@ class ShardedConstruction:
         if managed is None:
             managed = self.managed[id(param)] = _Managed(param)
             self._whole[id(param)] = managed
+            self._whole_numel += managed.numel
+            self._whole_bytes += managed.nbytes
         managed.owners.add(id(module))
         self.touch(module, param)
 
@@ -119,14 +127,21 @@ class ShardedConstruction:
         managed = self.managed.get(id(param)) if param is not None else None
         if managed is None:
             return
-        for other in list(self._whole.values()):
-            if id(module) not in other.owners and other is not managed:
+        evicted: list[_Managed] = []
+        if id(param) in self._whole:
+            self._whole[id(param)] = self._whole.pop(id(param))  # most recently used
+        else:  # with the module's other evicted parameters: one collective
+            own = (self.managed.get(id(p)) for p in dict.values(module._parameters) if p is not None)
+            evicted = [managed, *(m for m in own if m is not None and m is not managed and m.slice is not None)]
+        incoming = sum(m.numel for m in evicted)
+        for other in list(self._whole.values()):  # least recently used first
+            if self._whole_numel + incoming <= self.max_whole_numel:
+                break
+            if id(module) not in other.owners:
                 self._evict(other)
-        if id(param) not in self._whole:
-            param.data = self._gather(managed).view(param.shape)
-            managed.slice = None
-            self._whole[id(param)] = managed
-        self.peak_bytes = max(self.peak_bytes, sum(m.param.nbytes for m in self._whole.values()))
+        if evicted:
+            self._make_whole(evicted)
+        self.peak_bytes = max(self.peak_bytes, self._whole_bytes)
 
     def _chunk(self, numel: int) -> int:
         return -(-numel // self.world_size)
@@ -142,22 +157,41 @@ class ShardedConstruction:
         managed.slice = own
         param.data = torch.full((1,), float("nan"), dtype=flat.dtype, device=flat.device).expand(param.shape)
         del self._whole[id(param)]
+        self._whole_numel -= managed.numel
+        self._whole_bytes -= managed.nbytes
 
-    def _gather(self, managed: _Managed) -> Tensor:
-        """The whole (flat) value of an evicted parameter: every rank's slice, all-gathered."""
-        chunk = managed.slice.numel()
-        out = torch.empty(chunk * self.world_size, dtype=managed.slice.dtype, device=managed.slice.device)
-        collectives.wait(collectives.all_gather(out, managed.slice, async_op=False, group=self.group))
-        return out[: managed.numel]
+    def _make_whole(self, evicted: list[_Managed]) -> None:
+        """Gives evicted parameters their whole values back: every rank's slices, one all-gather per dtype."""
+        by_dtype: dict[torch.dtype, list[_Managed]] = {}
+        for managed in evicted:
+            by_dtype.setdefault(managed.slice.dtype, []).append(managed)
+        for same in by_dtype.values():
+            packed = torch.cat([m.slice for m in same])  # this rank's slices, back to back
+            rows = packed.new_empty(self.world_size * packed.numel())
+            collectives.all_gather(rows, packed, async_op=False, group=self.group)
+            rows, column = rows.view(self.world_size, -1), 0
+            for managed in same:
+                chunk = managed.slice.numel()
+                whole = rows[:, column : column + chunk].reshape(-1)[: managed.numel]
+                managed.param.data = whole.view(managed.param.shape)
+                managed.slice = None
+                self._whole[id(managed.param)] = managed
+                self._whole_numel += managed.numel
+                self._whole_bytes += managed.nbytes
+                column += chunk
 
     # --- after construction ------------------------------------------------------------------------
     def materialize(self, params: list[Parameter], dtype: torch.dtype | None = None) -> None:
         """Makes ``params`` whole (collective; the stage-3 set-up calls it for one unit at a time),
         optionally cast to ``dtype``; they are no longer managed afterwards."""
+        self._make_whole(
+            [m for m in (self.managed.get(id(p)) for p in params) if m is not None and m.slice is not None]
+        )
         for param in params:
             managed = self.managed.pop(id(param), None)
-            if managed is not None:
-                param.data = self._gather(managed).view(param.shape)
+            if managed is not None and self._whole.pop(id(param), None) is not None:
+                self._whole_numel -= managed.numel
+                self._whole_bytes -= managed.nbytes
             if dtype is not None and param.is_floating_point():
                 param.data = param.data.to(dtype)
 

@@ -1,0 +1,214 @@
+"""Host launch of each CUDA kernel: checked pointers in, torch-allocated outputs back (see loader.py's
+[Note: launching]). Forward and backward are separate plain functions, so ``ops.py`` can register them as
+torch custom ops; each mirrors a function of the same name in ``reference.py``.
+
+Parameters (weight, bias) of any float dtype are read as fp32; their gradients come back in their own
+dtype, summed over rows in fp32 first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_zero.kernels.loader import BLOCK, SUFFIX, f32, grid_for, i64, launch, tensor, u64
+
+FLOATS = tuple(SUFFIX)
+ROWS_PER_CHUNK = 256  # rows each block of a column reduction sums
+
+
+def _row_block(cols: int) -> int:
+    """Threads per block for one-row-per-block kernels: a multiple of 32, enough for the row, at most 1024."""
+    return min(1024, max(32, 1 << (cols - 1).bit_length()))
+
+
+def _column_sum(data: Tensor, cols: int) -> Tensor:
+    """fp32 sums over rows of ``data`` viewed as [rows, cols] (the gradient of a broadcast bias)."""
+    rows = data.numel() // cols
+    chunks = -(-rows // ROWS_PER_CHUNK)
+    partial = torch.empty(chunks, cols, dtype=torch.float32, device=data.device)
+    args = (tensor(data, "data", dtypes=FLOATS), i64(rows), i64(cols), i64(ROWS_PER_CHUNK), partial.data_ptr())
+    grid = (-(-cols // BLOCK), chunks)
+    launch("reduce.cu", f"column_sum_partial_{SUFFIX[data.dtype]}", grid, BLOCK, args, device=data.device)
+    return partial.sum(0)
+
+
+def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """y, and each row's mean and 1/std in fp32 (for backward)."""
+    x = x.contiguous()
+    cols = x.shape[-1]
+    rows = x.numel() // cols
+    w, b = weight.float().contiguous(), bias.float().contiguous()
+    y = torch.empty_like(x)
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    args = (
+        tensor(x, "x", dtypes=FLOATS),
+        tensor(w, "weight", dtypes=(torch.float32,), like=x),
+        tensor(b, "bias", dtypes=(torch.float32,), like=x),
+        y.data_ptr(),
+        mean.data_ptr(),
+        rstd.data_ptr(),
+        i64(cols),
+        f32(eps),
+    )
+    launch("layer_norm.cu", f"layer_norm_fwd_{SUFFIX[x.dtype]}", rows, _row_block(cols), args, device=x.device)
+    return y, mean, rstd
+
+
+def layer_norm_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, bias_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    x, dy, w = x.contiguous(), dy.contiguous(), weight.float().contiguous()
+    cols = x.shape[-1]
+    rows = x.numel() // cols
+    name = SUFFIX[x.dtype]
+    dx = torch.empty_like(x)
+    args = (
+        tensor(dy, "dy", dtypes=(x.dtype,), like=x),
+        x.data_ptr(),
+        w.data_ptr(),
+        mean.data_ptr(),
+        rstd.data_ptr(),
+        dx.data_ptr(),
+        i64(cols),
+    )
+    launch("layer_norm.cu", f"layer_norm_bwd_input_{name}", rows, _row_block(cols), args, device=x.device)
+    chunks = -(-rows // ROWS_PER_CHUNK)
+    partial_dw = torch.empty(chunks, cols, dtype=torch.float32, device=x.device)
+    partial_db = torch.empty_like(partial_dw)
+    args = (
+        dy.data_ptr(),
+        x.data_ptr(),
+        mean.data_ptr(),
+        rstd.data_ptr(),
+        i64(rows),
+        i64(cols),
+        i64(ROWS_PER_CHUNK),
+        partial_dw.data_ptr(),
+        partial_db.data_ptr(),
+    )
+    grid = (-(-cols // BLOCK), chunks)
+    launch("layer_norm.cu", f"layer_norm_bwd_params_{name}", grid, BLOCK, args, device=x.device)
+    return dx, partial_dw.sum(0).to(weight.dtype), partial_db.sum(0).to(bias_dtype)
+
+
+def bias_gelu_fwd(x: Tensor, bias: Tensor, tanh: bool) -> Tensor:
+    x, b = x.contiguous(), bias.float().contiguous()
+    y = torch.empty_like(x)
+    args = (
+        tensor(x, "x", dtypes=FLOATS),
+        tensor(b, "bias", dtypes=(torch.float32,), like=x),
+        y.data_ptr(),
+        i64(x.numel()),
+        i64(x.shape[-1]),
+        int(tanh),
+    )
+    launch("bias_gelu.cu", f"bias_gelu_fwd_{SUFFIX[x.dtype]}", grid_for(x.numel()), BLOCK, args, device=x.device)
+    return y
+
+
+def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool) -> tuple[Tensor, Tensor]:
+    x, dy, b = x.contiguous(), dy.contiguous(), bias.float().contiguous()
+    dx = torch.empty_like(x)
+    args = (
+        tensor(dy, "dy", dtypes=(x.dtype,), like=x),
+        x.data_ptr(),
+        b.data_ptr(),
+        dx.data_ptr(),
+        i64(x.numel()),
+        i64(x.shape[-1]),
+        int(tanh),
+    )
+    launch("bias_gelu.cu", f"bias_gelu_bwd_{SUFFIX[x.dtype]}", grid_for(x.numel()), BLOCK, args, device=x.device)
+    return dx, _column_sum(dx, x.shape[-1]).to(bias.dtype)
+
+
+def softmax_dropout_fwd(
+    scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    """The output and, with dropout, the probabilities backward needs (without, they are the output: an
+    empty tensor instead). ``mask``: additive fp32, broadcastable to the scores (ops.softmax_dropout checks
+    it), read through its strides, never expanded."""
+    scores = scores.contiguous()
+    batch, heads, q_len, k_len = scores.shape
+    probs = torch.empty_like(scores)
+    out = torch.empty_like(scores) if p > 0 else probs  # without dropout the output is the probabilities
+    mask_ptr, strides = 0, (0, 0, 0)
+    if mask is not None:
+        mask = mask.expand(batch, heads, q_len, k_len)
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()  # a mask constant over the keys
+        if mask.dtype != torch.float32 or mask.device != scores.device:
+            raise ValueError(f"mask must be fp32 on {scores.device}, got {mask.dtype} on {mask.device}")
+        mask_ptr, strides = mask.data_ptr(), mask.stride()[:3]
+    args = (
+        tensor(scores, "scores", dtypes=FLOATS),
+        mask_ptr,
+        *map(i64, strides),
+        probs.data_ptr(),
+        out.data_ptr(),
+        i64(k_len),
+        i64(heads),
+        i64(q_len),
+        f32(scale),
+        int(causal),
+        f32(p),
+        u64(seed),
+        u64(offset),
+    )
+    kernel = f"softmax_dropout_fwd_{SUFFIX[scores.dtype]}"
+    launch("softmax_dropout.cu", kernel, batch * heads * q_len, _row_block(k_len), args, device=scores.device)
+    return out, (probs if p > 0 else probs.new_empty(0))
+
+
+def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, seed: int, offset: int) -> Tensor:
+    dout = dout.contiguous()
+    dscores = torch.empty_like(probs)
+    k_len = probs.shape[-1]
+    args = (
+        tensor(dout, "dout", dtypes=(probs.dtype,), like=probs),
+        probs.data_ptr(),
+        dscores.data_ptr(),
+        i64(k_len),
+        f32(scale),
+        f32(p),
+        u64(seed),
+        u64(offset),
+    )
+    kernel = f"softmax_dropout_bwd_{SUFFIX[probs.dtype]}"
+    launch("softmax_dropout.cu", kernel, probs.numel() // k_len, _row_block(k_len), args, device=probs.device)
+    return dscores
+
+
+def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    x, residual, b = x.contiguous(), residual.contiguous(), bias.float().contiguous()
+    y = torch.empty_like(x)
+    args = (
+        tensor(x, "x", dtypes=FLOATS),
+        tensor(b, "bias", dtypes=(torch.float32,), like=x),
+        tensor(residual, "residual", dtypes=(x.dtype,), like=x),
+        y.data_ptr(),
+        i64(x.numel()),
+        i64(x.shape[-1]),
+        f32(p),
+        u64(seed),
+        u64(offset),
+    )
+    kernel = f"bias_dropout_residual_fwd_{SUFFIX[x.dtype]}"
+    launch("bias_dropout_residual.cu", kernel, grid_for(x.numel()), BLOCK, args, device=x.device)
+    return y
+
+
+def dropout_bwd(dy: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    """The gradient through dropout: dy where kept (scaled by 1 / (1 - p)), zero where dropped."""
+    dy = dy.contiguous()
+    dx = torch.empty_like(dy)
+    args = (tensor(dy, "dy", dtypes=FLOATS), dx.data_ptr(), i64(dy.numel()), f32(p), u64(seed), u64(offset))
+    kernel = f"dropout_bwd_{SUFFIX[dy.dtype]}"
+    launch("bias_dropout_residual.cu", kernel, grid_for(dy.numel()), BLOCK, args, device=dy.device)
+    return dx
+
+
+def column_sum(data: Tensor, dtype: torch.dtype) -> Tensor:
+    """The gradient of a bias broadcast over ``data``'s rows (its last dimension), in ``dtype``."""
+    return _column_sum(data.contiguous(), data.shape[-1]).to(dtype)

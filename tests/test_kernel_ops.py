@@ -1,0 +1,75 @@
+"""The fused ops are torch custom ops (kernels/ops.py, [Note: custom ops]): ``torch.library.opcheck`` passes
+for every forward and backward op (schema, fake tensors, autograd registration, AOT dispatch), and
+``torch.compile(fullgraph=True)`` traces a block of them, forward and backward, without a graph break and
+with the eager results. On the CPU the ops run their references; the registrations are the same on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zero.kernels import ops  # noqa: F401  (registers the ops)
+
+LZ = torch.ops.lightning_zero
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape, grad=False):
+        return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+    x, w, b = randn(3, 5, 8, grad=True), randn(8, grad=True), randn(8, grad=True)
+    _, mean, rstd = LZ.layer_norm_fwd(x.detach(), w.detach(), b.detach(), 1e-5)
+    scores = randn(2, 3, 4, 6, grad=True)
+    probs = torch.softmax(scores.detach(), -1)
+    return {
+        "layer_norm_fwd": (LZ.layer_norm_fwd.default, (x, w, b, 1e-5)),
+        "layer_norm_bwd": (LZ.layer_norm_bwd.default, (randn(3, 5, 8), x.detach(), w.detach(), mean, rstd, b.dtype)),
+        "bias_gelu_fwd": (LZ.bias_gelu_fwd.default, (x, b, True)),
+        "bias_gelu_bwd": (LZ.bias_gelu_bwd.default, (randn(3, 5, 8), x.detach(), b.detach(), False)),
+        "softmax_dropout_fwd": (LZ.softmax_dropout_fwd.default, (scores, randn(2, 1, 1, 6), 0.5, True, 0.25, 3, 1)),
+        "softmax_dropout_fwd_no_dropout": (LZ.softmax_dropout_fwd.default, (scores, None, 0.5, False, 0.0, 0, 0)),
+        "softmax_dropout_bwd": (LZ.softmax_dropout_bwd.default, (randn(2, 3, 4, 6), probs, 0.5, 0.25, 3, 1)),
+        "bias_dropout_residual_fwd": (
+            LZ.bias_dropout_residual_fwd.default,
+            (x, b, randn(3, 5, 8, grad=True), 0.1, 5, 2),
+        ),
+        "dropout_bwd": (LZ.dropout_bwd.default, (randn(3, 5, 8), 0.1, 5, 2)),
+        "column_sum": (LZ.column_sum.default, (randn(3, 5, 8), torch.float32)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_opcheck(name):
+    op, args = _cases()[name]
+    torch.library.opcheck(op, args)
+
+
+def _block(x, w, b, residual, mask):
+    h = ops.layer_norm(x, w, b)
+    h = ops.bias_gelu(h, b, approximate="tanh")
+    scores = (h @ h.transpose(-1, -2)).unsqueeze(1)  # (batch, 1 head, rows, rows)
+    probs = ops.softmax_dropout(scores, 0.3, mask=mask, p=0.2, seed=11, offset=4)
+    y = (probs.squeeze(1) @ h).contiguous()
+    return ops.bias_dropout_residual(y, b, residual, p=0.1, seed=12, offset=5)
+
+
+def test_compile_traces_the_ops_without_graph_breaks():
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(*s, generator=g).requires_grad_() for s in ((2, 7, 16), (16,), (16,), (2, 7, 16))]
+    mask = torch.rand(2, 1, 1, 7, generator=g) > 0.2
+    mask[..., 0] = True
+
+    def run(fn):
+        xs = [t.detach().clone().requires_grad_() for t in inputs]
+        out = fn(*xs, mask)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        return out.detach(), [t.grad for t in xs]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_block, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break raises
+    (eager_out, eager_grads), (compiled_out, compiled_grads) = run(_block), run(compiled)
+    torch.testing.assert_close(compiled_out, eager_out)
+    for a, b in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(a, b)
