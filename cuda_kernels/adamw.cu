@@ -2,7 +2,8 @@
 // fp32 weights and both moments, and optionally writes the fp16/bf16 copy of the updated weights that
 // ZeRO all-gathers. Same arithmetic as torch.optim.AdamW (decoupled weight decay, bias corrections
 // computed on the host). `found_inf` (nullable) is a device flag: the step does nothing while it is
-// set, so an overflow found on the device skips the step without a host sync.
+// set, so an overflow found on the device skips the step without a host sync. `multiplier` (nullable)
+// is a device scalar the gradient is also multiplied by (ZeRO's clip coefficient: no host sync).
 #include "common.cuh"
 
 __device__ __forceinline__ void adamw_update(float& p, float& m, float& v, float g, float lr, float beta1, float beta2,
@@ -17,8 +18,9 @@ template <typename G, typename L>
 __device__ void adamw(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
                       float* __restrict__ exp_avg_sq, L* __restrict__ lowp, i64 n, float lr, float beta1, float beta2,
                       float eps, float weight_decay, float bias1, float bias2_sqrt, float inv_scale,
-                      const int* __restrict__ found_inf, int vec4) {
+                      const float* __restrict__ multiplier, const int* __restrict__ found_inf, int vec4) {
   if (found_inf != nullptr && *found_inf != 0) return;
+  if (multiplier != nullptr) inv_scale *= *multiplier;
   const float decay = 1.f - lr * weight_decay, step_size = lr / bias1;
   const i64 stride = (i64)gridDim.x * blockDim.x;
   i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -66,9 +68,10 @@ __device__ void check_finite(const G* __restrict__ grad, i64 n, int* __restrict_
   extern "C" __global__ void adamw_##GN##_##LN(float* param, const G* grad, float* exp_avg, float* exp_avg_sq,  \
                                                 L* lowp, i64 n, float lr, float beta1, float beta2, float eps,  \
                                                 float weight_decay, float bias1, float bias2_sqrt,             \
-                                                float inv_scale, const int* found_inf, int vec4) {             \
+                                                float inv_scale, const float* multiplier, const int* found_inf, \
+                                                int vec4) {                                                    \
     adamw<G, L>(param, grad, exp_avg, exp_avg_sq, lowp, n, lr, beta1, beta2, eps, weight_decay, bias1,         \
-                bias2_sqrt, inv_scale, found_inf, vec4);                                                        \
+                bias2_sqrt, inv_scale, multiplier, found_inf, vec4);                                            \
   }
 #define LZ_ADAMW_FOR_GRAD(G, GN) LZ_ADAMW(G, GN, float, none) LZ_ADAMW(G, GN, __half, f16) LZ_ADAMW(G, GN, __nv_bfloat16, bf16)
 LZ_EXPORT_FLOATING(LZ_ADAMW_FOR_GRAD)

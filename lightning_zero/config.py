@@ -101,6 +101,9 @@ class ZeroConfig:
         offload_param: stage 3: "cpu" keeps the parameter shards in host memory too, each brought to the
             device for its unit's all-gather (ZeRO-Infinity without NVMe); needs ``offload_optimizer="cpu"``.
         offload_pin_memory: pin the host buffers (CUDA), so copies to and from the device do not block.
+        fused_step: AdamW steps each unit's partition with one fused kernel pass per bucket (unscale, clip,
+            update, and the 16-bit parameter copy; see sharding/fused_step.py): "auto" (default) where the
+            CUDA kernels run, "always" also elsewhere through their pure-torch reference, "never".
         check_collectives: debug mode: record every collective the strategy issues and, before each
             step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
             the sequences when they differ): a rank that would issue a different collective fails with
@@ -123,6 +126,7 @@ class ZeroConfig:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     offload_pin_memory: bool = True
+    fused_step: str = "auto"
     check_collectives: bool = False
 
     def __post_init__(self) -> None:
@@ -184,6 +188,9 @@ class ZeroConfig:
             "zero.offload_param",
             self.offload_param,
             "none unless zero.stage is 3 and zero.offload_optimizer is cpu",
+        )
+        _check(
+            self.fused_step in ("auto", "always", "never"), "zero.fused_step", self.fused_step, "auto, always or never"
         )
         pin = self.offload_pin_memory
         _check(isinstance(pin, bool), "zero.offload_pin_memory", pin, "true or false")

@@ -47,10 +47,12 @@ def fused_adamw_(
     weight_decay: float,
     step: int,
     inv_scale: float = 1.0,
+    multiplier: Tensor | None = None,
     found_inf: Tensor | None = None,
     lowp_out: Tensor | None = None,
 ) -> None:
-    """One AdamW step on ``param`` (fp32) in place; ``step`` counts from 1 (bias corrections)."""
+    """One AdamW step on ``param`` (fp32) in place; ``step`` counts from 1 (bias corrections). The gradient
+    is multiplied by ``inv_scale`` and by the fp32 device scalar ``multiplier`` (read on the device)."""
     if not use_kernels(param):
         return reference.adamw_(
             param,
@@ -64,6 +66,7 @@ def fused_adamw_(
             weight_decay=weight_decay,
             step=step,
             inv_scale=inv_scale,
+            multiplier=multiplier,
             found_inf=found_inf,
             lowp_out=lowp_out,
         )
@@ -80,6 +83,7 @@ def fused_adamw_(
     vec4 = n % 4 == 0 and all(p % 16 == 0 for p in pointers)
     lowp = 0 if lowp_out is None else tensor(lowp_out, "lowp_out", dtypes=(torch.float16, torch.bfloat16), like=param)
     flag = 0 if found_inf is None else tensor(found_inf, "found_inf", dtypes=(torch.int32,), like=param)
+    scalar = 0 if multiplier is None else tensor(multiplier, "multiplier", dtypes=(torch.float32,), like=param)
     args = (
         pointers[0],
         tensor(grad, "grad", dtypes=tuple(SUFFIX), like=param),
@@ -95,6 +99,7 @@ def fused_adamw_(
         f32(1.0 - beta1**step),
         f32(math.sqrt(1.0 - beta2**step)),
         f32(inv_scale),
+        scalar,
         flag,
         int(vec4),
     )

@@ -175,13 +175,14 @@ def adamw_(
     weight_decay: float,
     step: int,
     inv_scale: float = 1.0,
+    multiplier: Tensor | None = None,
     found_inf: Tensor | None = None,
     lowp_out: Tensor | None = None,
 ) -> None:
     """torch.optim.AdamW's update on fp32 ``param`` with moments in place; skipped while ``found_inf`` is set."""
     if found_inf is not None and bool(found_inf.item()):
         return
-    g = grad.float() * inv_scale
+    g = grad.float() * (inv_scale if multiplier is None else multiplier * inv_scale)  # as the kernel: one factor
     param.mul_(1.0 - lr * weight_decay)
     exp_avg.lerp_(g, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)

@@ -104,5 +104,8 @@ def wrap_optimizers(
         group=group,
     )
     gathers = ParamGathers(reducer, group=group) if config.stage < 3 else None
-    zero = [ZeroOptimizer(opt, locate, names, reducer, gathers=gathers, group=group) for opt in optimizers]
+    zero = [
+        ZeroOptimizer(opt, locate, names, reducer, gathers=gathers, fused_step=config.fused_step, group=group)
+        for opt in optimizers
+    ]
     return zero, reducer, gathers

@@ -116,6 +116,7 @@ class FlatUnit:
             self.param_shard.copy_(self.param_chunk(layout.buckets[0]))
             self.reshard()
         self.used = bytearray(len(self.params))  # on the host: set by gradient hooks without touching the device
+        self.params_current = False  # the step wrote the parameters' copy already (sharding/fused_step.py)
         self.flat_grad_dirty = False  # stage 1: the flat gradient holds values no reduction consumed
         self.master: Tensor | None = None
         self.master_in_place = False  # stages 1 and 2 with fp32 parameters: the master is the flat buffer's chunks
@@ -293,6 +294,7 @@ class FlatUnit:
             tensor.grad = self.step_grad[lo : lo + piece.numel] if used[piece.param] else None
 
     def release_grads(self) -> None:
+        self.params_current = False
         for tensor in self.piece_tensors:
             tensor.grad = None
         self.step_grad = None
@@ -322,14 +324,14 @@ class FlatUnit:
     def refresh_shard(self) -> None:
         """Stage 3 after a step: the shard follows the updated master (the next gather spreads it; a unit
         gathered now must be gathered again, see ``unshard_together``). Stages 1 and 2: see ``publish``."""
-        if self.param_shard is not self.master:
+        if self.param_shard is not self.master and not self.params_current:
             copy_to(self.param_shard, self.master)
 
     def publish(self, bucket: Bucket, *, group=None) -> dist.Work | collectives.Pending | None:
         """Stages 1 and 2 after a step: copies this rank's updated chunk of ``bucket`` into the flat buffer
         and starts the all-gather that gives every rank the whole bucket (see param_gather.py)."""
         own = self.param_chunk(bucket)
-        if own.data_ptr() != self.master_chunk(bucket).data_ptr():
+        if own.data_ptr() != self.master_chunk(bucket).data_ptr() and not self.params_current:
             copy_to(own, self.master_chunk(bucket))
         flat = self.flat_param[bucket.start : bucket.start + bucket.numel]
         return collectives.all_gather(flat, own, async_op=True, group=group)

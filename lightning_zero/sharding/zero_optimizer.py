@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit, unshard_together
+from lightning_zero.sharding.fused_step import FusedAdamWStep, supports
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import Piece
 from lightning_zero.sharding.offload import use_fused_host_step, wait_for_device
@@ -102,9 +103,11 @@ class ZeroOptimizer:
         reducer: GradReducer,
         *,
         gathers: ParamGathers | None = None,
+        fused_step: str = "never",
         group=None,
     ) -> None:
-        """``locate`` maps each trainable parameter to (unit, index in the unit); frozen ones are absent."""
+        """``locate`` maps each trainable parameter to (unit, index in the unit); frozen ones are absent.
+        ``fused_step``: see fused_step.py."""
         if optimizer.state:
             raise ValueError(
                 f"the optimizer {type(optimizer).__name__} already holds state before sharding; create it fresh in"
@@ -127,6 +130,7 @@ class ZeroOptimizer:
         self.units = list({id(s.unit): s.unit for slots in self._slots for s in slots if s is not None}.values())
         if any(unit.offload is not None for unit in self.units):
             use_fused_host_step(optimizer)
+        self.fused = FusedAdamWStep(optimizer, fused_step) if fused_step != "never" and supports(optimizer) else None
         self._prepared = False
         self._found_inf = False
         self._multiplier: float | Tensor = 1.0
@@ -301,13 +305,14 @@ class ZeroOptimizer:
         self._multiplier = self._multiplier * (max_norm / (norm + 1e-6)).clamp(max=1.0)
         return norm
 
-    def unscale_(self) -> None:
-        """Applies the pending unscale and clip factor to the gradients now."""
+    def unscale_(self, skip: set[int] = frozenset()) -> None:
+        """Applies the pending unscale and clip factor to the gradients now (but those of units in ``skip``,
+        by id, which the fused step applied it to)."""
         multiplier, self._multiplier = self._multiplier, 1.0
         if isinstance(multiplier, float) and multiplier == 1.0:
             return
         for unit in self.units:
-            if unit.step_grad is not None:
+            if unit.step_grad is not None and id(unit) not in skip:
                 unit.step_grad.mul_(multiplier)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -317,8 +322,9 @@ class ZeroOptimizer:
                 loss = closure()
         if self.prepare_grads():
             raise RuntimeError("gradients overflowed: skip this step with skip_step() instead")
-        self.unscale_()
         wait_for_device(self.units)  # offloaded: the last step's copies to the device have read the master
+        fused = self.fused.step(self.units, self._multiplier) if self.fused is not None else set()
+        self.unscale_(skip=fused)
         self.optimizer.step()
         if self.gathers is not None:
             self.gathers.launch(self.units)

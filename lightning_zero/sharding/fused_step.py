@@ -1,0 +1,131 @@
+"""The fused AdamW step inside ZeRO: one kernel pass per bucket chunk of a unit's partition.
+
+[Note: the fused ZeRO step]
+With ``ZeroConfig.fused_step`` on ("auto": where the CUDA kernels run; "always": everywhere, the CPU
+running the kernels' pure-torch reference, which is how the CPU tests check this code; "never") and a
+wrapped ``torch.optim.AdamW`` (no amsgrad, maximize, capturable, differentiable or tensor lr) or
+``FusedAdamW``, a unit whose pieces all got a gradient on some rank and share one step count is stepped
+by ``fused_adamw_`` on each run of adjacent pieces in one bucket and one param group (stages 1 and 2:
+one run per bucket; stage 3: a module's matrices and vectors may sit in two groups). One pass
+reads the reduced gradient in its own dtype (no fp32 copy of a 16-bit partition), applies the pending
+unscale and clip factor (a device scalar: no host sync), updates the fp32 master and both moments, and
+writes the parameters' 16-bit copy straight into the buffer the all-gather sends (stages 1 and 2: the
+chunk of the flat buffer; stage 3: the shard), so the post-step copy is skipped. Any other unit takes
+the optimizer's own step, as before. Adam's moments live in one flat fp32 buffer per unit; each piece's
+optimizer state holds views of them (and its own ``step``), so checkpoints save and load the usual
+per-parameter state; state that arrives otherwise (a checkpoint, a step taken by the optimizer itself)
+is copied into the flat buffers on the next fused step. The fp16 overflow decision stays the host's
+one read (zero_optimizer.py's [Note: host syncs]): a skipped step never reaches this code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.kernels.adamw import FusedAdamW, fused_adamw_
+from lightning_zero.kernels.loader import use_kernels
+from lightning_zero.sharding.flat_unit import FlatUnit
+
+
+def supports(optimizer: Optimizer) -> bool:
+    """Whether the fused step computes exactly what ``optimizer`` would."""
+    if isinstance(optimizer, FusedAdamW):
+        return True
+    if type(optimizer) is not torch.optim.AdamW:
+        return False
+    unsupported = ("amsgrad", "maximize", "capturable", "differentiable")
+    return all(not any(g.get(k) for k in unsupported) and not torch.is_tensor(g["lr"]) for g in optimizer.param_groups)
+
+
+class FusedAdamWStep:
+    def __init__(self, optimizer: Optimizer, mode: str) -> None:
+        self.optimizer = optimizer
+        self.mode = mode  # "auto" or "always"
+        self._moments: dict[int, tuple[Tensor, Tensor]] = {}  # id(unit) -> flat exp_avg, exp_avg_sq
+
+    def _runs(self, unit: FlatUnit) -> list[tuple[int, int, dict, Tensor | None]] | None:
+        """The unit's partition as runs of adjacent pieces in one bucket and one param group:
+        (start, end, group, where its 16-bit parameters go); None if a piece is in no group of ours."""
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        runs: list[list] = []
+        for piece, tensor in zip(unit.pieces, unit.piece_tensors):
+            group = group_of.get(id(tensor))
+            if group is None:
+                return None
+            bucket = unit.layout.buckets[unit.layout.param_bucket[piece.param]]
+            lo, hi = piece.partition_offset, piece.partition_offset + piece.numel
+            if runs and runs[-1][2] is group and runs[-1][3] is bucket and runs[-1][1] == lo:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, group, bucket])
+        return [(lo, hi, group, _lowp_target(unit, bucket, lo, hi)) for lo, hi, group, bucket in runs]
+
+    def step(self, units: list[FlatUnit], multiplier: float | Tensor) -> set[int]:
+        """Steps every eligible unit and drops its pieces' gradients (so the optimizer's own step skips
+        them); returns their ids."""
+        done = set()
+        for unit in units:
+            pieces = unit.piece_tensors
+            if not pieces or (self.mode == "auto" and not use_kernels(unit.master_view(0, 1))):
+                continue
+            runs = self._runs(unit) if all(t.grad is not None for t in pieces) else None
+            states = [self.optimizer.state[t] for t in pieces]
+            steps = {float(s["step"]) if s else 0.0 for s in states}
+            if runs is None or len(steps) != 1:
+                continue
+            step = steps.pop() + 1
+            exp_avg, exp_avg_sq = self._flat_moments(unit, states)
+            scale = {"inv_scale": multiplier} if isinstance(multiplier, float) else {"multiplier": multiplier.float()}
+            for lo, hi, group, lowp in runs:
+                beta1, beta2 = group["betas"]
+                fused_adamw_(
+                    unit.master_view(lo, hi - lo),
+                    unit.reduced[lo:hi],
+                    exp_avg[lo:hi],
+                    exp_avg_sq[lo:hi],
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=int(step),
+                    lowp_out=lowp,
+                    **scale,
+                )
+            for state, tensor in zip(states, pieces):
+                state["step"].fill_(step)
+                tensor.grad = None
+            unit.params_current = all(lowp is not None for *_, lowp in runs)  # the post-step copy is done
+            done.add(id(unit))
+        return done
+
+    def _flat_moments(self, unit: FlatUnit, states: list[dict]) -> tuple[Tensor, Tensor]:
+        """The unit's flat moments, with every piece's state pointing into them (adopting what it held)."""
+        master = unit.master_chunk(unit.layout.buckets[0])
+        if id(unit) not in self._moments:
+            zeros = torch.zeros(unit.layout.partition_numel, dtype=torch.float32, device=master.device)
+            self._moments[id(unit)] = (zeros, zeros.clone())
+        flat = self._moments[id(unit)]
+        for piece, state in zip(unit.pieces, states):
+            views = [m[piece.partition_offset : piece.partition_offset + piece.numel] for m in flat]
+            for key, view in zip(("exp_avg", "exp_avg_sq"), views):
+                held = state.get(key)
+                if held is not None and held.data_ptr() != view.data_ptr():
+                    view.copy_(held.reshape(-1))
+                state[key] = view
+            state.setdefault("step", torch.tensor(0.0))
+        return flat
+
+
+def _lowp_target(unit: FlatUnit, bucket, lo: int, hi: int) -> Tensor | None:
+    """Where the step writes the 16-bit parameters of partition elements [lo, hi) (in ``bucket``'s chunk),
+    if the parameters are 16-bit and on the master's device."""
+    if unit.param_dtype == torch.float32 or unit.master is None:
+        return None
+    if unit.param_shard is not None:
+        return unit.param_shard[lo:hi] if unit.param_shard.device == unit.master.device else None
+    if unit.flat_param.device != unit.master.device:
+        return None
+    return unit.param_chunk(bucket)[lo - bucket.partition_offset : hi - bucket.partition_offset]
