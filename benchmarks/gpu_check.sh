@@ -25,7 +25,7 @@ run() {  # run TITLE COMMAND...: appends the command's output to the report
   python3 -c "import cupy; print('cupy', cupy.__version__)" 2>/dev/null || echo "no CuPy"
 } > "$report"
 run "Kernel parity tests" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py
-run "ZeRO-Offload on CUDA" python3 -m pytest -q -p no:cacheprovider tests/test_offload_gpu.py
+run "ZeRO-Offload and the fused ZeRO step on CUDA" python3 -m pytest -q -p no:cacheprovider tests/test_offload_gpu.py
 run "Kernel benchmarks" python3 benchmarks/bench_kernels.py $dry --out "$out_dir/kernels_$(date +%F).md"
 run "zero2 training steps" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40
 run "zero2 training steps, fused block" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40 --fused
