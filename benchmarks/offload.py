@@ -81,6 +81,14 @@ def _available(name: str) -> bool:
     return True
 
 
+def _deepspeed_version() -> str:
+    try:
+        import deepspeed
+    except ImportError:
+        return "not installed"
+    return deepspeed.__version__
+
+
 def _host_step_table(args) -> list[str]:
     rows = []
     names = [n for n in IMPLEMENTATIONS if n != "DeepSpeedCPUAdam"] + ["DeepSpeedCPUAdam"]
@@ -218,7 +226,8 @@ def main() -> None:
     lines = [
         "# ZeRO-Offload on the CPU",
         "",
-        f"- date: {datetime.date.today().isoformat()}; {os.cpu_count()} cores; torch {torch.__version__}",
+        f"- date: {datetime.date.today().isoformat()}; {os.cpu_count()} cores; torch {torch.__version__};"
+        f" deepspeed {_deepspeed_version()}",
         f"- command: `python benchmarks/offload.py {' '.join(sys.argv[1:])}`",
         "",
         *_host_step_table(args),
