@@ -57,7 +57,7 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.layout import Bucket
-from lightning_zero.sharding.offload import HostGradients
+from lightning_zero.sharding.offload import HostGradients, wait_for_copy
 
 
 class GradReducer:
@@ -105,6 +105,7 @@ class GradReducer:
         self._coalescing: list[int] = []  # stage 3: released slots waiting to fill a reduction bucket
         self._inflight_bytes = 0
         self._pool: dict[tuple, list[Tensor]] = {}  # free bucket buffers by (numel, dtype, device)
+        self._copying: dict[int, object] = {}  # id(buffer) -> the event of its copy to the host (offload, CUDA)
         self.check_param_read = None  # stages 1 and 2: set by ParamGathers (see param_gather.py)
         self._handles = []
         self.units = []
@@ -208,13 +209,16 @@ class GradReducer:
         if not free:
             free.append(torch.empty(numel, dtype=dtype, device=device))
             self.buffers_allocated += 1
-        return free.pop()
+        buffer = free.pop()
+        wait_for_copy(buffer, self._copying.pop(id(buffer), None))
+        return buffer
 
     def _give_back(self, unit: FlatUnit, slot: int) -> None:
         """Stage 1 zeroes the bucket's region of the flat gradient (consumed); other stages pool the buffer."""
         buffer = self._buffers[slot]
         self._buffers[slot] = None
         if unit.flat_grad is not None:
+            wait_for_copy(buffer, self._copying.pop(id(buffer), None))
             buffer.zero_()
         else:
             self._pool[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
@@ -278,13 +282,16 @@ class GradReducer:
         collectives.wait(work)
         self._inflight_bytes -= counted_bytes
         own = buffer.view(self.world_size, -1)[self.order[slots[0]][0].rank]
-        column = 0
+        column, copied = 0, None
         for slot in slots:
             unit, bucket = self.order[slot]
             if unit.flat_grad is not None and unit.reduced is None:  # stage 1: the step's reduced partition
                 unit.reduced = unit.new_reduced()
-            self._to_host.add(unit.reduced[unit.partition_slice(bucket)], own[column : column + bucket.chunk_numel])
+            chunk = own[column : column + bucket.chunk_numel]
+            copied = self._to_host.add(unit.reduced[unit.partition_slice(bucket)], chunk) or copied
             column += bucket.chunk_numel
+        if copied is not None:  # (offload on CUDA) the buffer's next user waits for the copy
+            self._copying[id(buffer)] = copied
         if len(slots) == 1:  # the slot's own buffer
             self._give_back(unit, slots[0])
         else:  # a combined buffer (the slots' own went back at launch)

@@ -12,11 +12,13 @@ the optimizer's state (torch optimizers allocate it beside the host pieces they 
 
 [Note: offloaded gradients]
 A bucket's reduced chunk is added into the host partition when its reduce-scatter is retired. On a
-CPU "device" that is one add. On CUDA the chunk is copied into a pinned staging buffer on the
-current stream (ordered after the reduction, which the compute stream already waits for; the host
-does not wait), an event marks the copy, and ``drain`` (end of backward, or the step) waits for the
-events and adds the staged chunks on the host, accumulating in fp32 across micro-batches. The bucket
-buffer goes back to the pool at once: its next use is queued on the same stream, after the copy.
+CPU "device" that is one add. On CUDA the chunk is copied into a pinned staging buffer on a side
+stream (which first waits for the compute stream, so for the reduction it waited on), off the compute
+stream and without the host waiting; an event marks the copy, and ``drain`` (end of backward, or the
+step) waits for the events and adds the staged chunks on the host, accumulating in fp32 across
+micro-batches. The bucket buffer goes back to the pool with that event: whoever takes it next makes
+the compute stream wait for the copy first (``GradReducer._pooled``; stage 1 before it zeroes its
+region), so compute only waits for a copy when it is about to overwrite what is being copied.
 
 [Note: the host step]
 Adam and AdamW groups that leave ``foreach`` and ``fused`` unset get ``fused=True`` when offloaded:
@@ -43,6 +45,12 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device, offload: Ho
     return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
 
 
+def wait_for_copy(buffer: Tensor, copied: torch.cuda.Event | None) -> None:
+    """Before ``buffer`` is overwritten on the compute stream: waits (on the device) for its copy to the host."""
+    if copied is not None:
+        torch.cuda.current_stream(buffer.device).wait_event(copied)
+
+
 def copy_to(target: Tensor, source: Tensor) -> None:
     """``target.copy_(source)`` across host and device; asynchronous from pinned host memory. From the
     host master to 16-bit device parameters the cast happens on the host, into a pinned staging buffer
@@ -59,16 +67,23 @@ class HostGradients:
 
     def __init__(self) -> None:
         self._pending: list[tuple[Tensor, Tensor, torch.cuda.Event]] = []
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def add(self, target: Tensor, source: Tensor) -> None:
+    def add(self, target: Tensor, source: Tensor) -> torch.cuda.Event | None:
+        """Adds ``source`` into ``target`` now, or (device to host) once drained; returns the event after
+        which ``source`` may be overwritten, if there is one."""
         if target.device == source.device or source.device.type != "cuda":
             target.add_(source)
-            return
-        staging = torch.empty(source.shape, dtype=source.dtype, pin_memory=target.is_pinned())
-        staging.copy_(source, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+            return None
+        side = self._streams.setdefault(source.device, torch.cuda.Stream(source.device))
+        side.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(side):
+            staging = torch.empty(source.shape, dtype=source.dtype, pin_memory=target.is_pinned())
+            staging.copy_(source, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(side)
         self._pending.append((target, staging, copied))
+        return copied
 
     def drain(self) -> None:
         """Waits for the staged copies and adds them into their host partitions."""
