@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_zero.kernels import ops  # noqa: F401  (registers the ops)
+from lightning_zero.kernels import launchers, ops
 
 LZ = torch.ops.lightning_zero
 
@@ -73,3 +73,13 @@ def test_compile_traces_the_ops_without_graph_breaks():
     torch.testing.assert_close(compiled_out, eager_out)
     for a, b in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    "rows,cols,sms", [(1, 8, 132), (100, 4096, 132), (4096, 64, 132), (2**25, 8, 132), (10**9, 1024, 8)]
+)
+def test_column_reductions_fill_the_device_and_never_exceed_the_grid(rows, cols, sms):
+    chunks, per_chunk = launchers.row_chunks(rows, cols, sms)
+    column_blocks = -(-cols // launchers.BLOCK)
+    assert 1 <= chunks <= launchers.MAX_GRID_Y and (chunks - 1) * per_chunk < rows <= chunks * per_chunk
+    assert chunks * column_blocks >= min(2 * sms, rows * column_blocks)  # 2+ blocks per SM while rows allow

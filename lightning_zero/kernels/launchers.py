@@ -14,7 +14,7 @@ from torch import Tensor
 from lightning_zero.kernels.loader import BLOCK, SUFFIX, f32, grid_for, i64, launch, tensor, u64
 
 FLOATS = tuple(SUFFIX)
-ROWS_PER_CHUNK = 256  # rows each block of a column reduction sums
+MAX_GRID_Y = 65535
 
 
 def _row_block(cols: int) -> int:
@@ -22,12 +22,26 @@ def _row_block(cols: int) -> int:
     return min(1024, max(32, 1 << (cols - 1).bit_length()))
 
 
+def row_chunks(rows: int, cols: int, sms: int) -> tuple[int, int]:
+    """(chunks, rows per chunk) of a column reduction over [rows, cols]: blocks of BLOCK columns times chunks
+    of rows, 2-4 blocks per SM when the rows allow (fewer columns, more chunks), at most 65535 chunks
+    (a grid's y limit: more rows make longer chunks, never a failed launch)."""
+    column_blocks = -(-cols // BLOCK)
+    chunks = max(1, min(rows, MAX_GRID_Y, -(-4 * sms // column_blocks)))
+    per_chunk = -(-rows // chunks)
+    return -(-rows // per_chunk), per_chunk
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _column_sum(data: Tensor, cols: int) -> Tensor:
     """fp32 sums over rows of ``data`` viewed as [rows, cols] (the gradient of a broadcast bias)."""
     rows = data.numel() // cols
-    chunks = -(-rows // ROWS_PER_CHUNK)
+    chunks, per_chunk = row_chunks(rows, cols, _sms(data.device))
     partial = torch.empty(chunks, cols, dtype=torch.float32, device=data.device)
-    args = (tensor(data, "data", dtypes=FLOATS), i64(rows), i64(cols), i64(ROWS_PER_CHUNK), partial.data_ptr())
+    args = (tensor(data, "data", dtypes=FLOATS), i64(rows), i64(cols), i64(per_chunk), partial.data_ptr())
     grid = (-(-cols // BLOCK), chunks)
     launch("reduce.cu", f"column_sum_partial_{SUFFIX[data.dtype]}", grid, BLOCK, args, device=data.device)
     return partial.sum(0)
@@ -74,7 +88,7 @@ def layer_norm_bwd(
         i64(cols),
     )
     launch("layer_norm.cu", f"layer_norm_bwd_input_{name}", rows, _row_block(cols), args, device=x.device)
-    chunks = -(-rows // ROWS_PER_CHUNK)
+    chunks, per_chunk = row_chunks(rows, cols, _sms(x.device))
     partial_dw = torch.empty(chunks, cols, dtype=torch.float32, device=x.device)
     partial_db = torch.empty_like(partial_dw)
     args = (
@@ -84,7 +98,7 @@ def layer_norm_bwd(
         rstd.data_ptr(),
         i64(rows),
         i64(cols),
-        i64(ROWS_PER_CHUNK),
+        i64(per_chunk),
         partial_dw.data_ptr(),
         partial_db.data_ptr(),
     )
