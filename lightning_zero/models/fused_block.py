@@ -1,13 +1,13 @@
 """FusedBlock: the GPT block computed with lightning_zero's fused ops (matmuls stay in torch/cuBLAS).
 
-It is a ``Block`` (same submodules, parameter names and state dict) whose forward runs
-LayerNorm, the causal softmax with attention dropout, bias + residual, and bias + GeLU as fused CUDA
-kernels on GPUs, and as their pure-torch references elsewhere. Select it with ``GPTConfig(fused=True)``.
+It is a ``Block`` (same submodules, parameter names and state dict) whose forward runs LayerNorm,
+bias + dropout + residual and bias + GeLU as fused CUDA kernels on GPUs, and as their pure-torch
+references elsewhere; the attention core is ``scaled_dot_product_attention`` (flash attention on GPUs:
+no T x T scores in memory, where ``ops.softmax_dropout`` would keep three of them per layer). Select it
+with ``GPTConfig(fused=True)``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +31,9 @@ class FusedBlock(Block):
         h = ops.layer_norm(x, self.ln_1.weight, _bias(self.ln_1, C, x))
         q, k, v = F.linear(h, attn.qkv.weight, attn.qkv.bias).split(C, dim=2)
         q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        scores = q @ k.transpose(-2, -1)  # (B, nh, T, T)
-        probs = ops.softmax_dropout(
-            scores, 1.0 / math.sqrt(C // n_head), causal=True, p=p, seed=fresh_seed() if p else 0
-        )
-        y = (probs @ v).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        # the attention core stays torch's flash / memory-efficient kernel: O(T) memory, no T x T scores
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         x = ops.bias_dropout_residual(F.linear(y, attn.proj.weight), _bias(attn.proj, C, x), x)
         h = ops.layer_norm(x, self.ln_2.weight, _bias(self.ln_2, C, x))
         fc, out = self.mlp[0], self.mlp[2]
