@@ -8,11 +8,17 @@ __device__ void bias_dropout_residual_fwd(const T* __restrict__ x, const float* 
                                           const T* __restrict__ residual, T* __restrict__ y, i64 n, i64 cols,
                                           float p_drop, unsigned long long seed, unsigned long long offset) {
   const float keep_scale = 1.f / (1.f - p_drop);
-  const i64 stride = (i64)gridDim.x * blockDim.x;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float v = to_f32(x[i]) + bias[i % cols];
-    if (p_drop > 0.f) v = philox_uniform(seed, offset, i) >= p_drop ? v * keep_scale : 0.f;
-    y[i] = from_f32<T>(to_f32(residual[i]) + v);
+  const i64 stride = (i64)gridDim.x * blockDim.x, groups = (n + 3) / 4;
+  for (i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {  // four elements each
+    const float4 u = p_drop > 0.f ? philox_uniform4(seed, offset, g) : make_float4(1.f, 1.f, 1.f, 1.f);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const i64 i = 4 * g + j;
+      if (i >= n) break;
+      float v = to_f32(x[i]) + bias[i % cols];
+      if (p_drop > 0.f) v = word_of(u, j) >= p_drop ? v * keep_scale : 0.f;
+      y[i] = from_f32<T>(to_f32(residual[i]) + v);
+    }
   }
 }
 
@@ -20,9 +26,16 @@ template <typename T>
 __device__ void dropout_bwd(const T* __restrict__ dy, T* __restrict__ dx, i64 n, float p_drop, unsigned long long seed,
                             unsigned long long offset) {
   const float keep_scale = 1.f / (1.f - p_drop);
-  const i64 stride = (i64)gridDim.x * blockDim.x;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-    dx[i] = from_f32<T>(philox_uniform(seed, offset, i) >= p_drop ? to_f32(dy[i]) * keep_scale : 0.f);
+  const i64 stride = (i64)gridDim.x * blockDim.x, groups = (n + 3) / 4;
+  for (i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {  // four elements each
+    const float4 u = philox_uniform4(seed, offset, g);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const i64 i = 4 * g + j;
+      if (i >= n) break;
+      dx[i] = from_f32<T>(word_of(u, j) >= p_drop ? to_f32(dy[i]) * keep_scale : 0.f);
+    }
+  }
 }
 
 #define LZ_BIAS_DROPOUT_RESIDUAL(T, N)                                                                               \

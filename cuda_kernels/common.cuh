@@ -63,13 +63,24 @@ __device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
   return counter;
 }
 
-// A uniform float in [0, 1) for element `index` of the dropout stream (seed, offset): the first word
-// of Philox at counter (index low, index high, offset low, offset high), its top 24 bits.
-__device__ __forceinline__ float philox_uniform(unsigned long long seed, unsigned long long offset, i64 index) {
-  const unsigned long long i = (unsigned long long)index;
-  const uint4 bits = philox4x32(make_uint4((unsigned)i, (unsigned)(i >> 32), (unsigned)offset, (unsigned)(offset >> 32)),
+// The dropout stream (seed, offset): one Philox call gives the four elements 4g .. 4g + 3 (its four
+// words, in order), from counter (g low, g high, offset low, offset high); each word's top 24 bits make a
+// uniform float in [0, 1). Kernels that walk elements in fours call philox_uniform4 once per four.
+__device__ __forceinline__ float4 philox_uniform4(unsigned long long seed, unsigned long long offset, i64 group) {
+  const unsigned long long g = (unsigned long long)group;
+  const uint4 bits = philox4x32(make_uint4((unsigned)g, (unsigned)(g >> 32), (unsigned)offset, (unsigned)(offset >> 32)),
                                 make_uint2((unsigned)seed, (unsigned)(seed >> 32)));
-  return (bits.x >> 8) * (1.0f / 16777216.0f);
+  const float unit = 1.0f / 16777216.0f;
+  return make_float4((bits.x >> 8) * unit, (bits.y >> 8) * unit, (bits.z >> 8) * unit, (bits.w >> 8) * unit);
 }
+
+// Element `index` of the same stream, alone (for kernels that cannot walk in fours).
+__device__ __forceinline__ float philox_uniform(unsigned long long seed, unsigned long long offset, i64 index) {
+  const float4 u = philox_uniform4(seed, offset, index >> 2);
+  const int word = (int)(index & 3);
+  return word == 0 ? u.x : word == 1 ? u.y : word == 2 ? u.z : u.w;
+}
+
+__device__ __forceinline__ float word_of(float4 u, int j) { return j == 0 ? u.x : j == 1 ? u.y : j == 2 ? u.z : u.w; }
 
 #define LZ_EXPORT_FLOATING(MACRO) MACRO(float, f32) MACRO(__half, f16) MACRO(__nv_bfloat16, bf16)

@@ -209,7 +209,7 @@ def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: floa
         u64(offset),
     )
     kernel = f"bias_dropout_residual_fwd_{SUFFIX[x.dtype]}"
-    launch("bias_dropout_residual.cu", kernel, grid_for(x.numel()), BLOCK, args, device=x.device)
+    launch("bias_dropout_residual.cu", kernel, grid_for(x.numel(), 4), BLOCK, args, device=x.device)
     return y
 
 
@@ -219,7 +219,7 @@ def dropout_bwd(dy: Tensor, p: float, seed: int, offset: int) -> Tensor:
     dx = torch.empty_like(dy)
     args = (tensor(dy, "dy", dtypes=FLOATS), dx.data_ptr(), i64(dy.numel()), f32(p), u64(seed), u64(offset))
     kernel = f"dropout_bwd_{SUFFIX[dy.dtype]}"
-    launch("bias_dropout_residual.cu", kernel, grid_for(dy.numel()), BLOCK, args, device=dy.device)
+    launch("bias_dropout_residual.cu", kernel, grid_for(dy.numel(), 4), BLOCK, args, device=dy.device)
     return dx
 
 
