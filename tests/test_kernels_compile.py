@@ -65,3 +65,42 @@ def test_kernels_compile_without_warnings(source, arch):
         assert entries == {e.encode() for e in ENTRY_POINTS[source]}
     else:
         assert binary[:4] == b"\x7fELF"  # a cubin is an ELF image
+
+
+# Kernels launched with one row per block use up to 1024 threads (loader's _row_block): 65536 registers per SM
+# allow 64 per thread for one such block to fit.
+ROW_KERNELS = ("layer_norm_fwd", "layer_norm_bwd_input", "softmax_dropout_fwd", "softmax_dropout_bwd")
+
+
+def _ptxas_report(source: str, arch: str) -> dict[str, dict[str, int]]:
+    """Per entry point: registers, stack frame and spill bytes, from ptxas's verbose log."""
+    code = (source_dir() / source).read_bytes()
+    program = _check(nvrtc.nvrtcCreateProgram(code, source.encode(), 0, [], []))
+    options = [o.encode() for o in (*compile_options(), f"-arch={arch}", "--ptxas-options=-v")]
+    assert nvrtc.nvrtcCompileProgram(program, len(options), options)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    log = bytearray(_check(nvrtc.nvrtcGetProgramLogSize(program)))
+    _check(nvrtc.nvrtcGetProgramLog(program, log))
+    _check(nvrtc.nvrtcDestroyProgram(program))
+    report: dict[str, dict[str, int]] = {}
+    for name, body in re.findall(
+        r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", log.decode(), re.S
+    ):
+        numbers = {
+            key: int(value)
+            for value, key in re.findall(r"(\d+) (?:bytes )?(stack frame|spill stores|spill loads|registers)", body)
+        }
+        report[name] = numbers
+    return report
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_no_kernel_spills_and_row_kernels_fit_1024_threads(source, arch):
+    """Proxies for speed that fail when a change throws the design away: registers spilled to local memory,
+    or a row kernel whose 1024-thread block no longer fits an SM's register file."""
+    report = _ptxas_report(source, arch)
+    assert set(report) == set(ENTRY_POINTS[source])
+    for name, numbers in report.items():
+        assert numbers["spill stores"] == numbers["spill loads"] == numbers["stack frame"] == 0, (arch, name, numbers)
+        if name.rsplit("_", 1)[0] in ROW_KERNELS:
+            assert numbers["registers"] <= 64, (arch, name, numbers)
