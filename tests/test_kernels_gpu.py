@@ -205,3 +205,13 @@ def test_fused_block_on_gpu(dtype, tol):
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
         out_plain, out_fused = plain(idx), fused(idx)
     torch.testing.assert_close(out_fused.float(), out_plain.float(), rtol=tol, atol=tol)
+
+
+def test_dropout_streams_come_from_the_cuda_generator():
+    """Without a seed each call takes a fresh stream from torch's CUDA generator: torch.manual_seed governs it."""
+    x, b, r = torch.randn(64, 64, device="cuda"), torch.zeros(64, device="cuda"), torch.zeros(64, 64, device="cuda")
+    torch.manual_seed(3)
+    first, second = (ops.bias_dropout_residual(x, b, r, p=0.5) for _ in range(2))
+    assert not torch.equal(first == 0, second == 0)
+    torch.manual_seed(3)
+    assert torch.equal(ops.bias_dropout_residual(x, b, r, p=0.5), first)

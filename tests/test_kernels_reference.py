@@ -118,6 +118,18 @@ def test_bool_per_head_and_padding_masks_mean_what_sdpa_means():
         torch.testing.assert_close(ours, torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=0.5))
 
 
+def test_without_a_seed_each_call_drops_anew_and_manual_seed_governs_it():
+    x, b, r = torch.randn(64, 32), torch.zeros(32), torch.zeros(64, 32)
+    torch.manual_seed(5)
+    first, second = (ops.bias_dropout_residual(x, b, r, p=0.5) for _ in range(2))
+    assert not torch.equal(first == 0, second == 0)  # no fixed default stream
+    torch.manual_seed(5)
+    assert torch.equal(ops.bias_dropout_residual(x, b, r, p=0.5), first)
+    scores = torch.randn(1, 2, 8, 8)
+    torch.manual_seed(5)
+    assert not torch.equal(ops.softmax_dropout(scores, 1.0, p=0.5), ops.softmax_dropout(scores, 1.0, p=0.5))
+
+
 def test_softmax_dropout_reference_drops_with_the_philox_stream():
     scores = torch.randn(2, 2, 8, 8)
     out = ops.softmax_dropout(scores, 1.0, p=0.5, seed=3, offset=2)

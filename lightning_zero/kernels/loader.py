@@ -156,6 +156,14 @@ def launch(
         function(grid, (block,), args)
 
 
-def fresh_seed() -> int:
-    """A dropout seed drawn from torch's CPU generator (no device sync; reproducible under a fixed seed)."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+def dropout_stream(device: torch.device, numel: int) -> tuple[int, int]:
+    """A fresh (seed, offset) for one dropout of ``numel`` elements, from torch's own generator state, so
+    ``torch.manual_seed`` governs it and no two calls share a mask. On CUDA: the device generator's seed and
+    its Philox offset, advanced past what the call uses, as torch's dropout reserves its range (a host-side
+    read: no sync). On the CPU: a seed drawn from the CPU generator (as torch's CPU dropout consumes it)."""
+    if device.type == "cuda":
+        generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4 * -(-numel // 16))  # a multiple of 4, as torch's own reservations
+        return generator.initial_seed(), offset
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64)), 0

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.kernels import launchers, reference
-from lightning_zero.kernels.loader import SUFFIX, use_kernels
+from lightning_zero.kernels.loader import SUFFIX, dropout_stream, use_kernels
 
 FLOATS = tuple(SUFFIX)
 _LIB = "lightning_zero::"
@@ -254,27 +254,30 @@ def softmax_dropout(
     causal: bool = False,
     mask: Tensor | None = None,
     p: float = 0.0,
-    seed: int = 0,
+    seed: int | None = None,
     offset: int = 0,
 ) -> Tensor:
     """dropout(softmax(scores * scale + mask)) over the keys of (batch, heads, q_len, k_len) scores.
 
     ``mask``: any shape that broadcasts to the scores; bool (True = attend, as in
-    ``scaled_dot_product_attention``) or floating-point (added to the scaled scores)."""
+    ``scaled_dot_product_attention``) or floating-point (added to the scaled scores). ``seed``/``offset``
+    name the dropout stream; by default a fresh one from torch's generator (``loader.dropout_stream``)."""
     if scores.dim() != 4:
         raise ValueError(f"scores must be (batch, heads, q_len, k_len), got shape {tuple(scores.shape)}")
     _check_input(scores, "scores")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     mask = None if mask is None else _additive_mask(mask, scores)
+    seed, offset = _stream(scores, p, seed, offset)
     return _softmax_dropout_fwd(scores, mask, scale, causal, p, seed, offset)[0]
 
 
 def bias_dropout_residual(
-    x: Tensor, bias: Tensor, residual: Tensor, p: float = 0.0, seed: int = 0, offset: int = 0
+    x: Tensor, bias: Tensor, residual: Tensor, p: float = 0.0, seed: int | None = None, offset: int = 0
 ) -> Tensor:
     """residual + dropout(x + bias), in the promoted dtype of x and residual (as ``residual + x`` would be:
-    under autocast the residual stream stays fp32 while x comes out of a bf16 matmul)."""
+    under autocast the residual stream stays fp32 while x comes out of a bf16 matmul). ``seed``/``offset``:
+    as in ``softmax_dropout``."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     _check_input(x)
@@ -283,4 +286,13 @@ def bias_dropout_residual(
     _check_like("residual", residual, x, tuple(x.shape))
     dtype = torch.promote_types(x.dtype, residual.dtype)
     x, residual = x.to(dtype), residual.to(dtype)
+    seed, offset = _stream(x, p, seed, offset)
     return _bias_dropout_residual_fwd(x, bias, residual, p, seed, offset)
+
+
+def _stream(x: Tensor, p: float, seed: int | None, offset: int) -> tuple[int, int]:
+    """The dropout stream: the caller's, or without one a fresh one from torch's generator (never a fixed
+    default, which would drop the same elements on every call)."""
+    if seed is not None or p == 0.0:
+        return seed or 0, offset
+    return dropout_stream(x.device, x.numel())

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zero.kernels import ops
-from lightning_zero.kernels.loader import fresh_seed
 from lightning_zero.models.gpt import Block
 
 
@@ -39,6 +38,4 @@ class FusedBlock(Block):
         fc, out = self.mlp[0], self.mlp[2]
         g = ops.bias_gelu(F.linear(h, fc.weight), _bias(fc, fc.out_features, h), approximate="none")
         p_mlp = self.mlp[3].p if self.training else 0.0
-        return ops.bias_dropout_residual(
-            F.linear(g, out.weight), _bias(out, C, x), x, p=p_mlp, seed=fresh_seed() if p_mlp else 0
-        )
+        return ops.bias_dropout_residual(F.linear(g, out.weight), _bias(out, C, x), x, p=p_mlp)
