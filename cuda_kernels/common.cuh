@@ -83,4 +83,19 @@ __device__ __forceinline__ float philox_uniform(unsigned long long seed, unsigne
 
 __device__ __forceinline__ float word_of(float4 u, int j) { return j == 0 ? u.x : j == 1 ? u.y : j == 2 ? u.z : u.w; }
 
+// 16 bytes of T (8 half-precision values, 4 floats): moved with one vector load or store. Callers check
+// that the pointers are 16-byte aligned.
+template <typename T> struct alignas(16) Pack {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T* p) {
+  Pack<T> out;
+  *reinterpret_cast<uint4*>(out.v) = __ldg(reinterpret_cast<const uint4*>(p));
+  return out;
+}
+template <typename T> __device__ __forceinline__ void store_pack(T* p, const Pack<T>& in) {
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(in.v);
+}
+
 #define LZ_EXPORT_FLOATING(MACRO) MACRO(float, f32) MACRO(__half, f16) MACRO(__nv_bfloat16, bf16)

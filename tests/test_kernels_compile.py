@@ -104,3 +104,17 @@ def test_no_kernel_spills_and_row_kernels_fit_1024_threads(source, arch):
         assert numbers["spill stores"] == numbers["spill loads"] == numbers["stack frame"] == 0, (arch, name, numbers)
         if name.rsplit("_", 1)[0] in ROW_KERNELS:
             assert numbers["registers"] <= 64, (arch, name, numbers)
+
+
+# Kernels whose main loop moves 16 bytes per load (8 fp16/bf16 values): latency-bound 2-byte loads are what
+# kept the 16-bit kernels far from the memory bandwidth.
+VECTOR_LOADS = {"bias_gelu.cu": ["bias_gelu_fwd", "bias_gelu_bwd"]}
+
+
+@pytest.mark.parametrize("source", sorted(VECTOR_LOADS))
+def test_16_bit_kernels_load_16_bytes_at_a_time(source):
+    ptx = _compile(source, "compute_90")[0].decode()
+    bodies = dict(re.findall(r"\.entry (\w+)\((.*?)(?=\.entry |\Z)", ptx, re.S))
+    for kernel in VECTOR_LOADS[source]:
+        for dtype in ("f16", "bf16"):
+            assert re.search(r"ld\.global(\.nc)?\.v4\.u32", bodies[f"{kernel}_{dtype}"]), f"{kernel}_{dtype}"

@@ -107,9 +107,17 @@ def layer_norm_bwd(
     return dx, partial_dw.sum(0).to(weight.dtype), partial_db.sum(0).to(bias_dtype)
 
 
+def _pack(n: int, *tensors: Tensor) -> int:
+    """Elements per thread step: a 16-byte pack when ``n`` splits into packs and every tensor is 16-byte
+    aligned (the kernels' ``vec`` path), else 1."""
+    per_pack = 16 // tensors[0].element_size()
+    return per_pack if n % per_pack == 0 and all(t.data_ptr() % 16 == 0 for t in tensors) else 1
+
+
 def bias_gelu_fwd(x: Tensor, bias: Tensor, tanh: bool) -> Tensor:
     x, b = x.contiguous(), bias.float().contiguous()
     y = torch.empty_like(x)
+    pack = _pack(x.numel(), x, y)
     args = (
         tensor(x, "x", dtypes=FLOATS),
         tensor(b, "bias", dtypes=(torch.float32,), like=x),
@@ -117,14 +125,17 @@ def bias_gelu_fwd(x: Tensor, bias: Tensor, tanh: bool) -> Tensor:
         i64(x.numel()),
         i64(x.shape[-1]),
         int(tanh),
+        int(pack > 1),
     )
-    launch("bias_gelu.cu", f"bias_gelu_fwd_{SUFFIX[x.dtype]}", grid_for(x.numel()), BLOCK, args, device=x.device)
+    kernel = f"bias_gelu_fwd_{SUFFIX[x.dtype]}"
+    launch("bias_gelu.cu", kernel, grid_for(x.numel(), pack), BLOCK, args, device=x.device)
     return y
 
 
 def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool) -> tuple[Tensor, Tensor]:
     x, dy, b = x.contiguous(), dy.contiguous(), bias.float().contiguous()
     dx = torch.empty_like(x)
+    pack = _pack(x.numel(), dy, x, dx)
     args = (
         tensor(dy, "dy", dtypes=(x.dtype,), like=x),
         x.data_ptr(),
@@ -133,8 +144,10 @@ def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool) -> tuple[Tens
         i64(x.numel()),
         i64(x.shape[-1]),
         int(tanh),
+        int(pack > 1),
     )
-    launch("bias_gelu.cu", f"bias_gelu_bwd_{SUFFIX[x.dtype]}", grid_for(x.numel()), BLOCK, args, device=x.device)
+    kernel = f"bias_gelu_bwd_{SUFFIX[x.dtype]}"
+    launch("bias_gelu.cu", kernel, grid_for(x.numel(), pack), BLOCK, args, device=x.device)
     return dx, _column_sum(dx, x.shape[-1]).to(bias.dtype)
 
 
