@@ -108,7 +108,10 @@ def test_no_kernel_spills_and_row_kernels_fit_1024_threads(source, arch):
 
 # Kernels whose main loop moves 16 bytes per load (8 fp16/bf16 values): latency-bound 2-byte loads are what
 # kept the 16-bit kernels far from the memory bandwidth.
-VECTOR_LOADS = {"bias_gelu.cu": ["bias_gelu_fwd", "bias_gelu_bwd"]}
+VECTOR_LOADS = {
+    "bias_gelu.cu": ["bias_gelu_fwd", "bias_gelu_bwd"],
+    "bias_dropout_residual.cu": ["bias_dropout_residual_fwd", "dropout_bwd"],
+}
 
 
 @pytest.mark.parametrize("source", sorted(VECTOR_LOADS))

@@ -210,6 +210,7 @@ def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, see
 def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
     x, residual, b = x.contiguous(), residual.contiguous(), bias.float().contiguous()
     y = torch.empty_like(x)
+    pack = _pack(x.numel(), x, residual, y)
     args = (
         tensor(x, "x", dtypes=FLOATS),
         tensor(b, "bias", dtypes=(torch.float32,), like=x),
@@ -220,9 +221,10 @@ def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: floa
         f32(p),
         u64(seed),
         u64(offset),
+        int(pack > 1),
     )
     kernel = f"bias_dropout_residual_fwd_{SUFFIX[x.dtype]}"
-    launch("bias_dropout_residual.cu", kernel, grid_for(x.numel(), 4), BLOCK, args, device=x.device)
+    launch("bias_dropout_residual.cu", kernel, grid_for(x.numel(), max(pack, 4)), BLOCK, args, device=x.device)
     return y
 
 
@@ -230,9 +232,18 @@ def dropout_bwd(dy: Tensor, p: float, seed: int, offset: int) -> Tensor:
     """The gradient through dropout: dy where kept (scaled by 1 / (1 - p)), zero where dropped."""
     dy = dy.contiguous()
     dx = torch.empty_like(dy)
-    args = (tensor(dy, "dy", dtypes=FLOATS), dx.data_ptr(), i64(dy.numel()), f32(p), u64(seed), u64(offset))
+    pack = _pack(dy.numel(), dy, dx)
+    args = (
+        tensor(dy, "dy", dtypes=FLOATS),
+        dx.data_ptr(),
+        i64(dy.numel()),
+        f32(p),
+        u64(seed),
+        u64(offset),
+        int(pack > 1),
+    )
     kernel = f"dropout_bwd_{SUFFIX[dy.dtype]}"
-    launch("bias_dropout_residual.cu", kernel, grid_for(dy.numel(), 4), BLOCK, args, device=dy.device)
+    launch("bias_dropout_residual.cu", kernel, grid_for(dy.numel(), max(pack, 4)), BLOCK, args, device=dy.device)
     return dx
 
 
