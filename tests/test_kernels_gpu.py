@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ROWS_COLS = [(1, 1023), (3, 1500), (5, 997)]
+ROWS_COLS = [(1, 1023), (3, 1500), (5, 997), (4, 1024)]  # odd sizes, and one the 16-byte-pack paths take
 
 
 def _poison() -> None:
@@ -130,9 +130,14 @@ def test_dropout_is_the_cpu_references_philox_stream_with_the_right_keep_rate():
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-7)
     assert torch.equal(out, ops.softmax_dropout(scores, 1.0, p=0.3, seed=12345, offset=6))
     assert abs(float((out != 0).float().mean()) - 0.7) < 0.005
-    x, b, r = torch.randn(8, 999, device="cuda"), torch.zeros(999, device="cuda"), torch.zeros(8, 999, device="cuda")
-    y = ops.bias_dropout_residual(x, b, r, p=0.5, seed=99)
-    assert torch.equal(y.cpu(), reference.bias_dropout_residual(x.cpu(), b.cpu(), r.cpu(), 0.5, 99, 0))
+    for cols, dtype in ((999, torch.float32), (1024, torch.float32), (1024, torch.bfloat16)):  # packs: 1024
+        x, r = torch.randn(8, cols, device="cuda", dtype=dtype), torch.randn(8, cols, device="cuda", dtype=dtype)
+        b = torch.randn(cols, device="cuda")
+        y = ops.bias_dropout_residual(x, b, r, p=0.5, seed=99)
+        assert torch.equal(y.cpu(), reference.bias_dropout_residual(x.cpu(), b.cpu(), r.cpu(), 0.5, 99, 0))
+        dy = torch.randn_like(x)
+        dx = torch.ops.lightning_zero.dropout_bwd(dy, 0.5, 99, 0)
+        assert torch.equal(dx.cpu(), reference.dropout_bwd(dy.cpu(), 0.5, 99, 0))
 
 
 @pytest.mark.parametrize("n", [1023, 1500, 4 * 997, 4096])  # odd sizes, and one the vectorized path takes
