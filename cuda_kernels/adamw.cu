@@ -18,41 +18,48 @@ template <typename G, typename L>
 __device__ void adamw(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
                       float* __restrict__ exp_avg_sq, L* __restrict__ lowp, i64 n, float lr, float beta1, float beta2,
                       float eps, float weight_decay, float bias1, float bias2_sqrt, float inv_scale,
-                      const float* __restrict__ multiplier, const int* __restrict__ found_inf, int vec4) {
+                      const float* __restrict__ multiplier, const int* __restrict__ found_inf, i64 head) {
   if (found_inf != nullptr && *found_inf != 0) return;
   if (multiplier != nullptr) inv_scale *= *multiplier;
   const float decay = 1.f - lr * weight_decay, step_size = lr / bias1;
-  const i64 stride = (i64)gridDim.x * blockDim.x;
-  i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (vec4) {  // the host checked: n % 4 == 0 and param, exp_avg, exp_avg_sq 16-byte aligned
-    for (; i < n / 4; i += stride) {
-      float4 p = reinterpret_cast<float4*>(param)[i];
-      float4 m = reinterpret_cast<float4*>(exp_avg)[i];
-      float4 v = reinterpret_cast<float4*>(exp_avg_sq)[i];
-      adamw_update(p.x, m.x, v.x, to_f32(grad[4 * i + 0]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
-      adamw_update(p.y, m.y, v.y, to_f32(grad[4 * i + 1]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
-      adamw_update(p.z, m.z, v.z, to_f32(grad[4 * i + 2]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
-      adamw_update(p.w, m.w, v.w, to_f32(grad[4 * i + 3]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
-      reinterpret_cast<float4*>(param)[i] = p;
-      reinterpret_cast<float4*>(exp_avg)[i] = m;
-      reinterpret_cast<float4*>(exp_avg_sq)[i] = v;
-      if (lowp != nullptr) {
-        lowp[4 * i + 0] = from_f32<L>(p.x);
-        lowp[4 * i + 1] = from_f32<L>(p.y);
-        lowp[4 * i + 2] = from_f32<L>(p.z);
-        lowp[4 * i + 3] = from_f32<L>(p.w);
-      }
-    }
-    return;
-  }
-  for (; i < n; i += stride) {
+  const i64 stride = (i64)gridDim.x * blockDim.x, first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  auto one = [&](i64 i) {
     float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
     adamw_update(p, m, v, to_f32(grad[i]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
     param[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     if (lowp != nullptr) lowp[i] = from_f32<L>(p);
+  };
+  if (head < 0) {  // param, exp_avg and exp_avg_sq misaligned differently: one element at a time
+    for (i64 i = first; i < n; i += stride) one(i);
+    return;
   }
+  // The host checked that the three fp32 buffers are equally misaligned: the first `head` elements (< 4) one
+  // at a time, then 16-byte loads of four elements from a common aligned start, then the tail.
+  const i64 groups = (n - head) / 4;
+  float4* const P = reinterpret_cast<float4*>(param + head);
+  float4* const M = reinterpret_cast<float4*>(exp_avg + head);
+  float4* const V = reinterpret_cast<float4*>(exp_avg_sq + head);
+  for (i64 i = first; i < head; i += stride) one(i);
+  for (i64 k = first; k < groups; k += stride) {
+    float4 p = P[k], m = M[k], v = V[k];
+    const i64 i = head + 4 * k;
+    adamw_update(p.x, m.x, v.x, to_f32(grad[i + 0]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
+    adamw_update(p.y, m.y, v.y, to_f32(grad[i + 1]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
+    adamw_update(p.z, m.z, v.z, to_f32(grad[i + 2]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
+    adamw_update(p.w, m.w, v.w, to_f32(grad[i + 3]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
+    P[k] = p;
+    M[k] = m;
+    V[k] = v;
+    if (lowp != nullptr) {
+      lowp[i + 0] = from_f32<L>(p.x);
+      lowp[i + 1] = from_f32<L>(p.y);
+      lowp[i + 2] = from_f32<L>(p.z);
+      lowp[i + 3] = from_f32<L>(p.w);
+    }
+  }
+  for (i64 i = head + 4 * groups + first; i < n; i += stride) one(i);
 }
 
 // Sets *found_inf to 1 if any gradient element is inf or nan.
@@ -69,9 +76,9 @@ __device__ void check_finite(const G* __restrict__ grad, i64 n, int* __restrict_
                                                 L* lowp, i64 n, float lr, float beta1, float beta2, float eps,  \
                                                 float weight_decay, float bias1, float bias2_sqrt,             \
                                                 float inv_scale, const float* multiplier, const int* found_inf, \
-                                                int vec4) {                                                    \
+                                                i64 head) {                                                    \
     adamw<G, L>(param, grad, exp_avg, exp_avg_sq, lowp, n, lr, beta1, beta2, eps, weight_decay, bias1,         \
-                bias2_sqrt, inv_scale, multiplier, found_inf, vec4);                                            \
+                bias2_sqrt, inv_scale, multiplier, found_inf, head);                                            \
   }
 #define LZ_ADAMW_FOR_GRAD(G, GN) LZ_ADAMW(G, GN, float, none) LZ_ADAMW(G, GN, __half, f16) LZ_ADAMW(G, GN, __nv_bfloat16, bf16)
 LZ_EXPORT_FLOATING(LZ_ADAMW_FOR_GRAD)

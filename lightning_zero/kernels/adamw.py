@@ -80,7 +80,10 @@ def fused_adamw_(
         tensor(exp_avg, "exp_avg", dtypes=f32_only, like=param),
         tensor(exp_avg_sq, "exp_avg_sq", dtypes=f32_only, like=param),
     ]
-    vec4 = n % 4 == 0 and all(p % 16 == 0 for p in pointers)
+    # ZeRO's piece views start anywhere: when the three fp32 buffers are equally misaligned, the kernel peels
+    # the first elements up to a 16-byte boundary and loads four at a time after it (head < 0: one at a time)
+    misaligned = {p % 16 for p in pointers}
+    head = min(n, (16 - misaligned.pop()) % 16 // 4) if len(misaligned) == 1 else -1
     lowp = 0 if lowp_out is None else tensor(lowp_out, "lowp_out", dtypes=(torch.float16, torch.bfloat16), like=param)
     flag = 0 if found_inf is None else tensor(found_inf, "found_inf", dtypes=(torch.int32,), like=param)
     scalar = 0 if multiplier is None else tensor(multiplier, "multiplier", dtypes=(torch.float32,), like=param)
@@ -101,10 +104,10 @@ def fused_adamw_(
         f32(inv_scale),
         scalar,
         flag,
-        int(vec4),
+        i64(head),
     )
     kernel = f"adamw_{SUFFIX[grad.dtype]}_{LOWP[None if lowp_out is None else lowp_out.dtype]}"
-    launch("adamw.cu", kernel, grid_for(n, 4 if vec4 else 1), 256, args, device=param.device)
+    launch("adamw.cu", kernel, grid_for(n, 1 if head < 0 else 4), 256, args, device=param.device)
 
 
 class FusedAdamW(torch.optim.Optimizer):
