@@ -64,11 +64,13 @@ __device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
 }
 
 // The dropout stream (seed, offset): one Philox call gives the four elements 4g .. 4g + 3 (its four
-// words, in order), from counter (g low, g high, offset low, offset high); each word's top 24 bits make a
-// uniform float in [0, 1). Kernels that walk elements in fours call philox_uniform4 once per four.
+// words, in order), from counter (offset / 4 + g, subsequence 0), torch's own layout (counter words 0-1:
+// offset / 4 plus the calls made so far, words 2-3: the subsequence). A call that reserved its range of
+// torch's CUDA generator offset (loader.dropout_stream) so shares no counter with torch's dropout. Each
+// word's top 24 bits make a uniform float in [0, 1). Kernels that walk in fours call philox_uniform4.
 __device__ __forceinline__ float4 philox_uniform4(unsigned long long seed, unsigned long long offset, i64 group) {
-  const unsigned long long g = (unsigned long long)group;
-  const uint4 bits = philox4x32(make_uint4((unsigned)g, (unsigned)(g >> 32), (unsigned)offset, (unsigned)(offset >> 32)),
+  const unsigned long long c = (offset >> 2) + (unsigned long long)group;
+  const uint4 bits = philox4x32(make_uint4((unsigned)c, (unsigned)(c >> 32), 0u, 0u),
                                 make_uint2((unsigned)seed, (unsigned)(seed >> 32)));
   const float unit = 1.0f / 16777216.0f;
   return make_float4((bits.x >> 8) * unit, (bits.y >> 8) * unit, (bits.z >> 8) * unit, (bits.w >> 8) * unit);

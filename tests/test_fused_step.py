@@ -64,6 +64,13 @@ def _worker(rank: int, world: int, out_dir) -> None:
                 err = relative_error(fused[name], value)
                 assert err <= tol, f"stage {stage} {kind} {precision}: {name} differs by {err:.2e}"
             results[(stage, kind, precision)] = fused
+    # clipping by value acts on the gradients before the step: with 16-bit gradients the fused step must read
+    # what it left (an fp32 copy), not the reduced partition
+    value = {"gradient_clip_algorithm": "value", "clip": 1e-3}
+    fused, _ = _fit(world, 2, "always", "gpt", "16-mixed", **value)
+    plain, _ = _fit(world, 2, "never", "gpt", "16-mixed", **value)
+    for name, tensor in plain.items():
+        assert relative_error(fused[name], tensor) <= 2e-3, f"clip by value, 16-mixed: {name}"
     if rank == 0:
         torch.save({f"{s}-{k}-{p}": v for (s, k, p), v in results.items() if p == "32-true"}, out_dir / "fused.pt")
 

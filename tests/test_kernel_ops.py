@@ -83,3 +83,12 @@ def test_column_reductions_fill_the_device_and_never_exceed_the_grid(rows, cols,
     column_blocks = -(-cols // launchers.BLOCK)
     assert 1 <= chunks <= launchers.MAX_GRID_Y and (chunks - 1) * per_chunk < rows <= chunks * per_chunk
     assert chunks * column_blocks >= min(2 * sms, rows * column_blocks)  # 2+ blocks per SM while rows allow
+
+
+def test_empty_inputs_and_64_bit_seeds():
+    x = torch.zeros(0, 8)
+    assert ops.layer_norm(x, torch.ones(8), torch.zeros(8)).shape == (0, 8)
+    assert ops.bias_dropout_residual(x, torch.zeros(8), x, p=0.5, seed=1).shape == (0, 8)
+    y = torch.randn(4, 8)
+    high = ops.bias_dropout_residual(y, torch.zeros(8), torch.zeros(4, 8), p=0.5, seed=-(2**63))  # a uint64 seed
+    assert high.shape == y.shape

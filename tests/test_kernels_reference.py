@@ -38,8 +38,9 @@ def test_philox_matches_random123(counter, key, expected):
 def test_one_philox_call_gives_four_consecutive_elements():
     seed, offset = 0x1234_5678_9ABC, 7
     key = (seed & 0xFFFFFFFF, seed >> 32)
-    for group in (0, 5, 2**33 + 1):
-        words = reference.philox4x32(_words(group & 0xFFFFFFFF, group >> 32, offset, 0), key)
+    for group in (0, 5, 2**33 + 1):  # torch's counter layout: (offset // 4 + group, subsequence 0)
+        count = offset // 4 + group
+        words = reference.philox4x32(_words(count & 0xFFFFFFFF, count >> 32, 0, 0), key)
         expected = torch.cat([(w >> 8).float() / 16777216.0 for w in words])
         got = reference.philox_uniform(seed, offset, torch.arange(4 * group, 4 * group + 4))
         assert torch.equal(got, expected), group
@@ -49,7 +50,7 @@ def test_dropout_is_reproducible_with_the_right_keep_rate():
     x = torch.ones(200, 1000)
     a = reference.dropout(x, 0.3, seed=7, offset=0)
     assert torch.equal(a, reference.dropout(x, 0.3, seed=7, offset=0))
-    assert not torch.equal(a, reference.dropout(x, 0.3, seed=7, offset=1))
+    assert not torch.equal(a, reference.dropout(x, 0.3, seed=7, offset=4))  # offsets count 4 elements each
     assert not torch.equal(a, reference.dropout(x, 0.3, seed=8, offset=0))
     kept = (a != 0).float().mean()
     assert abs(float(kept) - 0.7) < 0.005  # 200k draws: 5 sigma is 0.005

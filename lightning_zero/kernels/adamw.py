@@ -83,7 +83,8 @@ def fused_adamw_(
     # ZeRO's piece views start anywhere: when the three fp32 buffers are equally misaligned, the kernel peels
     # the first elements up to a 16-byte boundary and loads four at a time after it (head < 0: one at a time)
     misaligned = {p % 16 for p in pointers}
-    head = min(n, (16 - misaligned.pop()) % 16 // 4) if len(misaligned) == 1 else -1
+    equal = len(misaligned) == 1 and all(p % 4 == 0 for p in pointers)
+    head = min(n, (16 - misaligned.pop()) % 16 // 4) if equal else -1
     lowp = 0 if lowp_out is None else tensor(lowp_out, "lowp_out", dtypes=(torch.float16, torch.bfloat16), like=param)
     flag = 0 if found_inf is None else tensor(found_inf, "found_inf", dtypes=(torch.int32,), like=param)
     scalar = 0 if multiplier is None else tensor(multiplier, "multiplier", dtypes=(torch.float32,), like=param)

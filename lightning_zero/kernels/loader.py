@@ -135,7 +135,8 @@ def f32(value: float) -> np.float32:
 
 
 def u64(value: int) -> np.uint64:
-    return np.uint64(value)
+    """The 64 bits of ``value`` (an int64 seed may be negative) as an unsigned kernel argument."""
+    return np.uint64(value & (2**64 - 1))
 
 
 def grid_for(n: int, per_thread: int = 1) -> int:
@@ -164,6 +165,7 @@ def dropout_stream(device: torch.device, numel: int) -> tuple[int, int]:
     if device.type == "cuda":
         generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
         offset = generator.get_offset()
-        generator.set_offset(offset + 4 * -(-numel // 16))  # a multiple of 4, as torch's own reservations
-        return generator.initial_seed(), offset
+        generator.set_offset(offset + 4 * -(-numel // 4))  # one counter per four elements, as Philox counts
+        seed = generator.initial_seed()  # a uint64: passed on as the int64 with the same bits
+        return seed - 2**64 if seed >= 2**63 else seed, offset
     return int(torch.randint(0, 2**62, (), dtype=torch.int64)), 0

@@ -27,8 +27,13 @@ _LIB = "lightning_zero::"
 
 
 def _pick(x: Tensor, name: str):
-    """The kernel launcher ``name`` for CUDA tensors (kernels available), else the reference of that name."""
-    return getattr(launchers if use_kernels(x) else reference, name)
+    """The kernel launcher ``name`` for CUDA tensors (kernels available), else (or when empty: no grid to
+    launch) the reference of that name."""
+    return getattr(launchers if _kernels(x) else reference, name)
+
+
+def _kernels(x: Tensor) -> bool:
+    return use_kernels(x) and x.numel() > 0
 
 
 # --- layer norm -------------------------------------------------------------------------------------
@@ -73,7 +78,7 @@ _layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_nor
 # --- bias + GeLU ------------------------------------------------------------------------------------
 @torch.library.custom_op(_LIB + "bias_gelu_fwd", mutates_args=())
 def _bias_gelu_fwd(x: Tensor, bias: Tensor, tanh: bool) -> Tensor:
-    if use_kernels(x):
+    if _kernels(x):
         return launchers.bias_gelu_fwd(x, bias, tanh)
     return reference.bias_gelu(x, bias, "tanh" if tanh else "none")
 
@@ -149,7 +154,7 @@ _softmax_dropout_fwd.register_autograd(_softmax_dropout_backward, setup_context=
 # --- bias + dropout + residual ---------------------------------------------------------------------------
 @torch.library.custom_op(_LIB + "bias_dropout_residual_fwd", mutates_args=())
 def _bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
-    if use_kernels(x):
+    if _kernels(x):
         return launchers.bias_dropout_residual_fwd(x, bias, residual, p, seed, offset)
     return reference.bias_dropout_residual(x, bias, residual, p, seed, offset)
 

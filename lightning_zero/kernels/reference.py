@@ -40,14 +40,10 @@ def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[int, i
 
 def philox_uniform(seed: int, offset: int, index: Tensor) -> Tensor:
     """Uniform floats in [0, 1) for int64 ``index``; bit for bit what common.cuh's philox_uniform gives:
-    element i is word i % 4 of the Philox call at counter (i // 4, offset)."""
-    group = index >> 2
-    counter = (
-        group & _MASK32,
-        (group >> 32) & _MASK32,
-        torch.full_like(index, offset & _MASK32),
-        torch.full_like(index, (offset >> 32) & _MASK32),
-    )
+    element i is word i % 4 of the Philox call at counter (offset // 4 + i // 4, subsequence 0)."""
+    count = (index >> 2) + (offset >> 2)
+    zero = torch.zeros_like(index)
+    counter = (count & _MASK32, (count >> 32) & _MASK32, zero, zero)
     words = torch.stack(philox4x32(counter, (seed & _MASK32, (seed >> 32) & _MASK32)))
     word = words.gather(0, (index & 3).unsqueeze(0)).squeeze(0)
     return (word >> 8).to(torch.float32) * (1.0 / 16777216.0)

@@ -7,8 +7,9 @@ wrapped ``torch.optim.AdamW`` (no amsgrad, maximize, capturable, differentiable 
 ``FusedAdamW``, a unit whose pieces all got a gradient on some rank and share one step count is stepped
 by ``fused_adamw_`` on each run of adjacent pieces in one bucket and one param group (stages 1 and 2:
 one run per bucket; stage 3: a module's matrices and vectors may sit in two groups). One pass
-reads the reduced gradient in its own dtype (no fp32 copy of a 16-bit partition), applies the pending
-unscale and clip factor (a device scalar: no host sync), updates the fp32 master and both moments, and
+reads the fp32 gradient the optimizer would read (``step_grad``, as unscaling or clipping by value left
+it), applies the still pending unscale and clip factor (a device scalar: no host sync), updates the fp32
+master and both moments, and
 writes the parameters' 16-bit copy straight into the buffer the all-gather sends (stages 1 and 2: the
 chunk of the flat buffer; stage 3: the shard), so the post-step copy is skipped. Any other unit takes
 the optimizer's own step, as before. Adam's moments live in one flat fp32 buffer per unit; each piece's
@@ -35,7 +36,7 @@ def supports(optimizer: Optimizer) -> bool:
         return True
     if type(optimizer) is not torch.optim.AdamW:
         return False
-    unsupported = ("amsgrad", "maximize", "capturable", "differentiable")
+    unsupported = ("amsgrad", "maximize", "capturable", "differentiable", "fused")  # fused: device step tensors
     return all(not any(g.get(k) for k in unsupported) and not torch.is_tensor(g["lr"]) for g in optimizer.param_groups)
 
 
@@ -82,7 +83,7 @@ class FusedAdamWStep:
                 beta1, beta2 = group["betas"]
                 fused_adamw_(
                     unit.master_view(lo, hi - lo),
-                    unit.reduced[lo:hi],
+                    unit.step_grad[lo:hi],  # what the optimizer would read (clipping by value acts on it)
                     exp_avg[lo:hi],
                     exp_avg_sq[lo:hi],
                     lr=group["lr"],
