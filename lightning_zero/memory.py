@@ -70,6 +70,24 @@ def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4
     raise ValueError(f"strategy must be one of ddp, zero1, zero2, zero3 (or zeroN+offload), got {strategy!r}")
 
 
+def persistent_bytes(units: list, optimizers: list, module: torch.nn.Module, *, offloaded: bool) -> dict[str, int]:
+    """A rank's persistent bytes (``ZeroStrategy.memory_bytes``): parameters, gradients, master weights and
+    optimizer state on the device and, under ``host_*``, offloaded to the host (zeros without offload).
+    Parameters include frozen ones (stage 3: the shards, not units gathered for a moment); gradients are
+    the stage's persistent storage (in-flight buckets are transient and not counted)."""
+    totals = dict.fromkeys(("parameters", "gradients", "master", "optimizer_state"), 0)
+    totals.update({f"host_{key}": 0 for key in tuple(totals)})
+    for unit in units:
+        for key, value in unit.nbytes().items():
+            totals[key] += value
+    for optimizer in optimizers:
+        if hasattr(optimizer, "state_nbytes"):  # a ZeroOptimizer
+            totals["host_optimizer_state" if offloaded else "optimizer_state"] += optimizer.state_nbytes()
+    sharded = {id(p) for u in units for p in u.params}
+    totals["parameters"] += sum(p.nbytes for p in module.parameters() if not p.requires_grad and id(p) not in sharded)
+    return totals
+
+
 class SavedBytes:
     """Bytes autograd keeps from forward to backward, counted exactly (``start()`` ... ``stop()``).
 

@@ -150,3 +150,36 @@ class ZeroPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def stage3_param_dtype(precision: ZeroPrecision, gather_dtype: str) -> torch.dtype | None:
+    """Stage 3 keeps shards (and gathers units) in the compute dtype under bf16-mixed, and in fp16 under
+    16-mixed; None keeps what the model has (``convert_module`` handled the whole-model cases)."""
+    if precision.precision == "bf16-mixed" and gather_dtype == "compute":
+        return torch.bfloat16
+    return precision.param_dtype
+
+
+def hold_schedulers_on_skipped_steps(lr_scheduler_configs: list, optimizers: list) -> None:
+    """[Note: skipped steps] An fp16 step skipped for overflow did not happen, so step-wise LR schedulers
+    must not advance either (Lightning steps them after every optimizer step)."""
+    owner = {id(z.optimizer): z for z in optimizers if isinstance(z, ZeroOptimizer)}
+    for config in lr_scheduler_configs:
+        zero = owner.get(id(config.scheduler.optimizer))
+        if config.interval == "step" and zero is not None:
+            config.scheduler = SkipAwareScheduler(config.scheduler, zero)
+
+
+class SkipAwareScheduler:
+    """Forwards everything to an LR scheduler, except ``step`` after a skipped optimizer step."""
+
+    def __init__(self, scheduler: Any, optimizer: ZeroOptimizer) -> None:
+        self.scheduler = scheduler
+        self.zero_optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.zero_optimizer.last_step_skipped:
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)

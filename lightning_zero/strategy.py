@@ -30,24 +30,34 @@ from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import read_deepspeed_config
-from lightning_zero.precision import ZeroPrecision, validate_precision
+from lightning_zero.memory import persistent_bytes
+from lightning_zero.precision import (
+    ZeroPrecision,
+    hold_schedulers_on_skipped_steps,
+    stage3_param_dtype,
+    validate_precision,
+)
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
-from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
+from lightning_zero.sharding.build import (
+    check_optimizer_params,
+    trainable_units,
+    units_per_param_group,
+    wrap_optimizers,
+)
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.flat_unit import FlatUnit, unit_location
 from lightning_zero.sharding.grad_reduce import GradReducer
-from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import (
     ShardedModule,
-    build_units,
     default_init,
     full_state_dict,
     gather_module,
     initialize_sharded,
     install_load_hooks,
+    shard_module,
 )
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
@@ -205,7 +215,7 @@ class ZeroStrategy(DDPStrategy):
             # stage 1 reduces in the backward of a step's last micro-batch, which only automatic optimization tells
             self._reducer.accumulating = not module.automatic_optimization
             if self.precision_plugin.scaler is not None:
-                self._hold_schedulers_on_skipped_steps()
+                hold_schedulers_on_skipped_steps(self.lr_scheduler_configs, self.optimizers)
         self.setup_precision_plugin()
 
     def _setup_stage3(
@@ -219,35 +229,22 @@ class ZeroStrategy(DDPStrategy):
                     if unit.requires_grad:
                         unit.make_trainable(**self.config.unit_options(unit.param_dtype))
         else:
-            dtype = self._stage3_param_dtype()
-
-            def materialize(params: list) -> None:
-                """Each unit whole (from the construction) and in its dtype, one unit at a time."""
-                if construction is not None:
-                    construction.materialize(params, dtype)
-                elif dtype is not None:
-                    for p in params:
-                        if p.is_floating_point():
-                            p.data = p.data.to(dtype)
-
             holder = {id(p): k for k, o in enumerate(self.optimizers) for g in o.param_groups for p in g["params"]}
-            holder = holder if fitting else None
-            units, modules = build_units(
+            sharded = shard_module(
                 module,
                 self.config,
                 rank=self.global_rank,
                 world_size=self.world_size,
                 device=self.root_device,
-                trainable=fitting,
-                materialize=materialize,
-                holder=holder,
+                dtype=stage3_param_dtype(self.precision_plugin, self.config.gather_dtype),
+                construction=construction,
+                holder=holder if fitting else None,
             )
             if construction is not None:
                 self.sharded_init_peak_bytes = construction.peak_bytes
-            sharded = ShardedModule.attach(module, units, modules, world_size=self.world_size, rank=self.global_rank)
             if on_meta:
                 init = getattr(module, "init_module", default_init)
-                self.sharded_init_peak_bytes = initialize_sharded(module, units, init, device=self.root_device)
+                self.sharded_init_peak_bytes = initialize_sharded(module, sharded.units, init, device=self.root_device)
                 self.model_to_device()
         self._units = sharded.units
         self._stage3 = Stage3Runtime(
@@ -264,37 +261,14 @@ class ZeroStrategy(DDPStrategy):
         """``ZeroOptimizer.add_param_group``: gives ``params`` master weights and gradients from now on
         (stage 3: their frozen units become trainable; stages 1-2: they get a unit of their own)."""
         names = {p: n for n, p in self.lightning_module.named_parameters()}
-        for p in params:
-            located = unit_location(p)
-            if p not in names or not p.requires_grad or (located is not None and located[0].trainable):
-                raise ValueError(
-                    f"add_param_group: {names.get(p, 'a tensor')!r} must be a parameter of the LightningModule that"
-                    " requires grad and is not trained already"
-                )
-        if self.config.stage == 3:
-            units = list(dict.fromkeys(unit_location(p)[0] for p in params))
-            for unit in units:
-                unit.make_trainable(**self.config.unit_options(unit.param_dtype))
-        else:
-            numels = [p.numel() for p in params]
-            layout = build_layout(numels, self.world_size, self.config.reduce_bucket_size)
-            options = self.config.unit_options(params[0].dtype)
-            full = self.config.stage == 1
-            units = [FlatUnit(params, [names[p] for p in params], layout, self.global_rank, full_grad=full, **options)]
+        units = trainable_units(params, names, self.config, rank=self.global_rank, world_size=self.world_size)
+        if self.config.stage < 3:  # units of their own
             self._units += units
             self._load_hooks += install_load_hooks(self.lightning_module, units)
         self._reducer.add_units(units)
         if self._gathers is not None:
             self._gathers.add_units(units)
         return {p: unit_location(p) for p in params}, names
-
-    def _stage3_param_dtype(self) -> torch.dtype | None:
-        """Stage 3 keeps shards (and gathers units) in the compute dtype under bf16-mixed, and in fp16 under
-        16-mixed; None keeps what the model has (``convert_module`` handled the whole-model cases)."""
-        precision = self.precision_plugin
-        if precision.precision == "bf16-mixed" and self.config.gather_dtype == "compute":
-            return torch.bfloat16
-        return precision.param_dtype
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -310,15 +284,6 @@ class ZeroStrategy(DDPStrategy):
         )
         with self._construction:
             yield
-
-    def _hold_schedulers_on_skipped_steps(self) -> None:
-        """[Note: skipped steps] An fp16 step skipped for overflow did not happen, so step-wise LR
-        schedulers must not advance either (Lightning steps them after every optimizer step)."""
-        owner = {id(z.optimizer): z for z in self.optimizers if isinstance(z, ZeroOptimizer)}
-        for config in self.lr_scheduler_configs:
-            zero = owner.get(id(config.scheduler.optimizer))
-            if config.interval == "step" and zero is not None:
-                config.scheduler = SkipAwareScheduler(config.scheduler, zero)
 
     # --- steps -----------------------------------------------------------------------------------
     # [Note: stage-3 steps] A step gathers the root unit first; the forward ends when the step returns
@@ -519,27 +484,10 @@ class ZeroStrategy(DDPStrategy):
 
     # --- introspection ----------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
-        """This rank's persistent bytes: parameters, gradients, master weights and optimizer state on the
-        device, and under ``host_*`` what offload keeps in host memory (zeros without offload).
-
-        Parameters include frozen ones (stage 3: the shards, not units gathered for a moment; see
-        ``peak_gathered_bytes``); gradients are the stage's persistent storage (in-flight buckets
-        are transient and not counted).
-        """
-        totals = dict.fromkeys(("parameters", "gradients", "master", "optimizer_state"), 0)
-        totals.update({f"host_{key}": 0 for key in tuple(totals)})
-        for unit in self._units:
-            for key, value in unit.nbytes().items():
-                totals[key] += value
+        """This rank's persistent bytes by category, device and ``host_*`` (see ``memory.persistent_bytes``;
+        stage 3's units gathered for a moment: ``peak_gathered_bytes``)."""
         offloaded = self.config.offload_optimizer != "none"
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, ZeroOptimizer):
-                totals["host_optimizer_state" if offloaded else "optimizer_state"] += optimizer.state_nbytes()
-        sharded = {id(p) for u in self._units for p in u.params}
-        totals["parameters"] += sum(
-            p.nbytes for p in self.lightning_module.parameters() if not p.requires_grad and id(p) not in sharded
-        )
-        return totals
+        return persistent_bytes(self._units, self.optimizers, self.lightning_module, offloaded=offloaded)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -550,18 +498,3 @@ class ZeroStrategy(DDPStrategy):
                 description=f"ZeRO stage {stage}: {what} sharded across data-parallel ranks",
                 stage=stage,
             )
-
-
-class SkipAwareScheduler:
-    """Forwards everything to an LR scheduler, except ``step`` after a skipped optimizer step."""
-
-    def __init__(self, scheduler: Any, optimizer: ZeroOptimizer) -> None:
-        self.scheduler = scheduler
-        self.zero_optimizer = optimizer
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self.zero_optimizer.last_step_skipped:
-            self.scheduler.step(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)

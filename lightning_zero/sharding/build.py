@@ -10,7 +10,7 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
-from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.flat_unit import FlatUnit, unit_location
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.optimizer_check import check_elementwise
@@ -65,6 +65,27 @@ def units_per_param_group(
                 options = config.unit_options(trainable[0].dtype)
                 units.append(FlatUnit(trainable, names_, layout, rank, full_grad=config.stage == 1, **options))
     return units
+
+
+def trainable_units(params: list, names: dict, config: ZeroConfig, *, rank: int, world_size: int) -> list[FlatUnit]:
+    """``add_param_group``: the units that train ``params`` from now on (stage 3: their frozen units made
+    trainable; stages 1-2: one new unit). Refuses what is not a module parameter that requires grad and
+    is not trained already."""
+    for p in params:
+        located = unit_location(p)
+        if p not in names or not p.requires_grad or (located is not None and located[0].trainable):
+            raise ValueError(
+                f"add_param_group: {names.get(p, 'a tensor')!r} must be a parameter of the LightningModule that"
+                " requires grad and is not trained already"
+            )
+    if config.stage == 3:
+        units = list(dict.fromkeys(unit_location(p)[0] for p in params))
+        for unit in units:
+            unit.make_trainable(**config.unit_options(unit.param_dtype))
+        return units
+    layout = build_layout([p.numel() for p in params], world_size, config.reduce_bucket_size)
+    options = config.unit_options(params[0].dtype)
+    return [FlatUnit(params, [names[p] for p in params], layout, rank, full_grad=config.stage == 1, **options)]
 
 
 def wrap_optimizers(

@@ -216,6 +216,42 @@ def build_units(
     return units, modules
 
 
+def shard_module(
+    module: Module,
+    config,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    construction=None,
+    holder: Mapping[int, int] | None = None,
+) -> ShardedModule:
+    """Stage 3's first set-up of ``module``: its units built one at a time, each made whole from the
+    ``construction`` (a ``ShardedConstruction``, when ``configure_model`` built it) or from the module, in
+    ``dtype`` when given. Trainable when ``holder`` (see ``build_units``) is given, i.e. when fitting."""
+
+    def materialize(params: list[Parameter]) -> None:
+        if construction is not None:
+            construction.materialize(params, dtype)
+        elif dtype is not None:
+            for p in params:
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+
+    units, modules = build_units(
+        module,
+        config,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        trainable=holder is not None,
+        materialize=materialize,
+        holder=holder,
+    )
+    return ShardedModule.attach(module, units, modules, world_size=world_size, rank=rank)
+
+
 def _apply_order(module: Module) -> Iterator[Module]:
     for child in module.children():
         yield from _apply_order(child)
