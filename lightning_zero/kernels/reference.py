@@ -60,10 +60,6 @@ def dropout(x: Tensor, p: float, seed: int, offset: int) -> Tensor:
     return torch.where(_keep(x.shape, p, seed, offset, x.device), x / (1.0 - p), torch.zeros_like(x))
 
 
-def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
-    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
-
-
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
     return F.gelu(x.float() + bias.float(), approximate=approximate).to(x.dtype)
 

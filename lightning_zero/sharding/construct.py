@@ -127,20 +127,20 @@ class ShardedConstruction:
         managed = self.managed.get(id(param)) if param is not None else None
         if managed is None:
             return
-        evicted: list[_Managed] = []
+        to_gather: list[_Managed] = []
         if id(param) in self._whole:
             self._whole[id(param)] = self._whole.pop(id(param))  # most recently used
         else:  # with the module's other evicted parameters: one collective
             own = (self.managed.get(id(p)) for p in dict.values(module._parameters) if p is not None)
-            evicted = [managed, *(m for m in own if m is not None and m is not managed and m.slice is not None)]
-        incoming = sum(m.numel for m in evicted)
+            to_gather = [managed, *(m for m in own if m is not None and m is not managed and m.slice is not None)]
+        incoming = sum(m.numel for m in to_gather)
         for other in list(self._whole.values()):  # least recently used first
             if self._whole_numel + incoming <= self.max_whole_numel:
                 break
             if id(module) not in other.owners:
                 self._evict(other)
-        if evicted:
-            self._make_whole(evicted)
+        if to_gather:
+            self._make_whole(to_gather)
         self.peak_bytes = max(self.peak_bytes, self._whole_bytes)
 
     def _chunk(self, numel: int) -> int:

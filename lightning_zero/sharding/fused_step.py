@@ -46,10 +46,11 @@ class FusedAdamWStep:
         self.mode = mode  # "auto" or "always"
         self._moments: dict[int, tuple[Tensor, Tensor]] = {}  # id(unit) -> flat exp_avg, exp_avg_sq
 
-    def _runs(self, unit: FlatUnit) -> list[tuple[int, int, dict, Tensor | None]] | None:
+    @staticmethod
+    def _runs(unit: FlatUnit, group_of: dict[int, dict]) -> list[tuple[int, int, dict, Tensor | None]] | None:
         """The unit's partition as runs of adjacent pieces in one bucket and one param group:
-        (start, end, group, where its 16-bit parameters go); None if a piece is in no group of ours."""
-        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        (start, end, group, where its 16-bit parameters go); None if a piece is in no group of ours
+        (``group_of``: id of each piece tensor -> its param group)."""
         runs: list[list] = []
         for piece, tensor in zip(unit.pieces, unit.piece_tensors):
             group = group_of.get(id(tensor))
@@ -67,11 +68,12 @@ class FusedAdamWStep:
         """Steps every eligible unit and drops its pieces' gradients (so the optimizer's own step skips
         them); returns their ids."""
         done = set()
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}  # once per step
         for unit in units:
             pieces = unit.piece_tensors
             if not pieces or (self.mode == "auto" and not use_kernels(unit.master_view(0, 1))):
                 continue
-            runs = self._runs(unit) if all(t.grad is not None for t in pieces) else None
+            runs = self._runs(unit, group_of) if all(t.grad is not None for t in pieces) else None
             states = [self.optimizer.state[t] for t in pieces]
             steps = {float(s["step"]) if s else 0.0 for s in states}
             if runs is None or len(steps) != 1:

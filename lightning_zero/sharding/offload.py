@@ -75,7 +75,9 @@ class HostGradients:
         if target.device == source.device or source.device.type != "cuda":
             target.add_(source)
             return None
-        side = self._streams.setdefault(source.device, torch.cuda.Stream(source.device))
+        if source.device not in self._streams:  # one side stream per device, made once
+            self._streams[source.device] = torch.cuda.Stream(source.device)
+        side = self._streams[source.device]
         side.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(side):
             staging = torch.empty(source.shape, dtype=source.dtype, pin_memory=target.is_pinned())
