@@ -105,3 +105,12 @@ def test_model_from_a_config_is_built_on_the_meta_device():
     )
     assert out.returncode == 0, out.stderr
     assert "805,632 trainable parameters on 4 ranks" in out.stdout
+
+
+def test_the_zero_paper_memory_figures():
+    """ZeRO (Rajbhandari et al., 2020), Figure 1: a 7.5B-parameter model on 64 devices, Adam in mixed precision
+    (K = 12 bytes of optimizer state per parameter): 120 GB per device for data parallelism, 31.4 GB with the
+    optimizer state sharded (P_os), 16.6 GB with the gradients too (P_os+g), 1.9 GB with the parameters too."""
+    table = estimate(shape_of_count(7_500_000_000), 64, "16-mixed", ZeroConfig())
+    per_device_gb = {name: round(max(row.total for row in rows) / 1e9, 1) for name, rows in table.items()}
+    assert per_device_gb == {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}, per_device_gb

@@ -1,5 +1,6 @@
-"""The fused AdamW step inside ZeRO (sharding/fused_step.py), checked on the CPU through the kernels'
-reference (``fused_step="always"``; on CUDA "auto" runs the same code with the kernels):
+"""The fused AdamW step inside ZeRO (sharding/fused_step.py), checked on the CPU with ``fused_step="always"``
+through the host kernel and through the CUDA kernels' reference (on CUDA "auto" runs the same code with
+the kernels):
 
 - stages 1, 2 and 3 at 2 ranks, fp32 and fp16 (loss scaling, clipping by norm with the clip factor as a
   device scalar, two param groups, an LR schedule, accumulation) equal the optimizer's own step, and fp32
@@ -19,6 +20,7 @@ from helpers import EquivalenceModule, make_trainer, relative_error, spawn_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroPrecision
+from lightning_zero.kernels import host
 
 STEPS, HALF = 6, 3
 
@@ -76,7 +78,12 @@ def _worker(rank: int, world: int, out_dir) -> None:
 
 
 @pytest.mark.slow
-def test_fused_step_equals_the_optimizer_step(tmp_path):
+@pytest.mark.parametrize("host_kernel", ["1", "0"], ids=["host-kernel", "reference"])
+def test_fused_step_equals_the_optimizer_step(tmp_path, monkeypatch, host_kernel):
+    """CPU masters take the host kernel ("always"), or the CUDA kernels' pure-torch reference without it."""
+    if host_kernel == "1" and not host.available():
+        pytest.skip("no C compiler to build the host kernel")
+    monkeypatch.setenv("LIGHTNING_ZERO_HOST_KERNELS", host_kernel)  # read by the spawned ranks
     spawn_ranks(_worker, 2, tmp_path)
     results = torch.load(tmp_path / "fused.pt")
     for kind in ("gpt", "toy"):

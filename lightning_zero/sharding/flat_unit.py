@@ -117,6 +117,7 @@ class FlatUnit:
             self.reshard()
         self.used = bytearray(len(self.params))  # on the host: set by gradient hooks without touching the device
         self.params_current = False  # the step wrote the parameters' copy already (sharding/fused_step.py)
+        self.staged_params: Tensor | None = None  # offloaded: the step's 16-bit copy on the host, to be sent
         self.flat_grad_dirty = False  # stage 1: the flat gradient holds values no reduction consumed
         self.master: Tensor | None = None
         self.master_in_place = False  # stages 1 and 2 with fp32 parameters: the master is the flat buffer's chunks
@@ -293,8 +294,19 @@ class FlatUnit:
             lo = piece.partition_offset
             tensor.grad = self.step_grad[lo : lo + piece.numel] if used[piece.param] else None
 
+    def stage_params(self, written: Sequence[tuple[int, int]]) -> None:
+        """A host buffer for this step's 16-bit parameter partition (see fused_step.py), pinned on CUDA;
+        the step writes the ranges ``written`` (ascending), the rest (padding) is zeroed here."""
+        staged = host_empty(self.layout.partition_numel, self.param_dtype, self.flat_param.device, self.offload)
+        end = 0
+        for lo, hi in (*written, (staged.numel(), staged.numel())):
+            staged[end:lo].zero_()
+            end = hi
+        self.staged_params = staged
+
     def release_grads(self) -> None:
         self.params_current = False
+        self.staged_params = None
         for tensor in self.piece_tensors:
             tensor.grad = None
         self.step_grad = None
@@ -324,14 +336,18 @@ class FlatUnit:
     def refresh_shard(self) -> None:
         """Stage 3 after a step: the shard follows the updated master (the next gather spreads it; a unit
         gathered now must be gathered again, see ``unshard_together``). Stages 1 and 2: see ``publish``."""
-        if self.param_shard is not self.master and not self.params_current:
+        if self.staged_params is not None:
+            copy_to(self.param_shard, self.staged_params)
+        elif self.param_shard is not self.master and not self.params_current:
             copy_to(self.param_shard, self.master)
 
     def publish(self, bucket: Bucket, *, group=None) -> dist.Work | collectives.Pending | None:
         """Stages 1 and 2 after a step: copies this rank's updated chunk of ``bucket`` into the flat buffer
         and starts the all-gather that gives every rank the whole bucket (see param_gather.py)."""
         own = self.param_chunk(bucket)
-        if own.data_ptr() != self.master_chunk(bucket).data_ptr() and not self.params_current:
+        if self.staged_params is not None:
+            copy_to(own, self.staged_params[self.partition_slice(bucket)])
+        elif own.data_ptr() != self.master_chunk(bucket).data_ptr() and not self.params_current:
             copy_to(own, self.master_chunk(bucket))
         flat = self.flat_param[bucket.start : bucket.start + bucket.numel]
         return collectives.all_gather(flat, own, async_op=True, group=group)

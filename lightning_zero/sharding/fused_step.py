@@ -1,22 +1,26 @@
 """The fused AdamW step inside ZeRO: one kernel pass per bucket chunk of a unit's partition.
 
 [Note: the fused ZeRO step]
-With ``ZeroConfig.fused_step`` on ("auto": where the CUDA kernels run; "always": everywhere, the CPU
-running the kernels' pure-torch reference, which is how the CPU tests check this code; "never") and a
-wrapped ``torch.optim.AdamW`` (no amsgrad, maximize, capturable, differentiable or tensor lr) or
-``FusedAdamW``, a unit whose pieces all got a gradient on some rank and share one step count is stepped
-by ``fused_adamw_`` on each run of adjacent pieces in one bucket and one param group (stages 1 and 2:
-one run per bucket; stage 3: a module's matrices and vectors may sit in two groups). One pass
-reads the fp32 gradient the optimizer would read (``step_grad``, as unscaling or clipping by value left
-it), applies the still pending unscale and clip factor (a device scalar: no host sync), updates the fp32
-master and both moments, and
-writes the parameters' 16-bit copy straight into the buffer the all-gather sends (stages 1 and 2: the
-chunk of the flat buffer; stage 3: the shard), so the post-step copy is skipped. Any other unit takes
-the optimizer's own step, as before. Adam's moments live in one flat fp32 buffer per unit; each piece's
-optimizer state holds views of them (and its own ``step``), so checkpoints save and load the usual
-per-parameter state; state that arrives otherwise (a checkpoint, a step taken by the optimizer itself)
-is copied into the flat buffers on the next fused step. The fp16 overflow decision stays the host's
-one read (zero_optimizer.py's [Note: host syncs]): a skipped step never reaches this code.
+With ``ZeroConfig.fused_step`` on ("auto": where a kernel runs, the CUDA kernels for device masters and
+the host kernel for offloaded ones; "always": everywhere, CPU masters taking the host kernel, or the
+CUDA kernels' pure-torch reference where no C compiler is found, which is how the CPU tests check this
+code; "never") and a wrapped ``torch.optim.AdamW`` (no amsgrad, maximize, capturable, differentiable or
+tensor lr) or ``FusedAdamW``, a unit whose pieces all got a gradient on some rank and share one step
+count is stepped by ``fused_adamw_`` (host: ``kernels.host``) on each run of adjacent pieces in one
+bucket and one param group (stages 1 and 2: one run per bucket; stage 3: a module's matrices and
+vectors may sit in two groups). One pass reads the fp32 gradient the optimizer would read
+(``step_grad``, as unscaling or clipping by value left it), applies the still pending unscale and clip
+factor (a device scalar: no host sync on the device path), updates the fp32 master and both moments,
+and writes the parameters' 16-bit copy straight into the buffer the all-gather sends (stages 1 and 2:
+the chunk of the flat buffer; stage 3: the shard), so the post-step copy is skipped. Offloaded units
+write it into a host staging buffer instead (``FlatUnit.staged_params``, pinned on CUDA), which the
+post-step copy sends as it is: 2 bytes per element over the bus, and no second pass over the master.
+All host runs of a step go to the host kernel in one call, threaded over the whole of them. Any other
+unit takes the optimizer's own step, as before. Adam's moments live in one flat fp32 buffer per unit;
+each piece's optimizer state holds views of them (and its own ``step``), so checkpoints save and load
+the usual per-parameter state; state that arrives otherwise (a checkpoint, a step taken by the
+optimizer itself) is copied into the flat buffers on the next fused step. The fp16 overflow decision
+stays the host's one read (zero_optimizer.py's [Note: host syncs]): a skipped step never reaches this code.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.kernels import host
 from lightning_zero.kernels.adamw import FusedAdamW, fused_adamw_
 from lightning_zero.kernels.loader import use_kernels
 from lightning_zero.sharding.flat_unit import FlatUnit
@@ -62,46 +67,58 @@ class FusedAdamWStep:
                 runs[-1][1] = hi
             else:
                 runs.append([lo, hi, group, bucket])
+        if _stages_params(unit):
+            unit.stage_params(written=sorted((lo, hi) for lo, hi, *_ in runs))
         return [(lo, hi, group, _lowp_target(unit, bucket, lo, hi)) for lo, hi, group, bucket in runs]
+
+    def _backend(self, unit: FlatUnit) -> str | None:
+        """What steps ``unit``: "cuda", "host", "reference", or None (the optimizer itself)."""
+        master = unit.master_view(0, 1)
+        if use_kernels(master):
+            return "cuda"
+        on_host = master.device.type == "cpu" and (self.mode == "always" or unit.offload is not None)
+        if on_host and host.available():
+            return "host"
+        return "reference" if self.mode == "always" else None
 
     def step(self, units: list[FlatUnit], multiplier: float | Tensor) -> set[int]:
         """Steps every eligible unit and drops its pieces' gradients (so the optimizer's own step skips
         them); returns their ids."""
         done = set()
         group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}  # once per step
+        host_runs: list[host.HostRun] = []
         for unit in units:
             pieces = unit.piece_tensors
-            if not pieces or (self.mode == "auto" and not use_kernels(unit.master_view(0, 1))):
+            backend = self._backend(unit) if pieces else None
+            if backend is None:
                 continue
-            runs = self._runs(unit, group_of) if all(t.grad is not None for t in pieces) else None
             states = [self.optimizer.state[t] for t in pieces]
             steps = {float(s["step"]) if s else 0.0 for s in states}
-            if runs is None or len(steps) != 1:
+            if len(steps) != 1 or any(t.grad is None for t in pieces):
+                continue
+            runs = self._runs(unit, group_of)
+            if runs is None:
                 continue
             step = steps.pop() + 1
             exp_avg, exp_avg_sq = self._flat_moments(unit, states)
-            scale = {"inv_scale": multiplier} if isinstance(multiplier, float) else {"multiplier": multiplier.float()}
             for lo, hi, group, lowp in runs:
                 beta1, beta2 = group["betas"]
-                fused_adamw_(
-                    unit.master_view(lo, hi - lo),
-                    unit.step_grad[lo:hi],  # what the optimizer would read (clipping by value acts on it)
-                    exp_avg[lo:hi],
-                    exp_avg_sq[lo:hi],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=int(step),
-                    lowp_out=lowp,
-                    **scale,
-                )
+                hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"])
+                hyper.update(weight_decay=group["weight_decay"], step=int(step))
+                # what the optimizer would read (clipping by value acts on it), its moments and the master
+                tensors = (unit.master_view(lo, hi - lo), unit.step_grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi])
+                if backend == "host":
+                    host_runs.append(host.HostRun(*tensors, grad_mul=float(multiplier), lowp_out=lowp, **hyper))
+                elif isinstance(multiplier, float):
+                    fused_adamw_(*tensors, inv_scale=multiplier, lowp_out=lowp, **hyper)
+                else:
+                    fused_adamw_(*tensors, multiplier=multiplier.float(), lowp_out=lowp, **hyper)
             for state, tensor in zip(states, pieces):
                 state["step"].fill_(step)
                 tensor.grad = None
             unit.params_current = all(lowp is not None for *_, lowp in runs)  # the post-step copy is done
             done.add(id(unit))
+        host.adamw_step(host_runs)
         return done
 
     def _flat_moments(self, unit: FlatUnit, states: list[dict]) -> tuple[Tensor, Tensor]:
@@ -122,11 +139,25 @@ class FusedAdamWStep:
         return flat
 
 
+def _stages_params(unit: FlatUnit) -> bool:
+    """An offloaded unit whose 16-bit parameters live on the device (all but stage 3's host shards with
+    ``offload_param``): the step writes their copy on the host, into ``staged_params``. Decided by where
+    the configuration puts them, not by the device, so the CPU tests take the CUDA path's steps."""
+    if unit.offload is None or unit.param_dtype == torch.float32 or unit.master is None:
+        return False
+    return unit.param_shard is None or not unit.offload.params
+
+
 def _lowp_target(unit: FlatUnit, bucket, lo: int, hi: int) -> Tensor | None:
     """Where the step writes the 16-bit parameters of partition elements [lo, hi) (in ``bucket``'s chunk),
-    if the parameters are 16-bit and on the master's device."""
+    if the parameters are 16-bit: an offloaded unit's staging buffer or host shard; else the shard (stage
+    3) or the flat buffer's chunk (stages 1 and 2) when on the master's device."""
     if unit.param_dtype == torch.float32 or unit.master is None:
         return None
+    if unit.offload is not None:
+        if not _stages_params(unit):
+            return unit.param_shard[lo:hi]
+        return None if unit.staged_params is None else unit.staged_params[lo:hi]
     if unit.param_shard is not None:
         return unit.param_shard[lo:hi] if unit.param_shard.device == unit.master.device else None
     if unit.flat_param.device != unit.master.device:

@@ -21,12 +21,17 @@ the compute stream wait for the copy first (``GradReducer._pooled``; stage 1 bef
 region), so compute only waits for a copy when it is about to overwrite what is being copied.
 
 [Note: the host step]
-Adam and AdamW groups that leave ``foreach`` and ``fused`` unset get ``fused=True`` when offloaded:
-torch's fused CPU kernel (one call for all of a group's pieces, vectorized, parallel over
-``torch.get_num_threads()`` threads) instead of the per-parameter loop torch picks for CPU tensors
-by default. Other optimizers run as written, on host tensors. The updated master goes back to the
-device as part of the post-step gather (stages 1 and 2: ``FlatUnit.publish``; stage 3:
-``refresh_shard``), cast to the parameters' dtype by the copy.
+With ``fused_step`` "auto" (the default) and a plain ``torch.optim.AdamW``, offloaded units are stepped
+by lightning_zero's host kernel (``kernels/host.py``, ``cpu_kernels/adamw.c``): all of a step's
+offloaded runs in one call, threaded over ``torch.get_num_threads()``, unscaling, updating master and
+moments and writing the 16-bit copy that goes back to the device in one pass (fused_step.py). What it
+does not take (other optimizers, a unit whose pieces differ in step count, no C compiler found) runs
+the optimizer as written on the host tensors; Adam and AdamW groups that leave ``foreach`` and
+``fused`` unset get ``fused=True`` then: torch's fused CPU kernel (one call for all of a group's pieces,
+vectorized and threaded) instead of the per-parameter loop torch picks for CPU tensors by default.
+The updated parameters go back to the device as part of the post-step gather (stages 1 and 2:
+``FlatUnit.publish``; stage 3: ``refresh_shard``): the staged 16-bit copy as it is, or the master,
+cast on the host by ``copy_to``.
 """
 
 from __future__ import annotations

@@ -128,9 +128,9 @@ class ZeroOptimizer:
             params = list(param_group["params"])
             self._adopt(param_group, params, locate, names)
         self.units = list({id(s.unit): s.unit for slots in self._slots for s in slots if s is not None}.values())
-        if any(unit.offload is not None for unit in self.units):
-            use_fused_host_step(optimizer)
         self.fused = FusedAdamWStep(optimizer, fused_step) if fused_step != "never" and supports(optimizer) else None
+        if any(unit.offload is not None for unit in self.units):  # after: what it sets is not the user's choice
+            use_fused_host_step(optimizer)
         self._prepared = False
         self._found_inf = False
         self._multiplier: float | Tensor = 1.0
