@@ -9,8 +9,8 @@
 // baseline) gives the same bits. The elementwise loop is left to the compiler's vectorizer.
 //
 // [Note: host AdamW threads]
-// The tasks (runs of a partition) are treated as one index space split into equal, 64-byte aligned
-// ranges, one per thread; the caller passes torch.get_num_threads(), so the step uses the threads
+// The tasks (runs of a partition) are treated as one index space split into equal ranges (multiples
+// of 16 elements of that space), one per thread; the caller passes torch.get_num_threads(), so the step uses the threads
 // torch would. Thread 0 is the calling thread (ctypes has released the GIL).
 
 #include <math.h>

@@ -132,7 +132,7 @@ class ZeroMetrics(ThroughputMonitor):
             cells += [sum(v for k, v in mem.items() if k.startswith("host_"))] if host else []
             table.add_row(f"rank {rank}", *(f"{c / mib:.2f}" for c in cells), peak)
         if self.memory and name.startswith("zero"):
-            f = formula_bytes(name, psi, trainer.world_size, trainable[0].element_size())
+            f = formula_bytes(name, psi, strategy.topology.shard_size, trainable[0].element_size())
             cells = [f[k] for k in ("parameters", "gradients", "optimizer_state")]
             cells += [sum(v for k, v in f.items() if k.startswith("host_"))] if host else []
             table.add_row("formula", *(f"{c / mib:.2f}" for c in cells), "")

@@ -46,9 +46,11 @@ from lightning_zero.checkpoint.format import (
     read_metadata,
     unsafe_pickle_error,
 )
+from lightning_zero.comm_model import format_traffic
 from lightning_zero.config import ZeroConfig, stage_of_strategy
 from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.estimate import estimate, format_table, parse_bytes, shape_of_count, smallest_fitting
+from lightning_zero.sharding.topology import resolve_shard_size
 from lightning_zero.strategy import ZeroStrategy
 
 DEBUG_ENV = "LIGHTNING_ZERO_DEBUG"
@@ -264,10 +266,22 @@ def estimate_main(args: list[str]) -> None:
         help="cpu: also the ZeRO-Offload configurations (master weights and optimizer state in host memory,"
         " zero3 with parameters there too), with their host bytes per rank",
     )
+    parser.add_argument(
+        "--micro-batches", type=_positive_int, default=1, help="micro-batches per optimizer step (accumulation)"
+    )
+    parser.add_argument(
+        "--shard-group-size",
+        type=_shard_group_size,
+        help='hybrid sharding: shard inside groups of this many ranks ("node": one node), replicate across',
+    )
     parsed = parser.parse_args(args)
     world = parsed.devices * parsed.nodes
     if world > MAX_ESTIMATE_RANKS:  # the table is computed rank by rank
         raise InputError(f"--devices x --nodes must be at most {MAX_ESTIMATE_RANKS:,} ranks, got {world:,}")
+    try:
+        shard = resolve_shard_size(parsed.shard_group_size, world_size=world, local_world_size=parsed.devices)
+    except ValueError as error:
+        raise InputError(f"argument --shard-group-size: {error}") from error
     try:
         capacity = parse_bytes(parsed.device_memory) if parsed.device_memory else None
     except ValueError as error:
@@ -276,12 +290,15 @@ def estimate_main(args: list[str]) -> None:
         shape, config = shape_of_count(parsed.params), ZeroConfig()
     else:
         shape, config = _shape_of_model(parsed.model)
-    table = estimate(shape, world, parsed.precision, config, offload=parsed.offload == "cpu")
+    table = estimate(shape, shard, parsed.precision, config, offload=parsed.offload == "cpu")
+    hybrid = f", sharded in groups of {shard} ranks (hybrid)" if shard < world else ""
     print(
         f"{shape.psi:,} trainable parameters on {world} ranks ({parsed.devices} per node x {parsed.nodes} nodes),"
-        f" precision {parsed.precision}; per rank (the rank that needs the most), GiB:"
+        f" precision {parsed.precision}{hybrid}; per rank (the rank that needs the most), GiB:"
     )
     print(format_table(table, capacity))
+    traffic = {"world": world, "per_node": parsed.devices, "shard_size": shard, "micro_batches": parsed.micro_batches}
+    print(format_traffic(shape.psi, parsed.precision, **traffic))
     if capacity is not None:
         fitting = smallest_fitting(table, capacity)
         verdict = f"the smallest configuration that fits: {fitting}" if fitting else "none fits: add devices or nodes"
@@ -289,6 +306,15 @@ def estimate_main(args: list[str]) -> None:
             host = max(r.host_total for r in table[fitting]) * parsed.devices
             verdict += f" (host memory per node: {host / 2**30:.2f} GiB)"
         print(f"{parsed.device_memory} per device ({capacity:,} bytes), activations not counted: {verdict}")
+
+
+def _shard_group_size(text: str) -> int | str:
+    if text == "node":
+        return text
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f'must be "node" or an integer >= 1, got {text!r}') from None
 
 
 def _shape_of_model(path: str):

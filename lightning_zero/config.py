@@ -104,6 +104,10 @@ class ZeroConfig:
         fused_step: AdamW steps each unit's partition with one fused kernel pass per bucket (unscale, clip,
             update, and the 16-bit parameter copy; see sharding/fused_step.py): "auto" (default) where the
             CUDA kernels run, "always" also elsewhere through their pure-torch reference, "never".
+        shard_group_size: hybrid sharding (sharding/topology.py): states are sharded inside groups of this
+            many consecutive ranks and replicated across groups, whose partitions are all-reduced once per
+            step; "node" = the ranks of one node; null (default) = the whole world. Must divide the
+            world size.
         check_collectives: debug mode: record every collective the strategy issues and, before each
             step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
             the sequences when they differ): a rank that would issue a different collective fails with
@@ -127,6 +131,7 @@ class ZeroConfig:
     offload_param: str = "none"
     offload_pin_memory: bool = True
     fused_step: str = "auto"
+    shard_group_size: int | str | None = None
     check_collectives: bool = False
 
     def __post_init__(self) -> None:
@@ -191,6 +196,13 @@ class ZeroConfig:
         )
         _check(
             self.fused_step in ("auto", "always", "never"), "zero.fused_step", self.fused_step, "auto, always or never"
+        )
+        size = self.shard_group_size
+        _check(
+            size is None or size == "node" or (_integer(size) and size >= 1),
+            "zero.shard_group_size",
+            size,
+            'null (the whole world), "node" or an integer >= 1 that divides the world size',
         )
         pin = self.offload_pin_memory
         _check(isinstance(pin, bool), "zero.offload_pin_memory", pin, "true or false")

@@ -47,6 +47,7 @@ NO_EFFECT = {
     "wall_clock_breakdown": "Lightning's profilers report",
     "zero_allow_untested_optimizer": "any elementwise torch optimizer is supported",
     "prescale_gradients": "gradients are always divided by the world size before the reduction",
+    "zero_optimization.mics_hierarchical_params_gather": "parameters are gathered inside the shard group only",
 }
 OFFLOAD_SECTIONS = {  # -> the ZeroConfig field
     "zero_optimization.offload_optimizer": "offload_optimizer",
@@ -211,6 +212,12 @@ def read_deepspeed_config(
             no_effect.append(f"{key} ({NO_EFFECT[key]})")
         elif key in OFFLOAD_SECTIONS:
             _offload(key, value, zero, no_effect)
+        elif key == "zero_optimization.mics_shard_size":  # MiCS: shard within groups, replicate across
+            size = _number(key, value, int)
+            if size != -1:  # -1: off (DeepSpeed's default)
+                zero["shard_group_size"] = size
+        elif key == "zero_optimization.zero_hpz_partition_size" and _number(key, value, int) == 1:
+            no_effect.append(f"{key} (1: no secondary partition)")
         elif key == "zero_optimization.cpu_offload":  # DeepSpeed's older spelling of offload_optimizer: cpu
             if not isinstance(value, bool):
                 raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")

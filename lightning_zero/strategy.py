@@ -59,6 +59,7 @@ from lightning_zero.sharding.stage3_setup import (
     install_load_hooks,
     shard_module,
 )
+from lightning_zero.sharding.topology import Topology, make_topology
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
@@ -116,6 +117,7 @@ class ZeroStrategy(DDPStrategy):
         self._loaded: checkpoint_io.LoadedCheckpoint | None = None  # between load_checkpoint and the restores
         self.sharded_init_peak_bytes: int | None = None  # stage 3 from the meta device: see initialize_sharded
         self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
+        self.topology = Topology(shard_rank=0, shard_size=1)  # made with the process group (setup_environment)
 
     @classmethod
     def from_deepspeed_config(cls, source: Any, *, ignore: tuple[str, ...] = ()) -> ZeroStrategy:
@@ -151,6 +153,16 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError(f"the ZeRO strategies need ZeroPrecision, got {type(plugin).__name__}")
 
     # --- set-up -----------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.topology = make_topology(  # collective with hybrid sharding: every rank, here, in one order
+            self.config.shard_group_size,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            local_world_size=self.num_processes,
+            timeout=timedelta(seconds=self.config.timeout),
+        )
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -194,7 +206,7 @@ class ZeroStrategy(DDPStrategy):
                 self.setup_optimizers(trainer)
             names = check_optimizer_params(module, self.optimizers, rank=self.global_rank)
             if self.config.stage < 3:
-                kwargs = {"rank": self.global_rank, "world_size": self.world_size}
+                kwargs = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
                 self._units = units_per_param_group(self.optimizers, names, self.config, **kwargs)
                 self._load_hooks = install_load_hooks(module, self._units)  # load_state_dict reaches the master
             self.optimizers, self._reducer, self._gathers = wrap_optimizers(
@@ -202,9 +214,11 @@ class ZeroStrategy(DDPStrategy):
                 [u for u in self._units if u.trainable],  # stage 3's frozen units need no gradients
                 names,
                 self.config,
-                world_size=self.world_size,
+                world_size=self.topology.shard_size,
                 backward_end=self._backward_end,
                 model=module,
+                group=self.topology.shard_group,
+                replicate_group=self.topology.replicate_group,
             )
             for optimizer in self.optimizers:
                 optimizer.activate = self._activate  # add_param_group
@@ -223,7 +237,7 @@ class ZeroStrategy(DDPStrategy):
     ) -> None:
         module = self.lightning_module
         if sharded is not None:  # fit, then validate/test/predict (or fit again): keep the shards
-            sharded.check(world_size=self.world_size, rank=self.global_rank)
+            sharded.check(world_size=self.topology.shard_size, rank=self.topology.shard_rank)
             if fitting:
                 for unit in sharded.units:
                     if unit.requires_grad:
@@ -233,8 +247,8 @@ class ZeroStrategy(DDPStrategy):
             sharded = shard_module(
                 module,
                 self.config,
-                rank=self.global_rank,
-                world_size=self.world_size,
+                rank=self.topology.shard_rank,
+                world_size=self.topology.shard_size,
                 device=self.root_device,
                 dtype=stage3_param_dtype(self.precision_plugin, self.config.gather_dtype),
                 construction=construction,
@@ -254,6 +268,7 @@ class ZeroStrategy(DDPStrategy):
             prefetch_bucket_size=self.config.prefetch_bucket_size,
             param_persistence_threshold=self.config.param_persistence_threshold,
             backward_end=self._backward_end,
+            group=self.topology.shard_group,
         )
         self._stage3.install_access_hooks(module)
 
@@ -261,7 +276,8 @@ class ZeroStrategy(DDPStrategy):
         """``ZeroOptimizer.add_param_group``: gives ``params`` master weights and gradients from now on
         (stage 3: their frozen units become trainable; stages 1-2: they get a unit of their own)."""
         names = {p: n for n, p in self.lightning_module.named_parameters()}
-        units = trainable_units(params, names, self.config, rank=self.global_rank, world_size=self.world_size)
+        shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
+        units = trainable_units(params, names, self.config, **shard)
         if self.config.stage < 3:  # units of their own
             self._units += units
             self._load_hooks += install_load_hooks(self.lightning_module, units)
@@ -277,10 +293,11 @@ class ZeroStrategy(DDPStrategy):
             yield
             return
         self._construction = ShardedConstruction(
-            rank=self.global_rank,
-            world_size=self.world_size,
+            rank=self.topology.shard_rank,
+            world_size=self.topology.shard_size,
             device=self.root_device,
             max_whole_numel=self.config.max_live_parameters,
+            group=self.topology.shard_group,
         )
         with self._construction:
             yield
@@ -393,7 +410,9 @@ class ZeroStrategy(DDPStrategy):
             optimizers=[o for o in self.optimizers if isinstance(o, ZeroOptimizer)],
             stage=self.config.stage,
             rank=self.global_rank,
-            world_size=self.world_size,
+            world_size=self.topology.shard_size,
+            shard_rank=self.topology.shard_rank,
+            writes_shards=self.topology.writes_checkpoint_shards,
         )
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -417,7 +436,7 @@ class ZeroStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         self._settle()
-        checkpoint_io.load_model(self._loaded, self.lightning_module, self._units)
+        checkpoint_io.load_model(self._loaded, self.lightning_module, self._units, group=self.topology.shard_group)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         zero_optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]

@@ -1,5 +1,6 @@
 """One "node" of a multi-node run on loopback (test_multinode.py starts one of these per node, the way a
-user starts one per machine): trains BlocksNet with zero1, zero2 and zero3 in turn on
+user starts one per machine): trains BlocksNet with zero1, zero2, zero3 and zero2 sharded per node
+(hybrid) in turn on
 ``--nodes`` x ``--devices`` ranks, saving a sharded checkpoint at the end of the first epoch, or resuming
 from one; rank 0 writes the final weights of each stage to ``--out``.
 
@@ -22,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import EquivalenceModule, zero_strategy  # noqa: E402
 
 HALF = 3  # optimizer steps per epoch; the run takes two epochs
+# (name, stage, ZeroConfig options): with "node" each node's ranks shard together and the nodes replicate
+RUNS = [("z1", 1, {}), ("z2", 2, {}), ("z3", 3, {}), ("z2-node", 2, {"shard_group_size": "node"})]
 
 
 def main() -> None:
@@ -33,14 +36,12 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, help="resume each stage from the checkpoint under this directory")
     args = parser.parse_args()
     results = {}
-    for stage in (1, 2, 3):
+    for name, stage, extra in RUNS:
         pl.seed_everything(0)
         module = EquivalenceModule("blocks", steps=HALF)
-        callbacks = (
-            [ModelCheckpoint(args.save / f"z{stage}", every_n_train_steps=HALF, save_top_k=-1)] if args.save else []
-        )
+        callbacks = [ModelCheckpoint(args.save / name, every_n_train_steps=HALF, save_top_k=-1)] if args.save else []
         trainer = pl.Trainer(
-            strategy=zero_strategy(stage, reduce_bucket_size=200, param_persistence_threshold=0),
+            strategy=zero_strategy(stage, reduce_bucket_size=200, param_persistence_threshold=0, **extra),
             accelerator="cpu",
             devices=args.devices,
             num_nodes=args.nodes,
@@ -54,12 +55,12 @@ def main() -> None:
             logger=False,
             callbacks=callbacks,
         )
-        ckpt = str(args.resume / f"z{stage}" / f"epoch=0-step={HALF}.ckpt") if args.resume else None
+        ckpt = str(args.resume / name / f"epoch=0-step={HALF}.ckpt") if args.resume else None
         trainer.fit(module, ckpt_path=ckpt)
         assert trainer.world_size == args.nodes * args.devices, trainer.world_size
         assert trainer.global_step == 2 * HALF
         state = {k: v.clone() for k, v in trainer.strategy.gather_module().state_dict().items()}
-        results[stage] = state
+        results[name] = state
     where = {"global_rank": trainer.global_rank, "node_rank": trainer.node_rank, "local_rank": trainer.local_rank}
     (args.out.parent / f"{args.out.name}.rank{trainer.global_rank}").write_text(json.dumps(where))
     if trainer.global_rank == 0:

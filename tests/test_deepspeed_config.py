@@ -249,3 +249,16 @@ def test_offload_sections_map():
     assert (older.offload_optimizer, older.offload_param) == ("cpu", "none")
     unpinned = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": False}}}
     assert read_deepspeed_config(unpinned).zero.offload_pin_memory is False
+
+
+def test_mics_maps_to_hybrid_sharding_and_hpz_is_refused():
+    mics = {"zero_optimization": {"stage": 3, "mics_shard_size": 8, "mics_hierarchical_params_gather": True}}
+    with pytest.warns(UserWarning, match=r"mics_hierarchical_params_gather \(parameters are gathered inside"):
+        assert read_deepspeed_config(mics).zero.shard_group_size == 8
+    assert read_deepspeed_config({"zero_optimization": {"mics_shard_size": -1}}).zero.shard_group_size is None
+    with pytest.warns(UserWarning, match=r"zero_hpz_partition_size \(1: no secondary partition\)"):
+        read_deepspeed_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}})
+    with pytest.raises(ValueError, match="not supported: zero_optimization.zero_hpz_partition_size"):
+        read_deepspeed_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}})
+    with pytest.raises(ValueError, match="zero.shard_group_size must be null"):
+        read_deepspeed_config({"zero_optimization": {"mics_shard_size": 0}})

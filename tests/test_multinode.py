@@ -3,8 +3,9 @@
 - Lightning's own multi-node launch: one ``python train.py`` per node with ``NODE_RANK``, ``MASTER_ADDR``
   and ``MASTER_PORT`` set and ``Trainer(num_nodes=2, devices=2)``; Lightning starts each node's second
   rank. And ``torchrun --nnodes=2 --nproc-per-node=2 --node-rank=K --rdzv-endpoint=HOST:PORT``.
-- Both train zero1, zero2 and zero3 (BlocksNet: data-dependent blocks; accumulation, clipping) to within
-  1e-5 of a single-process run, with ranks 0-1 on node 0 and 2-3 on node 1.
+- Both train zero1, zero2, zero3 and zero2 with ``shard_group_size="node"`` (hybrid: each node shards,
+  the nodes replicate) on BlocksNet (data-dependent blocks; accumulation, clipping) to within 1e-5 of a
+  single-process run, with ranks 0-1 on node 0 and 2-3 on node 1.
 - The checkpoints the 2 x 2 run wrote mid-run resume on 1 node x 2 ranks and on 1 node x 4 ranks, to
   within 1e-5 of the uninterrupted single-process run.
 Every launch runs under a timeout; a node that fails or hangs fails the test with its output.
@@ -90,10 +91,12 @@ def _check(out: Path, reference: dict[str, torch.Tensor], what: str, *, ranks: i
     for rank in range(ranks):
         where = json.loads(out.with_name(f"{out.name}.rank{rank}").read_text())
         assert (where["node_rank"], where["local_rank"]) == divmod(rank, per_node), (what, where)
-    for stage, state in torch.load(out).items():
+    results = torch.load(out)
+    assert sorted(results) == ["z1", "z2", "z2-node", "z3"], sorted(results)
+    for run, state in results.items():
         for name, value in reference.items():
             err = relative_error(state[name], value)
-            assert err <= 1e-5, f"{what}, stage {stage}: {name} differs from one process by {err:.2e}"
+            assert err <= 1e-5, f"{what}, {run}: {name} differs from one process by {err:.2e}"
 
 
 def test_two_nodes_by_lightning_and_by_torchrun_and_resume_on_one_node(tmp_path):

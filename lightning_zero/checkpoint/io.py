@@ -75,7 +75,7 @@ def open_checkpoint(
     return loaded
 
 
-def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit]) -> None:
+def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit], *, group=None) -> None:
     """Loads every parameter and buffer of ``model``, whichever of them the checkpoint sharded and this
     run shards: this rank's pieces of sharded parameters (``units``), whole values of the others.
 
@@ -128,9 +128,9 @@ def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit
     with torch.no_grad():
         for unit in units:
             if unit.trainable:
-                unit.follow_master()  # the parameters follow the loaded master
+                unit.follow_master(group=group)  # the parameters follow the loaded master (``group``: the shard group)
             elif unit.gathered:  # a frozen unit kept whole: gather the loaded shards
-                collectives.wait(unit.unshard(async_op=False))
+                collectives.wait(unit.unshard(async_op=False, group=group))
 
 
 def _rank() -> int:

@@ -233,9 +233,13 @@ def save(
     stage: int,
     rank: int,
     world_size: int,
+    shard_rank: int | None = None,
+    writes_shards: bool = True,
 ) -> None:
     """Writes Lightning's ``checkpoint`` dict and the ranks' shards as the directory ``path`` (collective;
-    see [Note: the save protocol])."""
+    see [Note: the save protocol]). ``world_size`` ranks hold the partitions, this one as ``shard_rank``
+    (default: ``rank``); with hybrid sharding only the first shard group ``writes_shards`` (the others
+    hold replicas of the same partitions), and ``rank`` 0 coordinates."""
     path = Path(path)
     partial = partial_dir(path)
     problem = None
@@ -251,11 +255,12 @@ def save(
 
     weights_only = "optimizer_states" not in checkpoint
     owner = {id(u): opt for opt in optimizers for u in opt.units}
-    name = rank_file(rank)
+    name = rank_file(rank if shard_rank is None else shard_rank) if writes_shards else None
     entry, problem = None, None
     try:
-        shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only) for u in units]}
-        entry = write_atomically(partial / name, lambda f: torch.save(shard, f))
+        if writes_shards:
+            shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only) for u in units]}
+            entry = write_atomically(partial / name, lambda f: torch.save(shard, f))
     except CheckpointError as error:
         problem = str(error)
     except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
@@ -271,7 +276,7 @@ def save(
     problem = None
     if rank == 0:
         try:
-            files = {n: e for n, e, _ in written}
+            files = {n: e for n, e, _ in written if n is not None}
             files[LIGHTNING] = write_atomically(
                 partial / LIGHTNING, lambda f: torch.save(_lightning(checkpoint, model, units, optimizers), f)
             )

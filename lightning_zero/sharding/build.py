@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -98,9 +99,11 @@ def wrap_optimizers(
     backward_end: BackwardEnd,
     model: Module,
     group=None,
+    replicate_group=None,
 ) -> tuple[list[ZeroOptimizer], GradReducer, ParamGathers | None]:
     """One gradient reducer over all units, the post-step gathers (stages 1 and 2) and a ZeroOptimizer
-    around each user optimizer."""
+    around each user optimizer. ``group``: the shard group (None: the world); ``replicate_group``: see
+    topology.py."""
     for optimizer in optimizers:
         check_elementwise(optimizer)
     locate = {p: (u, i) for u in units for i, p in enumerate(u.params)}
@@ -123,10 +126,20 @@ def wrap_optimizers(
         max_inflight_bytes=config.max_inflight_bytes,
         coalesce_numel=config.reduce_bucket_size if config.stage == 3 else 0,
         group=group,
+        average_over=world_size * (dist.get_world_size(replicate_group) if replicate_group is not None else 1),
     )
     gathers = ParamGathers(reducer, group=group) if config.stage < 3 else None
     zero = [
-        ZeroOptimizer(opt, locate, names, reducer, gathers=gathers, fused_step=config.fused_step, group=group)
+        ZeroOptimizer(
+            opt,
+            locate,
+            names,
+            reducer,
+            gathers=gathers,
+            fused_step=config.fused_step,
+            group=group,
+            replicate_group=replicate_group,
+        )
         for opt in optimizers
     ]
     return zero, reducer, gathers

@@ -56,6 +56,8 @@ from torch import Tensor
 
 traffic: Counter[str] = Counter()  # elements per kind of collective
 traffic_bytes: Counter[str] = Counter()  # the same in bytes (what the dtype costs on the wire)
+traffic_by_group: Counter[tuple[str, str]] = Counter()  # bytes per (group role, kind): see group_role
+_ROLES: dict[int, str] = {}  # id of a process group -> its role ("shard", "replicate"; see topology.py)
 _records: list[list[tuple]] = []  # the active recordings (innermost last)
 
 # torch 2.13 deprecates the *_tensor spellings; older torch only has them.
@@ -63,11 +65,24 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def name_group(group, role: str) -> None:
+    """Names ``group`` by its role, the same on every rank (its ranks differ between shard groups)."""
+    _ROLES[id(group)] = role
+
+
+def group_role(group) -> str:
+    """ "world" for the default group, a named group's role, else its ranks."""
+    if group is None:
+        return "world"
+    return _ROLES.get(id(group)) or str(dist.get_process_group_ranks(group))
+
+
 def _note(op: str, tensor: Tensor, numel: int, group) -> None:
     traffic[op] += numel
     traffic_bytes[op] += numel * tensor.element_size()
+    traffic_by_group[group_role(group), op] += numel * tensor.element_size()
     if _records:
-        entry = (op, "world" if group is None else str(dist.get_process_group_ranks(group)), numel, str(tensor.dtype))
+        entry = (op, group_role(group), numel, str(tensor.dtype))
         for record in _records:
             record.append(entry)
 
@@ -119,6 +134,11 @@ def _decomposed(group) -> bool:
 
 
 _HOST_GROUPS: dict[int, object] = {}  # id of an NCCL group -> the gloo group made for it
+
+
+def set_host_group(group, host) -> None:
+    """The gloo group ``host_group(group)`` returns (made by every rank together: topology.py)."""
+    _HOST_GROUPS[id(group)] = host
 
 
 def host_group(group):
@@ -187,9 +207,9 @@ def all_reduce(tensor: Tensor, op: dist.ReduceOp, *, group=None) -> Tensor:
 
 
 def broadcast(tensor: Tensor, *, src: int, group=None) -> Tensor:
-    """In-place blocking broadcast of a small tensor from global rank ``src``; returns it."""
+    """In-place blocking broadcast of a small tensor from rank ``src`` of ``group``; returns it."""
     _note("broadcast", tensor, tensor.numel(), group)
-    dist.broadcast(tensor, src=src, group=group)
+    dist.broadcast(tensor, src=src if group is None else dist.get_global_rank(group, src), group=group)
     return tensor
 
 

@@ -90,8 +90,9 @@ class ShardedConstruction:
 
     # --- the context ------------------------------------------------------------------------------
     def __enter__(self) -> ShardedConstruction:
-        states = collectives.all_gather_object(_rng_states(self.device), group=self.group)
-        _set_rng_states(states[0], self.device)  # every rank constructs what rank 0 constructs
+        # on the world: every rank (every replica, with hybrid sharding) constructs what rank 0 constructs
+        states = collectives.all_gather_object(_rng_states(self.device))
+        _set_rng_states(states[0], self.device)
         self._device_context = torch.device(self.device)
         self._device_context.__enter__()
         self._hook = register_module_parameter_registration_hook(self._registered)

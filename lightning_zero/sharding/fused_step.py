@@ -87,6 +87,7 @@ class FusedAdamWStep:
         done = set()
         group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}  # once per step
         host_runs: list[host.HostRun] = []
+        stepped: list[tuple[FlatUnit, list[dict], float, bool]] = []
         for unit in units:
             pieces = unit.piece_tensors
             backend = self._backend(unit) if pieces else None
@@ -113,12 +114,14 @@ class FusedAdamWStep:
                     fused_adamw_(*tensors, inv_scale=multiplier, lowp_out=lowp, **hyper)
                 else:
                     fused_adamw_(*tensors, multiplier=multiplier.float(), lowp_out=lowp, **hyper)
-            for state, tensor in zip(states, pieces):
+            stepped.append((unit, states, step, all(lowp is not None for *_, lowp in runs)))
+        host.adamw_step(host_runs)  # (checks its inputs first: on an error nothing below has changed)
+        for unit, states, step, params_written in stepped:
+            for state, tensor in zip(states, unit.piece_tensors):
                 state["step"].fill_(step)
                 tensor.grad = None
-            unit.params_current = all(lowp is not None for *_, lowp in runs)  # the post-step copy is done
+            unit.params_current = params_written  # the post-step copy is done
             done.add(id(unit))
-        host.adamw_step(host_runs)
         return done
 
     def _flat_moments(self, unit: FlatUnit, states: list[dict]) -> tuple[Tensor, Tensor]:

@@ -74,12 +74,16 @@ class GradReducer:
         max_inflight_bytes: int = 200_000_000,
         coalesce_numel: int = 0,
         group=None,
+        average_over: int | None = None,
     ) -> None:
         """``model``: stages 1 and 2 watch its modules' forwards (see [Note: stage-2 launch order]).
-        ``coalesce_numel``: stage 3 (see [Note: stage-3 reduction buckets])."""
+        ``coalesce_numel``: stage 3 (see [Note: stage-3 reduction buckets]). ``world_size``: the ranks of
+        ``group``, which the layouts partition over; ``average_over``: the ranks gradients are averaged
+        over (default: the same; with hybrid sharding all of them, the replicas' sum completing the average)."""
         self.stage = stage
         self.overlap = overlap
         self.world_size = world_size
+        self.average_over = average_over or world_size
         self.max_inflight_bytes = max_inflight_bytes if overlap else 0
         # Stage 1: whether a backward only accumulates (set by the strategy: always under manual optimization,
         # else inside Lightning's block_backward_sync, i.e. before the step's last micro-batch).
@@ -164,9 +168,10 @@ class GradReducer:
         lo = unit.layout.offsets[index] - bucket.start
         hi = lo + unit.layout.numels[index]
 
-        # Gradients are averaged over ranks: each is divided by world_size on its way into the bucket
-        # (as DDP pre-divides), and the reduce-scatter sums.
-        scale = 1.0 / self.world_size
+        # Gradients are averaged over ranks: each is divided by the number of ranks on its way into the bucket
+        # (as DDP pre-divides, so fp16 sums stay in range), and the reduce-scatter (and with hybrid sharding,
+        # the replicas' all-reduce) sums.
+        scale = 1.0 / self.average_over
 
         def hook(param: Tensor) -> None:
             grad = param.grad
@@ -298,11 +303,13 @@ class GradReducer:
             self._pool[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
 
     def _agree_on_order(self) -> None:
-        """Once, after the first backward: every rank adopts the launch order rank 0's forward implies."""
+        """Once, after the first backward: every rank adopts the launch order rank 0's forward implies (over
+        the whole world, so that with hybrid sharding every shard group issues the same sequence; a CPU
+        tensor, so on the host group)."""
         first_use = [min((self._forward_used.get(id(p), -1) for p in params), default=-1) for params in self._params]
         mine = sorted(range(len(self.order)), key=lambda k: (-first_use[k], k))  # used last in forward: first
         order = torch.tensor(mine, dtype=torch.int64)
-        collectives.broadcast(order, src=0, group=self.group)
+        collectives.broadcast(order, src=0, group=collectives.host_group(None))
         permutation = order.tolist()
         self.order = [self.order[k] for k in permutation]
         self._params = [self._params[k] for k in permutation]

@@ -105,9 +105,11 @@ class ZeroOptimizer:
         gathers: ParamGathers | None = None,
         fused_step: str = "never",
         group=None,
+        replicate_group=None,
     ) -> None:
         """``locate`` maps each trainable parameter to (unit, index in the unit); frozen ones are absent.
-        ``fused_step``: see fused_step.py."""
+        ``fused_step``: see fused_step.py. ``group``: the shard group; ``replicate_group``: with hybrid
+        sharding, the ranks holding the same partitions (topology.py)."""
         if optimizer.state:
             raise ValueError(
                 f"the optimizer {type(optimizer).__name__} already holds state before sharding; create it fresh in"
@@ -118,6 +120,8 @@ class ZeroOptimizer:
         self.gathers = gathers  # stages 1 and 2
         self.group = group
         self.host_group = collectives.host_group(group)
+        self.replicate_group = replicate_group
+        self.world_host_group = collectives.host_group(None)  # decisions every rank must share
         self.activate: Callable[[list[Parameter]], dict] | None = None  # see add_param_group
         # For each group, each original parameter's slot (None when frozen); the numbering of the
         # unsharded optimizer's state dict follows these lists.
@@ -224,6 +228,8 @@ class ZeroOptimizer:
         if self.reducer.stage1_unreduced or stage1_missing:  # (the same on every rank)
             self.reducer.reduce_pending()
         self._found_inf = False
+        if self.replicate_group is not None:
+            self._average_replicas([u.reduced for u in self.units])
         if self.units:
             if check_finite:
                 overflow = torch.stack([u.nonfinite() for u in self.units]).amax(dim=0)
@@ -232,7 +238,7 @@ class ZeroOptimizer:
             if not self._found_inf:
                 flags = bytearray().join(u.used for u in self.units)  # the tensor below writes into it
                 collectives.all_reduce(
-                    torch.frombuffer(flags, dtype=torch.uint8), dist.ReduceOp.MAX, group=self.host_group
+                    torch.frombuffer(flags, dtype=torch.uint8), dist.ReduceOp.MAX, group=self.world_host_group
                 )
                 start = 0
                 for unit in self.units:
@@ -267,10 +273,23 @@ class ZeroOptimizer:
         return self.host_group if tensor.device.type == "cpu" else self.group
 
     def _current_grads(self) -> list[Tensor]:
-        """This rank's reduced gradient partitions as accumulated so far, without preparing the step."""
+        """This rank's reduced gradient partitions as accumulated so far, without preparing the step
+        (with hybrid sharding: copies, averaged over the replicas)."""
         pending = [u for u in self.units if u.reduced is None]  # stage 1 between micro-batches
         reduced = self.reducer.peek_accumulated(pending) if pending else {}
-        return [reduced.get(id(u), u.reduced) for u in self.units]
+        grads = [reduced.get(id(u), u.reduced) for u in self.units]
+        if self.replicate_group is not None and not self._prepared:  # (prepared: summed already)
+            grads = [g.clone() if g is u.reduced else g for g, u in zip(grads, self.units)]
+            self._average_replicas(grads)
+        return grads
+
+    def _average_replicas(self, grads: list[Tensor]) -> None:
+        """Hybrid sharding: each partition becomes the sum over the replicas of its shard, in place (the
+        gradients were divided by every rank's count on their way into the buckets: this completes the
+        average; see topology.py's [Note: hybrid sharding]). One all-reduce per partition, in unit order."""
+        for grad in grads:
+            group = collectives.host_group(self.replicate_group) if grad.device.type == "cpu" else self.replicate_group
+            collectives.all_reduce(grad, dist.ReduceOp.SUM, group=group)
 
     def grad_norms_by_param(self, norm_type: float = 2.0) -> dict[str, Tensor]:
         """Each parameter's gradient norm and the total, keyed like Lightning's ``grad_norm`` utility.

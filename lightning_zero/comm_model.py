@@ -1,0 +1,105 @@
+"""Communication per optimizer step: what each process group carries, and what crosses the nodes.
+
+[Note: the communication model]
+``step_collectives`` gives the bytes of the buffers each kind of collective covers on one rank per
+optimizer step (what ``collectives.traffic_by_group`` counts, by group role), from the padded model size
+``total`` (elements), the bytes per gradient and per parameter element, the micro-batches per step and
+the shard group size K (K = N without hybrid sharding, where the "shard" group is the world):
+
+    ddp    all-reduce  Bg * total                       (once per step: no_sync while accumulating)
+    zero1  reduce-scatter Bg * total, all-gather Bp * total            (both once per step)
+    zero2  reduce-scatter Bg * total per micro-batch, all-gather Bp * total
+    zero3  reduce-scatter Bg * total and all-gathers of at most 2 Bp * total per micro-batch (forward and
+           backward; the root unit and the persistent units are gathered once, so measured runs send less)
+    hybrid (R = N / K replicas) adds, on the replicate group, an all-reduce of the partition: Bg * total / K
+
+``link_bytes`` turns buffers into bytes sent per rank by a ring collective over the group (a
+reduce-scatter or all-gather sends (n - 1) / n of the buffer, an all-reduce twice that) and splits them
+by link: the share of the ring's hops (ranks in order, the last back to the first) that join two nodes
+of ``per_node`` consecutive ranks goes to the inter-node link. NCCL's trees and in-network reductions
+move the same bytes in other shapes; this is the ring's count, which is what the ZeRO paper's volume
+analysis uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+GROUP_OPS = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}  # ring: bytes sent = factor * (n-1)/n * buffer
+
+
+def step_collectives(
+    strategy: str,
+    total: int,
+    *,
+    world_size: int,
+    shard_size: int | None = None,
+    grad_bytes: int = 4,
+    param_bytes: int = 4,
+    micro_batches: int = 1,
+) -> dict[tuple[str, str], float]:
+    """Buffer bytes per (group role, collective) one rank covers per optimizer step (see the Note)."""
+    shard_size = world_size if shard_size is None else shard_size
+    grads, params = grad_bytes * total, param_bytes * total
+    if strategy == "ddp":
+        return {("world", "all_reduce"): grads}
+    role = "shard" if shard_size < world_size else "world"
+    per_micro = {"zero1": 0, "zero2": 1, "zero3": 1}[strategy]
+    out = {
+        (role, "reduce_scatter"): grads * (micro_batches if per_micro else 1),
+        (role, "all_gather"): params * (2 * micro_batches if strategy == "zero3" else 1),
+    }
+    if shard_size < world_size:
+        out["replicate", "all_reduce"] = grads / shard_size
+    return out
+
+
+def ring_inter_fraction(ranks: Sequence[int], per_node: int) -> float:
+    """The share of a ring's hops over ``ranks`` (in order, the last back to the first) between two nodes."""
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    return sum(ranks[i] // per_node != ranks[(i + 1) % n] // per_node for i in range(n)) / n
+
+
+def group_ranks(role: str, *, world_size: int, shard_size: int) -> list[int]:
+    """The ranks of rank 0's group of ``role`` (every group of a role has the same shape)."""
+    if role == "world":
+        return list(range(world_size))
+    if role == "shard":
+        return list(range(shard_size))
+    return list(range(0, world_size, shard_size))  # replicate
+
+
+def link_bytes(
+    collectives: dict[tuple[str, str], float], *, world_size: int, per_node: int, shard_size: int | None = None
+) -> tuple[float, float]:
+    """(intra-node, inter-node) bytes one rank sends per step for ``collectives`` (``step_collectives``)."""
+    shard_size = world_size if shard_size is None else shard_size
+    intra = inter = 0.0
+    for (role, op), size in collectives.items():
+        ranks = group_ranks(role, world_size=world_size, shard_size=shard_size)
+        n = len(ranks)
+        sent = GROUP_OPS[op] * (n - 1) / n * size
+        share = ring_inter_fraction(ranks, per_node)
+        inter += sent * share
+        intra += sent * (1 - share)
+    return intra, inter
+
+
+def format_traffic(
+    psi: int, precision: str, *, world: int, per_node: int, shard_size: int, micro_batches: int = 1
+) -> str:
+    """Bytes one rank sends per optimizer step, inside nodes and between them, for each strategy (ring
+    collectives; zero3's all-gathers at their bound)."""
+    b = 2 if precision == "16-mixed" else 4
+    title = f"sent per rank per step ({micro_batches} micro-batches), GB"
+    lines = [f"{title:<56}{'intra-node':>12}{'inter-node':>12}"]
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        size, grad = (world, 4) if name == "ddp" else (shard_size, b)  # ddp reduces fp32 gradients
+        ops = step_collectives(
+            name, psi, world_size=world, shard_size=size, grad_bytes=grad, param_bytes=b, micro_batches=micro_batches
+        )
+        intra, inter = link_bytes(ops, world_size=world, per_node=per_node, shard_size=size)
+        lines.append(f"{name:<56}{intra / 1e9:>12.3f}{inter / 1e9:>12.3f}")
+    return "\n".join(lines)
