@@ -19,10 +19,8 @@ traceback instead. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import pickle
 import sys
@@ -46,22 +44,16 @@ from lightning_zero.checkpoint.format import (
     read_metadata,
     unsafe_pickle_error,
 )
-from lightning_zero.comm_model import format_traffic
+from lightning_zero.cli_args import InputError, Parser
+from lightning_zero.cli_estimate import estimate_main
 from lightning_zero.config import ZeroConfig, stage_of_strategy
 from lightning_zero.deepspeed_config import read_deepspeed_config
-from lightning_zero.estimate import estimate, format_table, parse_bytes, shape_of_count, smallest_fitting
-from lightning_zero.sharding.topology import resolve_shard_size
 from lightning_zero.strategy import ZeroStrategy
 
 DEBUG_ENV = "LIGHTNING_ZERO_DEBUG"
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # What bad input raises while a command is set up (parsed, validated, its Trainer built): one line.
 SETUP_ERRORS = (ArgumentError, ValueError, TypeError, OSError, CheckpointError, MisconfigurationException)
-MAX_ESTIMATE_RANKS = 1 << 17  # about 5 s of estimate
-
-
-class InputError(Exception):
-    """Bad input, reported by ``main`` as one line and exit code 2 (the cause's traceback with --debug)."""
 
 
 @contextlib.contextmanager
@@ -173,17 +165,10 @@ def _apply_deepspeed(config, path: str, ignore: tuple[str, ...]) -> None:
     rank_zero_info(f"lightning-zero: applied the DeepSpeed config {path}")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are InputErrors: one line from main() (the usage is in --help)."""
-
-    def error(self, message: str):
-        raise InputError(message)
-
-
 def _checkpoint_command(args: list[str], *, prog: str, description: str, source: str, output: str, trust: str, run):
     """consolidate and convert-deepspeed: a checkpoint in, a file out, ``--trust-pickles``; a CheckpointError
     is bad input. ``run(source, output, trust_pickles)`` returns the line to print."""
-    parser = _Parser(prog=prog, description=description)
+    parser = Parser(prog=prog, description=description)
     parser.add_argument("source", help=source)
     parser.add_argument("output", help=output)
     parser.add_argument("--trust-pickles", action="store_true", help=trust)
@@ -222,110 +207,6 @@ def convert_deepspeed_main(args: list[str]) -> None:
         " code, so only for a checkpoint you trust",
         run=lambda source, output, trust: convert_deepspeed(source, output, trust_pickles=trust),
     )
-
-
-def _parameter_count(text: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number of parameters >= 1, e.g. 1.3e9, got {text!r}")
-    return int(value)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def estimate_main(args: list[str]) -> None:
-    parser = _Parser(
-        prog="lightning-zero estimate",
-        description="Per-rank bytes of parameters, gradients and optimizer state (Adam) under ddp, zero1, zero2"
-        " and zero3, as the strategies allocate them (padding included; activations not counted).",
-    )
-    model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--params", type=_parameter_count, help="the number of trainable parameters, e.g. 1.3e9")
-    model.add_argument("--model", help="a lightning-zero YAML config: its model is built on the meta device")
-    parser.add_argument("--devices", type=_positive_int, default=1, help="devices (processes) per node")
-    parser.add_argument("--nodes", type=_positive_int, default=1)
-    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
-    parser.add_argument(
-        "--device-memory", help="memory per device, e.g. 80GB or 80GiB: names the smallest stage that fits"
-    )
-    parser.add_argument(
-        "--offload",
-        default="none",
-        choices=["none", "cpu"],
-        help="cpu: also the ZeRO-Offload configurations (master weights and optimizer state in host memory,"
-        " zero3 with parameters there too), with their host bytes per rank",
-    )
-    parser.add_argument(
-        "--micro-batches", type=_positive_int, default=1, help="micro-batches per optimizer step (accumulation)"
-    )
-    parser.add_argument(
-        "--shard-group-size",
-        type=_shard_group_size,
-        help='hybrid sharding: shard inside groups of this many ranks ("node": one node), replicate across',
-    )
-    parsed = parser.parse_args(args)
-    world = parsed.devices * parsed.nodes
-    if world > MAX_ESTIMATE_RANKS:  # the table is computed rank by rank
-        raise InputError(f"--devices x --nodes must be at most {MAX_ESTIMATE_RANKS:,} ranks, got {world:,}")
-    try:
-        shard = resolve_shard_size(parsed.shard_group_size, world_size=world, local_world_size=parsed.devices)
-    except ValueError as error:
-        raise InputError(f"argument --shard-group-size: {error}") from error
-    try:
-        capacity = parse_bytes(parsed.device_memory) if parsed.device_memory else None
-    except ValueError as error:
-        raise InputError(f"argument --device-memory: {error}") from error
-    if parsed.params is not None:
-        shape, config = shape_of_count(parsed.params), ZeroConfig()
-    else:
-        shape, config = _shape_of_model(parsed.model)
-    table = estimate(shape, shard, parsed.precision, config, offload=parsed.offload == "cpu")
-    hybrid = f", sharded in groups of {shard} ranks (hybrid)" if shard < world else ""
-    print(
-        f"{shape.psi:,} trainable parameters on {world} ranks ({parsed.devices} per node x {parsed.nodes} nodes),"
-        f" precision {parsed.precision}{hybrid}; per rank (the rank that needs the most), GiB:"
-    )
-    print(format_table(table, capacity))
-    traffic = {"world": world, "per_node": parsed.devices, "shard_size": shard, "micro_batches": parsed.micro_batches}
-    print(format_traffic(shape.psi, parsed.precision, **traffic))
-    if capacity is not None:
-        fitting = smallest_fitting(table, capacity)
-        verdict = f"the smallest configuration that fits: {fitting}" if fitting else "none fits: add devices or nodes"
-        if fitting and table[fitting][0].host_total:
-            host = max(r.host_total for r in table[fitting]) * parsed.devices
-            verdict += f" (host memory per node: {host / 2**30:.2f} GiB)"
-        print(f"{parsed.device_memory} per device ({capacity:,} bytes), activations not counted: {verdict}")
-
-
-def _shard_group_size(text: str) -> int | str:
-    if text == "node":
-        return text
-    try:
-        return _positive_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f'must be "node" or an integer >= 1, got {text!r}') from None
-
-
-def _shape_of_model(path: str):
-    from lightning_zero.estimate_model import shape_of_config  # imports jsonargparse's machinery: only here
-
-    try:
-        return shape_of_config(path)
-    except OSError as error:
-        raise InputError(f"argument --model: {path}: {error.strerror or error}") from error
-    except (ValueError, TypeError) as error:  # not a config, or its model or zero options are refused
-        raise InputError(f"argument --model: {error}") from error
 
 
 OWN_COMMANDS = {

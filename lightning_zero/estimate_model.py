@@ -14,7 +14,7 @@ from lightning_zero.config import ZeroConfig, stage_of_strategy
 from lightning_zero.estimate import ModelShape, shape_of_module
 
 
-def _read(path: str) -> dict:
+def read_config(path: str) -> dict:
     try:
         with open(path) as f:
             raw = yaml.safe_load(f)
@@ -30,7 +30,7 @@ def shape_of_config(path: str) -> tuple[ModelShape, ZeroConfig]:
     """Builds the config's ``model`` on the meta device (nothing allocated), runs its ``configure_model``
     and ``configure_optimizers``, and reads the ``zero`` options the strategy would use. A file that is
     not such a config raises ValueError (OSError if it cannot be read)."""
-    raw = _read(path)
+    raw = read_config(path)
     parser = ArgumentParser(exit_on_error=False)  # a bad model section raises: the caller reports it
     parser.add_subclass_arguments(LightningModule, "model")
     try:

@@ -532,7 +532,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch, ran):
     def broken(*args, **kwargs):
         raise ValueError("a bug, not bad input")
 
-    monkeypatch.setattr("lightning_zero.cli.estimate", broken)
+    monkeypatch.setattr("lightning_zero.cli_estimate.estimate", broken)
     with pytest.raises(ValueError, match="a bug, not bad input"):
         main(["estimate", "--params", "1e6"])
 

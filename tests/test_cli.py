@@ -113,7 +113,10 @@ def test_estimate_subcommand(capsys):
         + ["--device-memory", "20GB"]
     )
     stdout = capsys.readouterr().out
-    lines = {line.split()[0]: line.split()[1:] for line in stdout.splitlines() if line.startswith(("ddp", "zero"))}
+    lines: dict[str, list[str]] = {}  # the memory table's rows (the traffic table's follow, with the same names)
+    for line in stdout.splitlines():
+        if line.startswith(("ddp", "zero")):
+            lines.setdefault(line.split()[0], line.split()[1:])
     psi, n, gib = 1.3e9, 16, 2**30
     assert float(lines["zero2"][3]) == pytest.approx((2 * psi + 14 * psi / n) / gib, rel=1e-3)
     assert float(lines["zero3"][3]) == pytest.approx(16 * psi / n / gib, rel=1e-3)

@@ -1,0 +1,191 @@
+"""``lightning-zero estimate``: per-rank memory, communication per link and (with hardware figures) the
+step time of every strategy, and the largest model each fits (estimate.py, comm_model.py, time_model.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from lightning_zero.cli_args import InputError, Parser
+from lightning_zero.comm_model import format_traffic
+from lightning_zero.config import ZeroConfig
+from lightning_zero.estimate import estimate, format_table, parse_bytes, shape_of_count, smallest_fitting
+from lightning_zero.sharding.topology import resolve_shard_size
+from lightning_zero.time_model import CLUSTERS, Hardware, flops_per_token, format_step_times, measure_here
+
+MAX_ESTIMATE_RANKS = 1 << 17  # about 5 s of estimate
+
+
+def _parameter_count(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number of parameters >= 1, e.g. 1.3e9, got {text!r}")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def estimate_main(args: list[str]) -> None:
+    parser = Parser(
+        prog="lightning-zero estimate",
+        description="Per-rank bytes of parameters, gradients and optimizer state (Adam) under ddp, zero1, zero2"
+        " and zero3, as the strategies allocate them (padding included; activations not counted).",
+    )
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", type=_parameter_count, help="the number of trainable parameters, e.g. 1.3e9")
+    model.add_argument("--model", help="a lightning-zero YAML config: its model is built on the meta device")
+    parser.add_argument("--devices", type=_positive_int, default=1, help="devices (processes) per node")
+    parser.add_argument("--nodes", type=_positive_int, default=1)
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
+    parser.add_argument(
+        "--device-memory", help="memory per device, e.g. 80GB or 80GiB: names the smallest stage that fits"
+    )
+    parser.add_argument(
+        "--offload",
+        default="none",
+        choices=["none", "cpu"],
+        help="cpu: also the ZeRO-Offload configurations (master weights and optimizer state in host memory,"
+        " zero3 with parameters there too), with their host bytes per rank",
+    )
+    parser.add_argument(
+        "--micro-batches", type=_positive_int, default=1, help="micro-batches per optimizer step (accumulation)"
+    )
+    parser.add_argument(
+        "--shard-group-size",
+        type=_shard_group_size,
+        help='hybrid sharding: shard inside groups of this many ranks ("node": one node), replicate across',
+    )
+    speed = parser.add_argument_group("step time (time_model.py): any of these adds the prediction")
+    speed.add_argument("--cluster", choices=sorted(CLUSTERS), help="preset FLOP rate and link bandwidths")
+    speed.add_argument("--tflops", type=_positive_float, help="achieved TFLOP/s per device")
+    speed.add_argument("--intra-bw", type=_positive_float, help="GB/s one rank sends inside a node (bus bandwidth)")
+    speed.add_argument("--inter-bw", type=_positive_float, help="GB/s one rank sends between nodes")
+    speed.add_argument("--measure", action="store_true", help="measure FLOP rate and bandwidth here (--model GPT)")
+    speed.add_argument("--tokens", type=_positive_int, help="tokens per rank per micro-batch (default: the config's)")
+    parsed = parser.parse_args(args)
+    world = parsed.devices * parsed.nodes
+    if world > MAX_ESTIMATE_RANKS:  # the table is computed rank by rank
+        raise InputError(f"--devices x --nodes must be at most {MAX_ESTIMATE_RANKS:,} ranks, got {world:,}")
+    try:
+        shard = resolve_shard_size(parsed.shard_group_size, world_size=world, local_world_size=parsed.devices)
+    except ValueError as error:
+        raise InputError(f"argument --shard-group-size: {error}") from error
+    try:
+        capacity = parse_bytes(parsed.device_memory) if parsed.device_memory else None
+    except ValueError as error:
+        raise InputError(f"argument --device-memory: {error}") from error
+    if parsed.params is not None:
+        shape, config = shape_of_count(parsed.params), ZeroConfig()
+    else:
+        shape, config = _shape_of_model(parsed.model)
+    table = estimate(shape, shard, parsed.precision, config, offload=parsed.offload == "cpu")
+    hybrid = f", sharded in groups of {shard} ranks (hybrid)" if shard < world else ""
+    print(
+        f"{shape.psi:,} trainable parameters on {world} ranks ({parsed.devices} per node x {parsed.nodes} nodes),"
+        f" precision {parsed.precision}{hybrid}; per rank (the rank that needs the most), GiB:"
+    )
+    print(format_table(table, capacity))
+    traffic = {"world": world, "per_node": parsed.devices, "shard_size": shard, "micro_batches": parsed.micro_batches}
+    print(format_traffic(shape.psi, parsed.precision, **traffic))
+    if capacity is not None:
+        fitting = smallest_fitting(table, capacity)
+        verdict = f"the smallest configuration that fits: {fitting}" if fitting else "none fits: add devices or nodes"
+        if fitting and table[fitting][0].host_total:
+            host = max(r.host_total for r in table[fitting]) * parsed.devices
+            verdict += f" (host memory per node: {host / 2**30:.2f} GiB)"
+        print(f"{parsed.device_memory} per device ({capacity:,} bytes), activations not counted: {verdict}")
+    hardware = _hardware(parsed)
+    if hardware is not None:
+        gpt, batch = _gpt_of(parsed.model) if parsed.model else (None, None)
+        tokens = parsed.tokens or (batch * gpt.block_size if gpt else 2048)
+        shape3 = (gpt.n_layer, gpt.block_size, gpt.n_embd) if gpt else None
+        links = {"world_size": world, "per_node": parsed.devices, "shard_size": shard}
+        print(
+            format_step_times(
+                shape.psi,
+                hardware,
+                precision=parsed.precision,
+                flops=flops_per_token(shape.psi, shape3),
+                tokens=tokens,
+                capacity=capacity,
+                micro_batches=parsed.micro_batches,
+                **links,
+            )
+        )
+
+
+def _hardware(parsed) -> Hardware | None:
+    """The FLOP rate and bandwidths to predict with: measured, a preset, and flags over either."""
+    if parsed.measure:
+        if not parsed.model or parsed.nodes != 1:
+            raise InputError("argument --measure: needs --model (a GPTModule config) and --nodes 1")
+        gpt, batch = _gpt_of(parsed.model)
+        if gpt is None:
+            raise InputError(f"argument --measure: {parsed.model} is not a lightning_zero GPTModule config")
+        base = measure_here(gpt, batch=batch, ranks=parsed.devices)
+    elif parsed.cluster:
+        base = CLUSTERS[parsed.cluster]
+    elif any(v is not None for v in (parsed.tflops, parsed.intra_bw, parsed.inter_bw)):
+        missing = [f"--{k}" for k in ("tflops", "intra-bw", "inter-bw") if getattr(parsed, k.replace("-", "_")) is None]
+        if missing:
+            raise InputError(f"the step time needs {', '.join(missing)} too (or --cluster / --measure)")
+        return Hardware(tflops=parsed.tflops, intra_gbs=parsed.intra_bw, inter_gbs=parsed.inter_bw)
+    else:
+        return None
+    overrides = {"tflops": parsed.tflops, "intra_gbs": parsed.intra_bw, "inter_gbs": parsed.inter_bw}
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _gpt_of(path: str):
+    """(GPTConfig, batch size) of a config whose model is lightning_zero's GPTModule, else (None, None)."""
+    from lightning_zero.estimate_model import read_config
+    from lightning_zero.models.gpt import GPTConfig
+
+    raw = read_config(path)
+    if not str(raw["model"].get("class_path", "")).endswith("GPTModule"):
+        return None, None
+    model = (raw["model"].get("init_args") or {}).get("model") or {}
+    batch = ((raw.get("data") or {}).get("init_args") or {}).get("batch_size", 1)
+    return GPTConfig(**model), int(batch)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _shard_group_size(text: str) -> int | str:
+    if text == "node":
+        return text
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f'must be "node" or an integer >= 1, got {text!r}') from None
+
+
+def _shape_of_model(path: str):
+    from lightning_zero.estimate_model import shape_of_config  # imports jsonargparse's machinery: only here
+
+    try:
+        return shape_of_config(path)
+    except OSError as error:
+        raise InputError(f"argument --model: {path}: {error.strerror or error}") from error
+    except (ValueError, TypeError) as error:  # not a config, or its model or zero options are refused
+        raise InputError(f"argument --model: {error}") from error

@@ -1,0 +1,55 @@
+"""The step-time model (time_model.py) and ``lightning-zero estimate``'s step-time output.
+
+- Exposure by hand: what compute hides and what it does not (hybrid's replica all-reduce never hides).
+- The largest model per configuration follows the memory formulas.
+- The check against measured steps on this machine is a benchmark, not a test (timings are never
+  asserted): benchmarks/time_model_check.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lightning_zero.time_model import CLUSTERS, Hardware, largest_psi, predict_step
+
+HW = Hardware(tflops=1.0, intra_gbs=1.0, inter_gbs=0.5)
+
+
+def test_what_compute_hides():
+    # 1e6 parameters x 6 flops x 1e5 tokens = 0.6 s of compute at 1 TFLOP/s
+    flat = predict_step("zero2", 1_000_000, HW, tokens=100_000, world_size=4, per_node=2)
+    assert flat.compute == pytest.approx(0.6)
+    # 4 MB buffers, a ring over 4 ranks on 2 nodes: 3 MB sent per collective, half of the hops between nodes
+    assert flat.intra == pytest.approx(2 * 1.5e6 / 1e9) and flat.inter == pytest.approx(2 * 1.5e6 / 0.5e9)
+    assert flat.exposed == 0.0  # 4.5 ms per collective under 0.4 s of backward and 0.2 s of forward
+    slow = predict_step("zero2", 1_000_000, Hardware(1.0, 1e-3, 1e-3), tokens=100_000, world_size=4, per_node=2)
+    assert slow.exposed == pytest.approx(2 * 3e6 / 1e6 - 0.6)  # 3 s each, minus the 0.4 s and 0.2 s windows
+    hybrid = predict_step("zero2", 1_000_000, HW, tokens=100_000, world_size=4, per_node=2, shard_size=2)
+    # the replica all-reduce of the 2 MB partition over 2 replicas sends 2 MB between nodes, once, not hidden
+    assert hybrid.exposed == pytest.approx(2e6 / 0.5e9)
+
+
+def test_largest_model_per_configuration():
+    gib80 = 80 * 10**9
+    assert largest_psi("ddp", gib80, shard_size=64, param_bytes=2) == 5 * 10**9  # 16 bytes per parameter
+    assert largest_psi("zero3", gib80, shard_size=64, param_bytes=2) == 320 * 10**9  # 16 / 64
+    with pytest.raises(ValueError, match="tflops must be a number > 0, got 0"):
+        Hardware(tflops=0, intra_gbs=1, inter_gbs=1)
+
+
+def _estimate(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "lightning_zero.cli", "estimate", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_estimate_predicts_with_a_preset_and_refuses_half_a_machine():
+    out = _estimate("--params", "7.5e9", "--devices", "8", "--nodes", "8", "--cluster", "dgx-a100", "--tokens", "4096")
+    assert out.returncode == 0, out.stderr
+    assert f"{CLUSTERS['dgx-a100'].tflops:.3g} TFLOP/s" in out.stdout and "zero3" in out.stdout.splitlines()[-1]
+    bad = _estimate("--params", "1e9", "--tflops", "100")
+    assert bad.returncode == 2 and "the step time needs --intra-bw, --inter-bw too" in bad.stderr
+    bad = _estimate("--params", "1e9", "--measure")
+    assert bad.returncode == 2 and "argument --measure: needs --model" in bad.stderr
