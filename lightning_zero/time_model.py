@@ -11,8 +11,9 @@ Per rank and optimizer step, for ``tokens`` tokens per rank per micro-batch and 
                 one rank sends, i.e. NCCL's "bus bandwidth")
     exposed   = what compute cannot hide: ddp's all-reduce and ZeRO-1/2's reduce-scatters overlap the
                 backward (2/3 of compute), ZeRO-1/2's all-gathers the next forward (1/3), stage 3's
-                prefetched gathers and reductions all of it; hybrid sharding's replica all-reduce runs at
-                the step and is never hidden. Each overlapped part is exposed by max(0, time - window).
+                prefetched gathers and reductions share all of it; hybrid sharding's replica all-reduce
+                runs at the step and is never hidden. The communication that shares a window is exposed
+                by max(0, its time - the window).
     step      = compute + exposed
 
 ``measure`` takes both inputs from this machine: the FLOP rate that a model's training step (forward,
@@ -100,18 +101,19 @@ def predict_step(
         param_bytes=param_bytes,
         micro_batches=micro_batches,
     )
-    intra = inter = exposed = 0.0
+    intra = inter = 0.0
+    busy: dict[float, float] = {}  # compute window -> seconds of communication that must fit in it
     for (role, op), size in ops.items():
         a, b = link_bytes({(role, op): size}, world_size=world_size, per_node=per_node, shard_size=shard_size)
-        seconds = a / (hardware.intra_gbs * 1e9) + b / (hardware.inter_gbs * 1e9)
         intra, inter = intra + a / (hardware.intra_gbs * 1e9), inter + b / (hardware.inter_gbs * 1e9)
         if role == "replicate":
             window = 0.0  # at the step, after the last backward
         elif strategy == "zero3":
-            window = compute  # prefetched gathers and per-unit reductions run alongside compute
+            window = compute  # prefetched gathers and per-unit reductions share all of compute
         else:  # reductions during backward, gathers during the next forward
             window = compute * (2 / 3 if op in ("reduce_scatter", "all_reduce") else 1 / 3)
-        exposed += max(0.0, seconds - window)
+        busy[window] = busy.get(window, 0.0) + a / (hardware.intra_gbs * 1e9) + b / (hardware.inter_gbs * 1e9)
+    exposed = sum(max(0.0, seconds - window) for window, seconds in busy.items())
     return StepTime(compute, intra, inter, exposed)
 
 

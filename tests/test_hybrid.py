@@ -1,8 +1,9 @@
 """Hybrid sharding (sharding/topology.py): 4 ranks as 2 shard groups of 2 ranks that replicate each other.
 
-- zero1, zero2, zero3 (GPT: accumulation, clipping, two param groups, an LR schedule) and zero2 with the
-  optimizer offloaded equal a single-process run within 1e-5; every rank ends identical; the debug mode
-  that compares the ranks' collective sequences is on (shard groups are matched by role, not ranks).
+- zero1, zero2, zero3 (GPT: accumulation, clipping, two param groups, an LR schedule), and each with the
+  optimizer offloaded (zero3 with its parameters too) equal a single-process run within 1e-5; every rank
+  ends identical; the debug mode that compares the ranks' collective sequences is on (shard groups are
+  matched by role, not ranks).
 - Traffic by group, per step: the replicate group all-reduces exactly each rank's fp32 partition (Psi/K
   elements, padded) once; the shard group carries the reduce-scatters and all-gathers of Psi; both as
   ``comm_model.step_collectives`` predicts (stage 3's all-gathers within its bound).
@@ -31,7 +32,15 @@ from lightning_zero.sharding import collectives
 
 pytestmark = pytest.mark.slow
 STEPS, HALF = 6, 3
-RUNS = [(1, {}), (2, {}), (3, {"param_persistence_threshold": 0}), (2, {"offload_optimizer": "cpu"})]
+OFFLOAD = {"offload_optimizer": "cpu"}
+RUNS = [
+    (1, {}),
+    (2, {}),
+    (3, {"param_persistence_threshold": 0}),
+    (1, OFFLOAD),
+    (2, OFFLOAD),
+    (3, {**OFFLOAD, "offload_param": "cpu", "param_persistence_threshold": 0}),
+]
 
 
 class Traffic(pl.Callback):

@@ -27,6 +27,9 @@ def test_what_compute_hides():
     assert flat.exposed == 0.0  # 4.5 ms per collective under 0.4 s of backward and 0.2 s of forward
     slow = predict_step("zero2", 1_000_000, Hardware(1.0, 1e-3, 1e-3), tokens=100_000, world_size=4, per_node=2)
     assert slow.exposed == pytest.approx(2 * 3e6 / 1e6 - 0.6)  # 3 s each, minus the 0.4 s and 0.2 s windows
+    # stage 3's gathers (6 MB sent: 0.6 s) and reduce-scatter (3 MB: 0.3 s) share the 0.6 s of compute
+    zero3 = predict_step("zero3", 1_000_000, Hardware(1.0, 0.01, 0.01), tokens=100_000, world_size=4, per_node=2)
+    assert zero3.exposed == pytest.approx(0.3)
     hybrid = predict_step("zero2", 1_000_000, HW, tokens=100_000, world_size=4, per_node=2, shard_size=2)
     # the replica all-reduce of the 2 MB partition over 2 replicas sends 2 MB between nodes, once, not hidden
     assert hybrid.exposed == pytest.approx(2e6 / 0.5e9)
