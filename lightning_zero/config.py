@@ -103,7 +103,9 @@ class ZeroConfig:
         offload_pin_memory: pin the host buffers (CUDA), so copies to and from the device do not block.
         fused_step: AdamW steps each unit's partition with one fused kernel pass per bucket (unscale, clip,
             update, and the 16-bit parameter copy; see sharding/fused_step.py): "auto" (default) where the
-            CUDA kernels run, "always" also elsewhere through their pure-torch reference, "never".
+            CUDA kernels run and, for offloaded units, the host AdamW kernel (kernels/host.py); "always"
+            also for every CPU master (the host kernel, or the CUDA kernels' pure-torch reference without
+            a C compiler); "never".
         shard_group_size: hybrid sharding (sharding/topology.py): states are sharded inside groups of this
             many consecutive ranks and replicated across groups, whose partitions are all-reduced once per
             step; "node" = the ranks of one node; null (default) = the whole world. Must divide the
