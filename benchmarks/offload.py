@@ -188,21 +188,13 @@ def _host_step_table(args) -> list[str]:
 
 def _train_worker(rank: int, world: int, args, out_file: str) -> None:
     import lightning.pytorch as pl
+    from step_timer import BatchTimer
 
     from lightning_zero import ZeroConfig, ZeroStrategy
     from lightning_zero.data import SyntheticTextDataModule
     from lightning_zero.models.gpt import GPTConfig, GPTModule
 
-    class Timer(pl.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.times.append(time.perf_counter() - self.start)
-
+    class Timer(BatchTimer):
         def on_train_end(self, trainer, pl_module):
             self.memory = trainer.strategy.memory_bytes()
 

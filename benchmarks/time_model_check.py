@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from common import QUIET, emit
@@ -29,27 +28,18 @@ STAGES = (1, 2, 3)
 
 def _worker(rank: int, world: int, args, out_file: str) -> None:
     import lightning.pytorch as pl
+    from step_timer import BatchTimer
 
     from lightning_zero import ZeroConfig, ZeroStrategy
     from lightning_zero.data import SyntheticTextDataModule
     from lightning_zero.models.gpt import GPTConfig, GPTModule
-
-    class Timer(pl.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.times.append(time.perf_counter() - self.start)
 
     times: dict[int, list[float]] = {stage: [] for stage in STAGES}
     for _ in range(args.rounds):
         for stage in STAGES:
             pl.seed_everything(0)
             config = GPTConfig(vocab_size=32, block_size=64, n_layer=4, n_head=4, n_embd=128)  # configs/gpt.yaml's
-            timer = Timer()
+            timer = BatchTimer()
             trainer = pl.Trainer(
                 strategy=ZeroStrategy(ZeroConfig(stage=stage, reduce_bucket_size=200_000)),
                 accelerator="cpu",

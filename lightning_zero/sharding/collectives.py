@@ -206,6 +206,12 @@ def all_reduce(tensor: Tensor, op: dist.ReduceOp, *, group=None) -> Tensor:
     return tensor
 
 
+def all_reduce_async(tensor: Tensor, op: dist.ReduceOp, *, group=None) -> dist.Work:
+    """In-place all-reduce of ``tensor`` started now (hybrid sharding's replica sums: several in flight)."""
+    _note("all_reduce", tensor, tensor.numel(), group)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
 def broadcast(tensor: Tensor, *, src: int, group=None) -> Tensor:
     """In-place blocking broadcast of a small tensor from rank ``src`` of ``group``; returns it."""
     _note("broadcast", tensor, tensor.numel(), group)

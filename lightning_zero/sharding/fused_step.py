@@ -87,6 +87,10 @@ class FusedAdamWStep:
         done = set()
         group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}  # once per step
         host_runs: list[host.HostRun] = []
+        # the pending factor, once per step: a device scalar for the kernels (no sync), a number for the host
+        # kernel (one read, made only when some unit steps on the host)
+        scale = {"inv_scale": multiplier} if isinstance(multiplier, float) else {"multiplier": multiplier.float()}
+        host_mul: float | None = multiplier if isinstance(multiplier, float) else None
         stepped: list[tuple[FlatUnit, list[dict], float, bool]] = []
         for unit in units:
             pieces = unit.piece_tensors
@@ -109,11 +113,10 @@ class FusedAdamWStep:
                 # what the optimizer would read (clipping by value acts on it), its moments and the master
                 tensors = (unit.master_view(lo, hi - lo), unit.step_grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi])
                 if backend == "host":
-                    host_runs.append(host.HostRun(*tensors, grad_mul=float(multiplier), lowp_out=lowp, **hyper))
-                elif isinstance(multiplier, float):
-                    fused_adamw_(*tensors, inv_scale=multiplier, lowp_out=lowp, **hyper)
+                    host_mul = float(multiplier) if host_mul is None else host_mul
+                    host_runs.append(host.HostRun(*tensors, grad_mul=host_mul, lowp_out=lowp, **hyper))
                 else:
-                    fused_adamw_(*tensors, multiplier=multiplier.float(), lowp_out=lowp, **hyper)
+                    fused_adamw_(*tensors, lowp_out=lowp, **scale, **hyper)
             stepped.append((unit, states, step, all(lowp is not None for *_, lowp in runs)))
         host.adamw_step(host_runs)  # (checks its inputs first: on an error nothing below has changed)
         for unit, states, step, params_written in stepped:

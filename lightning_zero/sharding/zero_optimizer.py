@@ -286,10 +286,14 @@ class ZeroOptimizer:
     def _average_replicas(self, grads: list[Tensor]) -> None:
         """Hybrid sharding: each partition becomes the sum over the replicas of its shard, in place (the
         gradients were divided by every rank's count on their way into the buckets: this completes the
-        average; see topology.py's [Note: hybrid sharding]). One all-reduce per partition, in unit order."""
+        average; see topology.py's [Note: hybrid sharding]). One all-reduce per partition, in unit order, all
+        in flight at once, then waited on."""
+        works = []
         for grad in grads:
             group = collectives.host_group(self.replicate_group) if grad.device.type == "cpu" else self.replicate_group
-            collectives.all_reduce(grad, dist.ReduceOp.SUM, group=group)
+            works.append(collectives.all_reduce_async(grad, dist.ReduceOp.SUM, group=group))
+        for work in works:
+            work.wait()
 
     def grad_norms_by_param(self, norm_type: float = 2.0) -> dict[str, Tensor]:
         """Each parameter's gradient norm and the total, keyed like Lightning's ``grad_norm`` utility.
