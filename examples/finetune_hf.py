@@ -17,10 +17,11 @@ import lightning.pytorch as pl
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero.resumable_data import resumable_loader
 
 
 class LoRA(nn.Module):
@@ -95,7 +96,7 @@ def main() -> None:
             vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
         )  # fmt: skip
-    data = DataLoader(toy_data(config.vocab_size, 32), batch_size=8, shuffle=True)
+    data = resumable_loader(toy_data(config.vocab_size, 32), batch_size=8)  # resumes mid-epoch exactly
     strategy = ZeroStrategy(ZeroConfig(stage=3, param_persistence_threshold=0), start_method="popen")
     trainer = pl.Trainer(
         strategy=strategy,

@@ -114,6 +114,10 @@ class ZeroConfig:
             step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
             the sequences when they differ): a rank that would issue a different collective fails with
             an error naming the first difference instead of hanging later.
+        checkpoint_on_signal: on SIGTERM or SIGUSR1 (SLURM's requeue signal) every rank finishes its
+            optimizer step, writes a checkpoint and exits with 128 + the signal's number (see
+            preemption.py: ``PreemptionCheckpoint`` sets where; under SLURM with auto-requeue the job is
+            requeued); false: the ranks stop at the same step boundary without writing.
     """
 
     stage: int = 2
@@ -135,6 +139,7 @@ class ZeroConfig:
     fused_step: str = "auto"
     shard_group_size: int | str | None = None
     check_collectives: bool = False
+    checkpoint_on_signal: bool = True
 
     def __post_init__(self) -> None:
         _check(
@@ -210,6 +215,12 @@ class ZeroConfig:
         _check(isinstance(pin, bool), "zero.offload_pin_memory", pin, "true or false")
         _check(
             isinstance(self.check_collectives, bool), "zero.check_collectives", self.check_collectives, "true or false"
+        )
+        _check(
+            isinstance(self.checkpoint_on_signal, bool),
+            "zero.checkpoint_on_signal",
+            self.checkpoint_on_signal,
+            "true or false",
         )
         _check(
             self.reduce_dtype in (None, *REDUCE_DTYPES),

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_zero.resumable_data import resumable_loader
+
 
 class SyntheticLanguage:
     def __init__(self, vocab_size: int = 32, num_words: int = 128, branching: int = 4, seed: int = 1234) -> None:
@@ -77,7 +79,8 @@ class SyntheticTextDataModule(pl.LightningDataModule):
         self.val_set = TensorDataset(sequences[num_train:, :-1], sequences[num_train:, 1:])
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
+        """Shuffled like Lightning's DistributedSampler, and resumable mid-epoch (resumable_data.py)."""
+        return resumable_loader(self.train_set, self.hparams.batch_size, shuffle=True, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import sys
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,16 +26,17 @@ from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.utils import _sync_module_states as torch_sync_module_states
 
 from lightning_zero.checkpoint import io as checkpoint_io
-from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.memory import persistent_bytes
+from lightning_zero.peer_failure import exit_if_peer_failed
 from lightning_zero.precision import (
     ZeroPrecision,
     hold_schedulers_on_skipped_steps,
     stage3_param_dtype,
     validate_precision,
 )
+from lightning_zero.preemption import ensure_preemption_callback
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.build import (
@@ -53,17 +53,16 @@ from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import (
     ShardedModule,
     default_init,
-    full_state_dict,
     gather_module,
     initialize_sharded,
     install_load_hooks,
     shard_module,
 )
 from lightning_zero.sharding.topology import Topology, make_topology
-from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+from lightning_zero.strategy_checkpoint import CheckpointHooks
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(CheckpointHooks, DDPStrategy):
     """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
     sharded across ranks.
 
@@ -202,6 +201,7 @@ class ZeroStrategy(DDPStrategy):
             self._setup_stage3(fitting, on_meta, sharded, construction)
         self._construction = None
         if fitting:
+            ensure_preemption_callback(trainer, save=self.config.checkpoint_on_signal)  # see preemption.py
             if self.config.stage < 3 or on_meta:
                 self.setup_optimizers(trainer)
             names = check_optimizer_params(module, self.optimizers, rank=self.global_rank)
@@ -389,75 +389,6 @@ class ZeroStrategy(DDPStrategy):
             step = self.lightning_module.trainer.global_step
             raise RuntimeError(f"the ranks issued different collectives before global step {step}: {problem}")
 
-    # --- checkpoints (lightning_zero.checkpoint) -------------------------------------------------
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # a sharded checkpoint is loaded into the units, which exist after set-up
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # sharded: each rank writes its own part in save_checkpoint; nothing is gathered
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Writes the checkpoint as a directory: each rank its own shards (collective; see checkpoint/format.py)."""
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
-        self._settle()
-        checkpoint_save.save(
-            checkpoint,
-            filepath,
-            model=self.lightning_module,
-            units=self._units,
-            optimizers=[o for o in self.optimizers if isinstance(o, ZeroOptimizer)],
-            stage=self.config.stage,
-            rank=self.global_rank,
-            world_size=self.topology.shard_size,
-            shard_rank=self.topology.shard_rank,
-            writes_shards=self.topology.writes_checkpoint_shards,
-        )
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """ModelCheckpoint's top-k: hidden first, then deleted, so a half-removed one is never visible."""
-        checkpoint_save.remove(filepath, rank=self.global_rank)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Checks a sharded checkpoint directory (saved at any world size and stage) on every rank, or
-        reads a plain Lightning checkpoint file (from ``ddp`` or one device: migration in).
-
-        Pickled state is loaded with ``weights_only=True`` unless ``trainer.fit(..., weights_only=False)``
-        says the file is trusted."""
-        self._loaded = checkpoint_io.open_checkpoint(
-            checkpoint_path,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            optimizer_names=[o.param_names() for o in self.optimizers if isinstance(o, ZeroOptimizer)],
-            weights_only=weights_only is not False,
-        )
-        return self._loaded.lightning
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        self._settle()
-        checkpoint_io.load_model(self._loaded, self.lightning_module, self._units, group=self.topology.shard_group)
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        zero_optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]
-        # Like Lightning's own restore (a zip): a checkpoint saved outside fit has no optimizers to restore.
-        for index, optimizer in enumerate(zero_optimizers[: len(self._loaded.meta.optimizers)]):
-            checkpoint_io.load_optimizer(self._loaded, index, optimizer)
-        self._loaded = None
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full, unsharded state dict on every rank; stage 3 gathers it unit by unit, on the CPU
-        (collective: call it on every rank). For Lightning's own checkpoint dump nothing is gathered: the
-        sharded checkpoint writes each rank's shards (see ``save_checkpoint``)."""
-        self._settle()
-        if self._stage3 is None:
-            return super().lightning_module_state_dict()
-        module = self.lightning_module
-        if sys._getframe(1).f_code.co_name == "_get_lightning_module_state_dict":  # Trainer.save_checkpoint
-            sharded = {id(p) for u in self._units for p in u.params}
-            return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) not in sharded}
-        return full_state_dict(module, self._stage3)
-
     def gather_module(self, device: str | torch.device = "cpu") -> pl.LightningModule:
         """Stage 3, after ``fit``/``validate``/...: makes the LightningModule whole on ``device``, one unit
         gathered at a time (collective: call it on every rank). Other stages' modules are whole already."""
@@ -469,6 +400,11 @@ class ZeroStrategy(DDPStrategy):
             ShardedModule.detach(module)
             self._stage3, self._units = None, []
         return module.to(device)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A lost peer ends this rank here with one line (peer_failure.py); other errors go on to teardown."""
+        exit_if_peer_failed(exception, rank=self.global_rank, world_size=self.world_size)
+        super().on_exception(exception)
 
     def teardown(self) -> None:
         """Releases hooks; a stage-3 module stays sharded where it is (nothing is gathered, even after an

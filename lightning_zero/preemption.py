@@ -1,0 +1,173 @@
+"""A checkpoint when the scheduler announces the end: SIGTERM, or SLURM's requeue signal (SIGUSR1).
+
+[Note: preemption]
+A signal arrives at one rank or at all of them, at any instruction: in the middle of a backward, inside a
+collective. Nothing may happen there. Lightning's own handlers do too much there for a sharded run: the
+SIGTERM one broadcasts a tensor from inside the handler (a collective at a point the other ranks do not
+share), and SLURM's SIGUSR1 one saves the whole checkpoint from inside it. ``PreemptionCheckpoint``
+replaces them when training starts with a handler that only notes the signal. At the end of every
+optimizer step (``on_train_batch_end`` of a step's last micro-batch: the event where ModelCheckpoint saves,
+from which Lightning resumes exactly) the ranks agree with one 4-byte all-reduce (MAX) whether any of them
+was signalled, so all of them stop at the same step even when only one got the signal. Then every rank
+writes the sharded checkpoint, rank 0 asks SLURM to requeue the job (under SLURM with auto-requeue), and
+every rank raises ``Preempted``, a ``SystemExit`` with code 128 + the signal's number (143 for SIGTERM,
+138 for SIGUSR1: what a shell reports for a process the signal ended, so launchers count the run as not
+finished and restart it). The next launch resumes with ``ckpt_path="last"`` (or
+``lightning_zero.checkpoint.latest(dirpath)``; under SLURM, Lightning's own hpc resume finds it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_zero.sharding import collectives
+
+log = logging.getLogger(__name__)
+
+SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint; ``code`` is the process's exit status."""
+
+
+def _signal_number(name: str | int) -> int:
+    if isinstance(name, int):
+        return name
+    number = getattr(signal, str(name).upper(), None)
+    if not isinstance(number, signal.Signals):
+        raise ValueError(f"unknown signal {name!r}: name one like 'SIGTERM' or 'SIGUSR1'")
+    return int(number)
+
+
+class PreemptionCheckpoint(Callback):
+    """On any of ``signals``, every rank finishes its optimizer step, writes ``dirpath/filename.ckpt`` and
+    exits with ``exit_code`` (default 128 + the signal's number); see [Note: preemption].
+
+    ``dirpath`` defaults to the trainer's ModelCheckpoint directory (so ``ckpt_path="last"`` finds the
+    checkpoint), else ``default_root_dir/checkpoints``. Under SLURM with auto-requeue (Lightning's
+    ``SLURMEnvironment``) the checkpoint goes where Lightning's requeued job looks for it
+    (``default_root_dir/hpc_ckpt_N.ckpt``) and rank 0 requeues the job. ``save=False`` stops the same way
+    without writing. The ZeRO strategies add one with the defaults when the trainer has none."""
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str = "last",
+        signals: tuple[str | int, ...] = SIGNALS,
+        exit_code: int | None = None,
+        save: bool = True,
+    ) -> None:
+        self.dirpath, self.filename, self.exit_code, self.save = dirpath, filename, exit_code, save
+        self.signals = tuple(_signal_number(s) for s in signals)
+        self.received = 0  # the first signal this rank got; written by the handler, nothing else there
+        self._previous: dict[int, Any] = {}
+        self._step = -1
+        self.saved_path: str | None = None
+
+    # --- the handler: notes the signal, nothing more ----------------------------------------------
+    def _note_signal(self, signum: int, frame: Any) -> None:
+        if not self.received:
+            self.received = signum
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Lightning registered its handlers just before the run; these replace them until the run ends."""
+        self.received, self._step = 0, trainer.global_step
+        for signum in self.signals:
+            try:
+                self._previous[signum] = signal.signal(signum, self._note_signal)
+            except ValueError:  # not the main thread: Lightning's own handlers were not set either
+                break
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_handlers()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    # --- the step boundary: agree, save, stop -----------------------------------------------------
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self._step:  # inside an accumulation window: no optimizer step yet
+            return
+        self._step = trainer.global_step
+        signum = self._agree(self.received)
+        if not signum:
+            return
+        name = signal.Signals(signum).name
+        if self.save:
+            self.saved_path = self._path(trainer)
+            trainer.save_checkpoint(self.saved_path)
+            if trainer.is_global_zero:
+                log.warning(f"{name}: saved {self.saved_path} at step {trainer.global_step}; exiting")
+            if self._requeues(trainer, signum) and trainer.is_global_zero:
+                _requeue_slurm_job()
+        code = self.exit_code if self.exit_code is not None else 128 + signum
+        raise Preempted(code)
+
+    @staticmethod
+    def _agree(received: int) -> int:
+        """The largest signal number any rank received (0: none); one collective per optimizer step."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return received
+        flag = torch.tensor([received], dtype=torch.int32)
+        return int(collectives.all_reduce(flag, dist.ReduceOp.MAX, group=collectives.host_group(None)).item())
+
+    def _requeues(self, trainer: pl.Trainer, signum: int) -> bool:
+        environment = trainer._accelerator_connector.cluster_environment
+        return (
+            isinstance(environment, SLURMEnvironment)
+            and environment.auto_requeue
+            and signum == int(environment.requeue_signal or signal.SIGUSR1)
+        )
+
+    def _path(self, trainer: pl.Trainer) -> str:
+        if self._requeues(trainer, signal.SIGUSR1) and self.dirpath is None:
+            return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        dirpath = self.dirpath
+        if dirpath is None:
+            checkpoint = trainer.checkpoint_callback
+            dirpath = checkpoint.dirpath if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath else None
+        if dirpath is None:
+            dirpath = Path(trainer.default_root_dir) / "checkpoints"
+        return str(Path(dirpath) / f"{self.filename}.ckpt")
+
+
+def _requeue_slurm_job() -> None:
+    """``scontrol requeue`` for this job (or array task), as Lightning's SLURM handler does."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    if not re.fullmatch(r"[0-9_]+", job):
+        log.warning(f"not requeueing: SLURM job id {job!r} is not a job id")
+        return
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], check=False).returncode
+    except FileNotFoundError:
+        log.warning(f"cannot requeue SLURM job {job}: scontrol is not on PATH")
+        return
+    if result == 0:
+        log.warning(f"requeued SLURM job {job}")
+    else:
+        log.warning(f"requeueing SLURM job {job} failed: scontrol exited with {result}")
+
+
+def ensure_preemption_callback(trainer: pl.Trainer, *, save: bool) -> None:
+    """Adds a ``PreemptionCheckpoint`` with the defaults unless the trainer has one (ZeRO strategies' set-up)."""
+    if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+        trainer.callbacks.append(PreemptionCheckpoint(save=save))

@@ -1,0 +1,150 @@
+"""Data order that a checkpoint can resume in the middle of an epoch, at any world size.
+
+Lightning saves the state of a training dataloader that has ``state_dict``/``load_state_dict`` (torchdata's
+``StatefulDataLoader``) into the checkpoint's loop state and restores it on resume, so the epoch continues
+where it stopped instead of starting over. What the loader saves about the order is its sampler's state.
+A ``DistributedSampler``'s position is per rank ("this rank took 40 indices"), which only means the same
+thing at the same world size; ``ResumableSampler``'s position is the whole world's.
+
+[Note: the resumable order]
+Every epoch is one permutation of the dataset, drawn from ``seed + epoch`` exactly as DistributedSampler
+draws it, and the world walks it in strides of W: rank r takes positions begin + r, begin + r + W, ...
+When every rank has taken k indices, positions [0, begin + kW) have been consumed, whichever ranks took
+them, and that count is the state. Resumed on W' ranks, rank r takes begin' + r, begin' + r + W', ... of the
+same permutation: nothing consumed is seen again and nothing is skipped (``drop_last`` drops the tail that
+does not divide evenly, as DistributedSampler does; without it the tail is padded from the front). With
+begin = 0 the order is DistributedSampler's own, so switching to it changes nothing in a fresh run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+from torch.utils.data.distributed import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+# torchdata 0.11 calls torch.set_vital on every iterator, which torch 2.13 deprecates with a warning per
+# process that users cannot act on; only that warning is silenced.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler's order whose state is the world's position in the epoch (see the module Note).
+
+    Lightning leaves it in place (it is a DistributedSampler) and calls ``set_epoch``. The rank, world size
+    and seed default to the process group's (one process without one) and ``PL_GLOBAL_SEED``, read when the
+    sampler is used, so it can be made before the process group exists."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        shuffle: bool = True,
+        seed: int | None = None,
+        drop_last: bool = False,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        # Not DistributedSampler.__init__: it reads the world size now, and a loader is often made before
+        # the process group exists (in the script Lightning launches on every rank). Read when iterated.
+        self.dataset, self.shuffle, self.drop_last, self.epoch = dataset, shuffle, drop_last, 0
+        self._replicas, self._rank, self._seed = num_replicas, rank, seed
+        self._begin = 0  # position in the permutation where this epoch's iteration started
+        self._taken = 0  # indices this rank has taken since then
+        self._resume: dict[str, int] | None = None  # a loaded state, used by the next iteration of its epoch
+
+    @property
+    def seed(self) -> int:  # default: the one Lightning's seed_everything exported, as its DistributedSampler
+        return self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    @property
+    def num_replicas(self) -> int:
+        if self._replicas is not None:
+            return self._replicas
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    @property
+    def rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def num_samples(self) -> int:  # per rank, in a whole epoch (Lightning counts an epoch's batches from it)
+        n = len(self.dataset)  # type: ignore[arg-type]
+        return n // self.num_replicas if self.drop_last else -(-n // self.num_replicas)
+
+    @property
+    def total_size(self) -> int:
+        return self.num_samples * self.num_replicas
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _permutation(self) -> list[int]:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:  # a generator: the position is read when the first index is asked for
+        resume, self._resume = self._resume, None
+        begin = resume["consumed"] if resume is not None and resume["epoch"] == self.epoch else 0
+        order = self._permutation()
+        remaining = order[begin:]
+        per_rank = len(remaining) // self.num_replicas if self.drop_last else -(-len(remaining) // self.num_replicas)
+        total = per_rank * self.num_replicas
+        if len(remaining) < total:  # pad from the front of the permutation, as DistributedSampler does
+            remaining += (order * math.ceil(total / max(len(order), 1)))[: total - len(remaining)]
+        self._begin, self._taken = begin, 0
+        for index in remaining[self.rank : total : self.num_replicas]:
+            self._taken += 1
+            yield index
+
+    def state_dict(self) -> dict[str, int]:
+        if self._resume is not None:  # loaded, not iterated yet
+            return dict(self._resume)
+        consumed = min(self._begin + self._taken * self.num_replicas, len(self.dataset))  # type: ignore[arg-type]
+        return {"epoch": self.epoch, "consumed": consumed, "dataset_size": len(self.dataset), "seed": self.seed}  # type: ignore[arg-type]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if state.get("dataset_size") != size or state.get("seed") != self.seed:
+            raise ValueError(
+                f"cannot resume the data order: it was saved for {state.get('dataset_size')} samples with seed"
+                f" {state.get('seed')}, this sampler has {size} samples with seed {self.seed} (a different order)"
+            )
+        if not 0 <= int(state["consumed"]) <= size:
+            raise ValueError(f"cannot resume the data order at position {state['consumed']} of {size}")
+        self._resume = {k: int(v) for k, v in state.items()}
+        self.epoch = self._resume["epoch"]
+
+
+def resumable_loader(
+    dataset: Sized,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    seed: int | None = None,
+    drop_last: bool = True,
+    **loader_kwargs: Any,
+) -> StatefulDataLoader:
+    """A training loader that a mid-epoch checkpoint resumes exactly, at the same or another world size:
+    torchdata's StatefulDataLoader (Lightning saves its state) over a ``ResumableSampler``.
+
+    ``drop_last`` applies to the sampler (the tail that does not divide evenly over the ranks) and to the
+    batches, so every rank runs the same number of steps. The loader draws its workers' base seed from a
+    generator of its own, not from torch's global one, so that making an iterator (Lightning makes one at
+    set-up and at each epoch) draws nothing that a resumed run would draw at another point."""
+    loader_kwargs.setdefault("generator", torch.Generator().manual_seed(0 if seed is None else seed))
+    sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)  # type: ignore[arg-type]
+    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs)

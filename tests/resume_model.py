@@ -1,0 +1,74 @@
+"""The model, data and trainer the failure and resume tests share (test_resume_mid_epoch.py,
+test_preemption.py, resume_target.py): an MLP with dropout (so a resume must restore the random
+generators to be exact), shuffled data through ``resumable_loader`` that reports which samples each
+micro-batch held, gradient accumulation, clipping and a per-step LR schedule.
+
+With GLOBAL_BATCH samples per micro-batch and ACCUMULATE micro-batches per step, an epoch of SAMPLES is
+STEPS_PER_EPOCH optimizer steps on any world size that divides GLOBAL_BATCH (1, 2, 3, 4)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import TensorDataset
+
+from lightning_zero import ZeroConfig, ZeroStrategy, resumable_loader
+
+SAMPLES, GLOBAL_BATCH, ACCUMULATE = 96, 12, 2
+STEPS_PER_EPOCH = SAMPLES // (GLOBAL_BATCH * ACCUMULATE)  # 4
+
+
+class ResumeModule(pl.LightningModule):
+    def __init__(self, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(16, 32), nn.GELU(), nn.Dropout(dropout), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)
+        )
+        g = torch.Generator().manual_seed(11)
+        self.data = TensorDataset(
+            torch.randn(SAMPLES, 16, generator=g), torch.randint(4, (SAMPLES,), generator=g), torch.arange(SAMPLES)
+        )
+        self.seen: list[list[int]] = []  # this rank's sample ids, per micro-batch
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        self.seen.append(ids.tolist())
+        loss = F.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        return resumable_loader(self.data, GLOBAL_BATCH // self.trainer.world_size, shuffle=True)
+
+
+def make_trainer(stage: int, world: int, steps: int, *, dirpath=None, callbacks=(), timeout: float = 120, **kwargs):
+    """``dirpath``: a checkpoint every 2 steps (kept) and last.ckpt."""
+    checkpoints = [ModelCheckpoint(dirpath, every_n_train_steps=2, save_top_k=-1, save_last=True)] if dirpath else []
+    return pl.Trainer(
+        strategy=ZeroStrategy(ZeroConfig(stage=stage, timeout=timeout, param_persistence_threshold=0)),
+        accelerator="cpu",
+        devices=world,
+        max_steps=steps,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(dirpath),
+        callbacks=[*callbacks, *checkpoints],
+        **kwargs,
+    )
+
+
+def final_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """The whole model after fit (stage 3 gathers it; collective), on the CPU."""
+    return {k: v.detach().clone() for k, v in trainer.strategy.gather_module().state_dict().items()}
