@@ -27,6 +27,8 @@ _MARKERS = (
     "Connection closed by peer",
     "Broken pipe",
     "Timed out waiting",
+    "Application timeout caused pair closure",
+    "Connection refused",
     "NCCL error",
     "NCCL communicator was aborted",
     "Watchdog caught collective operation timeout",

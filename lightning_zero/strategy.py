@@ -28,6 +28,7 @@ from torch.distributed.utils import _sync_module_states as torch_sync_module_sta
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import read_deepspeed_config
+from lightning_zero.elastic import destroy_at_exit, init_process_group_per_attempt
 from lightning_zero.memory import persistent_bytes
 from lightning_zero.peer_failure import exit_if_peer_failed
 from lightning_zero.precision import (
@@ -152,6 +153,19 @@ class ZeroStrategy(CheckpointHooks, DDPStrategy):
             raise ValueError(f"the ZeRO strategies need ZeroPrecision, got {type(plugin).__name__}")
 
     # --- set-up -----------------------------------------------------------------------------------
+    def setup_distributed(self) -> None:
+        """Lightning's, except under torchrun's agent store: one store prefix per attempt (elastic.py)."""
+        self.set_world_ranks()
+        init_process_group_per_attempt(
+            self._get_process_group_backend(),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.config.timeout),
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
+        super().setup_distributed()  # finds the group made above, if any
+        destroy_at_exit()
+
     def setup_environment(self) -> None:
         super().setup_environment()
         self.topology = make_topology(  # collective with hybrid sharding: every rank, here, in one order

@@ -50,6 +50,7 @@ def test_config_is_an_omegaconf_structured_config():
         ({"reduce_bucket_size": 0}, "zero.reduce_bucket_size must be an integer > 0 (elements), got 0"),
         ({"reduce_bucket_size": 2.5}, "zero.reduce_bucket_size must be an integer > 0 (elements), got 2.5"),
         ({"overlap_comm": "yes"}, "zero.overlap_comm must be true or false, got 'yes'"),
+        ({"checkpoint_on_signal": "no"}, "zero.checkpoint_on_signal must be true or false, got 'no'"),
         ({"timeout": 0}, "zero.timeout must be a number of seconds > 0, got 0"),
         ({"timeout": -5.0}, "zero.timeout must be a number of seconds > 0, got -5.0"),
         (
