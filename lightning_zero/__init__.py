@@ -9,13 +9,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.grad_norms import grad_norm
 from lightning_zero.precision import ZeroPrecision
-from lightning_zero.preemption import PreemptionCheckpoint
+from lightning_zero.preemption import Preempted, PreemptionCheckpoint
 from lightning_zero.pretrained import load_pretrained
 from lightning_zero.resumable_data import ResumableSampler, resumable_loader
 from lightning_zero.strategy import ZeroStrategy
 
 __all__ = [
     "LossScaleConfig",
+    "Preempted",
     "PreemptionCheckpoint",
     "ResumableSampler",
     "ZeroConfig",

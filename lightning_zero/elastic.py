@@ -6,9 +6,12 @@ Under torchrun the workers' ``env://`` rendezvous is a client of the elastic age
 per-attempt prefix, so the ranks of a restarted attempt can read the addresses that the previous attempt's
 ranks, now dead, published there, and process-group creation fails with "Connection refused" (reproduced
 with plain torchrun and gloo; pytorch/pytorch#167288 reports it with NCCL). The ZeRO strategies create the
-default process group themselves in that case, over a ``PrefixStore`` named after
-``TORCHELASTIC_RESTART_COUNT``; Lightning then finds it initialized and uses it. Every other launch goes
-through Lightning unchanged.
+default process group themselves on one node, over a ``PrefixStore`` named after
+``TORCHELASTIC_RESTART_COUNT``; Lightning then finds it initialized and uses it. On several nodes the
+agents' restart counts can differ (a membership change restarts the group without counting a retry), so
+the count cannot name the attempt there: set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun on every
+node instead, and each attempt gets a store of its own on a fresh port (also tested here on one node).
+Every other launch goes through Lightning unchanged.
 
 Whoever made it, the default process group is destroyed at exit (``destroy_at_exit``), before the
 interpreter tears its modules down: left to that teardown, gloo's threads were sometimes destroyed unjoined
@@ -30,8 +33,10 @@ def init_process_group_per_attempt(
     backend: str, *, rank: int, world_size: int, timeout: timedelta, device_id: torch.device | None
 ) -> bool:
     """Creates the default process group over this torchrun attempt's prefix of the agent's store; False
-    (nothing done) outside torchrun's agent store or when a process group exists."""
+    (nothing done) outside torchrun's agent store, on several nodes, or when a process group exists."""
     if dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return False
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":  # several agents (nodes): see the module Note
         return False
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_store = dist.TCPStore(

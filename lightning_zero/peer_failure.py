@@ -15,21 +15,23 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from lightning_zero.checkpoint.format import CheckpointError
+
 EXIT_CODE = 1
 
-# What gloo's and NCCL's errors say when a peer closed the connection or stopped answering.
+# What gloo's, the TCP store's and NCCL's errors say when a peer closed the connection or stopped
+# answering; nothing that a rank's own mistake (a size mismatch, invalid usage, out of memory) says.
 _MARKERS = (
-    "gloo/transport",
     "Connection reset by peer",
     "Connection closed by peer",
-    "Broken pipe",
     "Timed out waiting",
     "Application timeout caused pair closure",
-    "Connection refused",
-    "NCCL error",
+    "connectFullMesh failed",
+    "remote process exit",  # NCCL: "...or a remote process exiting prematurely"
     "NCCL communicator was aborted",
     "Watchdog caught collective operation timeout",
 )
@@ -54,11 +56,17 @@ def _first_sentence(text: str) -> str:
     return sentence[:300]
 
 
-def exit_if_peer_failed(error: BaseException, *, rank: int, world_size: int) -> None:
-    """Ends the process with one line when ``error`` is a lost peer (see the module docstring)."""
+def exit_if_peer_failed(error: BaseException, *, rank: int, world_size: int, loggers: Sequence = ()) -> None:
+    """Ends the process with one line when ``error`` is a lost peer (see the module docstring), after the
+    ``loggers`` have written what they hold."""
     what = peer_failure(error)
-    if what is None or world_size < 2:
-        return
+    if what is None or world_size < 2 or isinstance(error, CheckpointError):
+        return  # CheckpointError: a save's or load's own problem, agreed by every rank (checkpoint/)
+    for logger in loggers:
+        try:
+            logger.finalize("failed")
+        except Exception:  # noqa: BLE001 - the line below matters more than a logger's last rows
+            pass
     line = (
         f"lightning_zero: rank {rank} of {world_size} stops: a collective failed because another rank died"
         f" or stopped answering ({what}); exit code {EXIT_CODE}\n"

@@ -5,7 +5,8 @@ A signal arrives at one rank or at all of them, at any instruction: in the middl
 collective. Nothing may happen there. Lightning's own handlers do too much there for a sharded run: the
 SIGTERM one broadcasts a tensor from inside the handler (a collective at a point the other ranks do not
 share), and SLURM's SIGUSR1 one saves the whole checkpoint from inside it. ``PreemptionCheckpoint``
-replaces them when training starts with a handler that only notes the signal. At the end of every
+replaces them when training starts with a handler that only notes the signal (outside training, in the
+sanity check and in validate/test/predict runs, the strategy has a signal end the process at once). At the end of every
 optimizer step (``on_train_batch_end`` of a step's last micro-batch: the event where ModelCheckpoint saves,
 from which Lightning resumes exactly) the ranks agree with one 4-byte all-reduce (MAX) whether any of them
 was signalled, so all of them stop at the same step even when only one got the signal. Then every rank
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_zero.sharding import collectives
 
@@ -59,7 +61,8 @@ class PreemptionCheckpoint(Callback):
     ``dirpath`` defaults to the trainer's ModelCheckpoint directory (so ``ckpt_path="last"`` finds the
     checkpoint), else ``default_root_dir/checkpoints``. Under SLURM with auto-requeue (Lightning's
     ``SLURMEnvironment``) the checkpoint goes where Lightning's requeued job looks for it
-    (``default_root_dir/hpc_ckpt_N.ckpt``) and rank 0 requeues the job. ``save=False`` stops the same way
+    (``default_root_dir/hpc_ckpt_N.ckpt``, whichever signal came), and on the requeue signal rank 0
+    requeues the job. ``save=False`` stops the same way
     without writing. The ZeRO strategies add one with the defaults when the trainer has none."""
 
     def __init__(
@@ -85,7 +88,9 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Lightning registered its handlers just before the run; these replace them until the run ends."""
         self.received, self._step = 0, trainer.global_step
-        for signum in self.signals:
+        environment = _slurm_requeue(trainer)
+        signals = {*self.signals, *([int(environment.requeue_signal)] if environment is not None else [])}
+        for signum in sorted(signals):
             try:
                 self._previous[signum] = signal.signal(signum, self._note_signal)
             except ValueError:  # not the main thread: Lightning's own handlers were not set either
@@ -113,11 +118,13 @@ class PreemptionCheckpoint(Callback):
         name = signal.Signals(signum).name
         if self.save:
             self.saved_path = self._path(trainer)
-            trainer.save_checkpoint(self.saved_path)
+            if not _saved_already(trainer, self.saved_path):  # ModelCheckpoint's last.ckpt of this very step
+                trainer.save_checkpoint(self.saved_path)
             if trainer.is_global_zero:
                 log.warning(f"{name}: saved {self.saved_path} at step {trainer.global_step}; exiting")
-            if self._requeues(trainer, signum) and trainer.is_global_zero:
-                _requeue_slurm_job()
+        environment = _slurm_requeue(trainer)
+        if environment is not None and signum == int(environment.requeue_signal) and trainer.is_global_zero:
+            _requeue_slurm_job()
         code = self.exit_code if self.exit_code is not None else 128 + signum
         raise Preempted(code)
 
@@ -129,16 +136,8 @@ class PreemptionCheckpoint(Callback):
         flag = torch.tensor([received], dtype=torch.int32)
         return int(collectives.all_reduce(flag, dist.ReduceOp.MAX, group=collectives.host_group(None)).item())
 
-    def _requeues(self, trainer: pl.Trainer, signum: int) -> bool:
-        environment = trainer._accelerator_connector.cluster_environment
-        return (
-            isinstance(environment, SLURMEnvironment)
-            and environment.auto_requeue
-            and signum == int(environment.requeue_signal or signal.SIGUSR1)
-        )
-
     def _path(self, trainer: pl.Trainer) -> str:
-        if self._requeues(trainer, signal.SIGUSR1) and self.dirpath is None:
+        if _slurm_requeue(trainer) is not None and self.dirpath is None:  # where a requeued job looks, any signal
             return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         dirpath = self.dirpath
         if dirpath is None:
@@ -149,6 +148,25 @@ class PreemptionCheckpoint(Callback):
         return str(Path(dirpath) / f"{self.filename}.ckpt")
 
 
+def _saved_already(trainer: pl.Trainer, path: str) -> bool:
+    """ModelCheckpoint wrote ``path`` at this global step (the same on every rank): no second save."""
+    checkpoint = trainer.checkpoint_callback
+    return (
+        isinstance(checkpoint, ModelCheckpoint)
+        and bool(checkpoint.last_model_path)
+        and os.path.abspath(checkpoint.last_model_path) == os.path.abspath(path)
+        and getattr(checkpoint, "_last_global_step_saved", None) == trainer.global_step
+    )
+
+
+def _slurm_requeue(trainer: pl.Trainer) -> SLURMEnvironment | None:
+    """Lightning's SLURM environment when it requeues jobs (auto-requeue), else None."""
+    environment = trainer._accelerator_connector.cluster_environment
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
+        return environment
+    return None
+
+
 def _requeue_slurm_job() -> None:
     """``scontrol requeue`` for this job (or array task), as Lightning's SLURM handler does."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
@@ -157,14 +175,32 @@ def _requeue_slurm_job() -> None:
         log.warning(f"not requeueing: SLURM job id {job!r} is not a job id")
         return
     try:
-        result = subprocess.run(["scontrol", "requeue", job], check=False).returncode
-    except FileNotFoundError:
-        log.warning(f"cannot requeue SLURM job {job}: scontrol is not on PATH")
+        result = subprocess.run(["scontrol", "requeue", job], check=False, timeout=60).returncode
+    except (FileNotFoundError, subprocess.TimeoutExpired) as error:
+        log.warning(f"cannot requeue SLURM job {job}: {error}")
         return
     if result == 0:
         log.warning(f"requeued SLURM job {job}")
     else:
         log.warning(f"requeueing SLURM job {job} failed: scontrol exited with {result}")
+
+
+def end_on_signal_outside_training(trainer: pl.Trainer) -> None:
+    """Sanity check, validate, test, predict: Lightning's handlers would still run a collective inside the
+    handler. Here a signal ends the process at once instead, as it would with no handler at all: there is
+    nothing to save, and the other ranks leave through peer_failure.py."""
+    if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+        return  # training's own validation: PreemptionCheckpoint's handler stays, acted on after the next step
+    for name in SIGNALS:
+        try:
+            signal.signal(_signal_number(name), _end_now)
+        except ValueError:  # not the main thread: Lightning set no handlers either
+            return
+
+
+def _end_now(signum: int, frame: Any) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def ensure_preemption_callback(trainer: pl.Trainer, *, save: bool) -> None:

@@ -40,7 +40,9 @@ class ResumableSampler(DistributedSampler):
 
     Lightning leaves it in place (it is a DistributedSampler) and calls ``set_epoch``. The rank, world size
     and seed default to the process group's (one process without one) and ``PL_GLOBAL_SEED``, read when the
-    sampler is used, so it can be made before the process group exists."""
+    sampler is used, so it can be made before the process group exists. ``batch_size`` (per rank; set by
+    ``resumable_loader``) tells a position saved at the end of an epoch, with less than one batch per rank
+    left, from one inside it."""
 
     def __init__(
         self,
@@ -51,11 +53,13 @@ class ResumableSampler(DistributedSampler):
         drop_last: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
+        batch_size: int = 1,
     ) -> None:
         # Not DistributedSampler.__init__: it reads the world size now, and a loader is often made before
         # the process group exists (in the script Lightning launches on every rank). Read when iterated.
         self.dataset, self.shuffle, self.drop_last, self.epoch = dataset, shuffle, drop_last, 0
         self._replicas, self._rank, self._seed = num_replicas, rank, seed
+        self.batch_size = batch_size  # per rank: what remains of an epoch below one batch each is not a batch
         self._begin = 0  # position in the permutation where this epoch's iteration started
         self._taken = 0  # indices this rank has taken since then
         self._resume: dict[str, int] | None = None  # a loaded state, used by the next iteration of its epoch
@@ -110,6 +114,13 @@ class ResumableSampler(DistributedSampler):
             self._taken += 1
             yield index
 
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:  # a new epoch: nothing of it is consumed yet, whatever the last one reached
+            self._begin, self._taken = 0, 0
+            if self._resume is not None and self._resume["epoch"] != epoch:
+                self._resume = None
+        self.epoch = epoch
+
     def state_dict(self) -> dict[str, int]:
         if self._resume is not None:  # loaded, not iterated yet
             return dict(self._resume)
@@ -125,8 +136,13 @@ class ResumableSampler(DistributedSampler):
             )
         if not 0 <= int(state["consumed"]) <= size:
             raise ValueError(f"cannot resume the data order at position {state['consumed']} of {size}")
-        self._resume = {k: int(v) for k, v in state.items()}
-        self.epoch = self._resume["epoch"]
+        resume = {k: int(v) for k, v in state.items()}
+        left = size - resume["consumed"]
+        if left == 0 or (self.drop_last and left < self.num_replicas * self.batch_size):
+            # Saved at the end of its epoch: resume at the start of the next. Lightning makes the loader's
+            # iterator before it calls set_epoch, and with workers that iterator already takes indices.
+            resume.update(epoch=resume["epoch"] + 1, consumed=0)
+        self._resume, self.epoch = resume, resume["epoch"]
 
 
 def resumable_loader(
@@ -146,5 +162,5 @@ def resumable_loader(
     generator of its own, not from torch's global one, so that making an iterator (Lightning makes one at
     set-up and at each epoch) draws nothing that a resumed run would draw at another point."""
     loader_kwargs.setdefault("generator", torch.Generator().manual_seed(0 if seed is None else seed))
-    sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)  # type: ignore[arg-type]
+    sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, batch_size=batch_size)  # type: ignore[arg-type]
     return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs)

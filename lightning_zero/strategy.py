@@ -26,6 +26,7 @@ from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.utils import _sync_module_states as torch_sync_module_states
 
 from lightning_zero.checkpoint import io as checkpoint_io
+from lightning_zero.checkpoint import rng
 from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.elastic import destroy_at_exit, init_process_group_per_attempt
@@ -37,7 +38,7 @@ from lightning_zero.precision import (
     stage3_param_dtype,
     validate_precision,
 )
-from lightning_zero.preemption import ensure_preemption_callback
+from lightning_zero.preemption import end_on_signal_outside_training, ensure_preemption_callback
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.build import (
@@ -326,12 +327,13 @@ class ZeroStrategy(CheckpointHooks, DDPStrategy):
         if self._stage3 is None:
             output = super().training_step(*args, **kwargs)
             self._settle()  # what the forward did not read (see [Note: post-step gathers])
-            return output
-        self._stage3.begin_step()
-        output = super().training_step(*args, **kwargs)
-        self._stage3.end_forward()
-        if not self.lightning_module.automatic_optimization:
-            self._stage3.end_step()
+        else:
+            self._stage3.begin_step()
+            output = super().training_step(*args, **kwargs)
+            self._stage3.end_forward()
+            if not self.lightning_module.automatic_optimization:
+                self._stage3.end_step()
+        self._rng_after_step = rng.snapshot()  # see strategy_checkpoint.py [Note: generators across a resume]
         return output
 
     @contextmanager
@@ -415,9 +417,23 @@ class ZeroStrategy(CheckpointHooks, DDPStrategy):
             self._stage3, self._units = None, []
         return module.to(device)
 
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        end_on_signal_outside_training(self.lightning_module.trainer)  # see preemption.py
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        end_on_signal_outside_training(self.lightning_module.trainer)
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        end_on_signal_outside_training(self.lightning_module.trainer)
+
     def on_exception(self, exception: BaseException) -> None:
         """A lost peer ends this rank here with one line (peer_failure.py); other errors go on to teardown."""
-        exit_if_peer_failed(exception, rank=self.global_rank, world_size=self.world_size)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        loggers = trainer.loggers if trainer is not None else ()
+        exit_if_peer_failed(exception, rank=self.global_rank, world_size=self.world_size, loggers=loggers)
         super().on_exception(exception)
 
     def teardown(self) -> None:
@@ -437,6 +453,7 @@ class ZeroStrategy(CheckpointHooks, DDPStrategy):
         for handle in self._load_hooks:
             handle.remove()
         self._load_hooks = []
+        self._pending_rng = self._rng_after_step = None
         if self._collective_log is not None:
             self._recording.__exit__(None, None, None)
             self._collective_log = None

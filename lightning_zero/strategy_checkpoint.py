@@ -1,29 +1,54 @@
 """The ZeRO strategy's checkpoint hooks: Lightning calls them, ``lightning_zero.checkpoint`` does the work.
 
 A mixin of ``ZeroStrategy`` (strategy.py), kept apart so that the strategy file holds set-up and steps.
-Besides the shards, a save records every rank's random generators (checkpoint/rng.py), restored when
-training starts after a resume on as many ranks, so a resumed run draws what the uninterrupted one drew.
+
+[Note: generators across a resume]
+Besides the shards, a save records every rank's random generators (checkpoint/rng.py). A run resumed on as
+many ranks sets them again as its first training batch starts. What runs between a training batch and the
+next one in the uninterrupted run but not in the resumed one is validation (ModelCheckpoint saves before
+it), and validation draws: a plain validation loader's iterator takes its base seed from torch's generator.
+So while fitting, the generators as the last training step left them are put back when validation ends:
+validation never moves training's random stream, and the two runs draw the same dropout masks.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint import save as checkpoint_save
+from lightning_zero.checkpoint.format import latest
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.stage3_setup import full_state_dict
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
+def _complete_hpc_checkpoint(path: Any) -> Any:
+    """Lightning's SLURM resume takes the highest N among names containing ``hpc_ckpt_``, hidden ones
+    included: after a save killed mid-way (``.hpc_ckpt_3.ckpt.partial``) it names a checkpoint that does not
+    exist. Then the newest complete ``hpc_ckpt_N.ckpt`` beside it is the one to resume."""
+    path = Path(path)
+    if path.exists() or not re.fullmatch(r"hpc_ckpt_\d+\.ckpt", path.name) or not path.parent.is_dir():
+        return path
+    newest = latest(path.parent)
+    if newest is None or not newest.name.startswith("hpc_ckpt_"):
+        return path
+    rank_zero_info(f"{path.name} does not exist (an interrupted save); resuming from {newest}, the newest complete")
+    return newest
+
+
 class CheckpointHooks:
     """Lightning's checkpoint hooks for ``ZeroStrategy`` (uses its units, optimizers and topology)."""
 
-    _resume_rng: dict[str, Any] | None = None  # this rank's saved generators, set when training starts
+    _pending_rng: dict[str, Any] | None = None  # resumed: generators to set as the first training batch starts
+    _rng_after_step: tuple | None = None  # fitting: the generators as the last training step left them
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -37,7 +62,8 @@ class CheckpointHooks:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
         self._settle()
-        states = collectives.all_gather_object(rng.capture()) if self.world_size > 1 else [rng.capture()]
+        mine = rng.capture()
+        states = collectives.all_gather_object(mine) if self.world_size > 1 else [mine]
         checkpoint = {**checkpoint, rng.KEY: {"world_size": self.world_size, "states": states}}
         checkpoint_save.save(
             checkpoint,
@@ -63,7 +89,7 @@ class CheckpointHooks:
         Pickled state is loaded with ``weights_only=True`` unless ``trainer.fit(..., weights_only=False)``
         says the file is trusted."""
         self._loaded = checkpoint_io.open_checkpoint(
-            checkpoint_path,
+            _complete_hpc_checkpoint(checkpoint_path),
             rank=self.global_rank,
             world_size=self.world_size,
             optimizer_names=[o.param_names() for o in self.optimizers if isinstance(o, ZeroOptimizer)],
@@ -71,9 +97,11 @@ class CheckpointHooks:
         )
         lightning = self._loaded.lightning
         saved = lightning.pop(rng.KEY, None)
-        self._resume_rng = None
-        if saved is not None and saved["world_size"] == self.world_size:
-            self._resume_rng = saved["states"][self.global_rank]
+        self._pending_rng = None
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            pass  # validate/test/predict from a checkpoint: the generators are the run's own
+        elif saved is not None and saved["world_size"] == self.world_size:
+            self._pending_rng = saved["states"][self.global_rank]
         elif saved is not None:
             rank_zero_info(
                 f"random generator states not restored: saved on {saved['world_size']} ranks, resuming on"
@@ -81,11 +109,17 @@ class CheckpointHooks:
             )
         return lightning
 
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self._resume_rng is not None:
-            rng.restore(self._resume_rng)
-            self._resume_rng = None
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._pending_rng is not None:  # see [Note: generators across a resume]
+            rng.restore(self._pending_rng)
+            self._pending_rng = None
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and self._rng_after_step:
+            rng.put_back(self._rng_after_step)  # see [Note: generators across a resume]
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         self._settle()

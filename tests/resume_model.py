@@ -1,7 +1,8 @@
 """The model, data and trainer the failure and resume tests share (test_resume_mid_epoch.py,
 test_preemption.py, resume_target.py): an MLP with dropout (so a resume must restore the random
 generators to be exact), shuffled data through ``resumable_loader`` that reports which samples each
-micro-batch held, gradient accumulation, clipping and a per-step LR schedule.
+micro-batch held, gradient accumulation, clipping, a per-step LR schedule, and validation through a
+plain DataLoader (whose iterator draws from torch's global generator).
 
 With GLOBAL_BATCH samples per micro-batch and ACCUMULATE micro-batches per step, an epoch of SAMPLES is
 STEPS_PER_EPOCH optimizer steps on any world size that divides GLOBAL_BATCH (1, 2, 3, 4)."""
@@ -13,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroConfig, ZeroStrategy, resumable_loader
 
@@ -41,6 +42,13 @@ class ResumeModule(pl.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self):  # a plain loader: its iterator draws from torch's global generator
+        return DataLoader(self.data, batch_size=8, shuffle=True)
+
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
@@ -61,6 +69,7 @@ def make_trainer(stage: int, world: int, steps: int, *, dirpath=None, callbacks=
         accumulate_grad_batches=ACCUMULATE,
         gradient_clip_val=1.0,
         logger=False,
+        limit_val_batches=2,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=bool(dirpath),

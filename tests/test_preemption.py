@@ -145,7 +145,9 @@ def test_slurm_requeue_signal_to_one_rank_requeues_and_resumes_exactly(tmp_path,
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     step = read_metadata(out / "hpc_ckpt_1.ckpt").global_step
     assert step >= 5 and step % STEPS_PER_EPOCH, step
-    _run(out, "--stage", "2", slurm=True, path=path)  # the requeued job: Lightning finds hpc_ckpt_1
+    (out / ".hpc_ckpt_2.ckpt.partial").mkdir()  # what a save killed mid-way leaves: Lightning counts it
+    _run(out, "--stage", "2", slurm=True, path=path)  # the requeued job: Lightning names hpc_ckpt_2, we take 1
+    assert "hpc_ckpt_2.ckpt does not exist (an interrupted save); resuming from" in _log(out, 0)
     assert json.loads((out / "times-0.json").read_text())["resumed_at"] == step
     _assert_same(out / "final.pt", uninterrupted)
 
@@ -220,10 +222,25 @@ def test_peer_failures_are_told_from_other_errors():
     wrapped.__cause__ = RuntimeError("Application timeout caused pair closure")
     assert peer_failure(wrapped) == "Application timeout caused pair closure"
     assert peer_failure(DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited")) is not None
-    for other in (RuntimeError("CUDA out of memory"), ValueError("bad shape"), KeyboardInterrupt()):
+    mismatch = "[../third_party/gloo/gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 32 vs 16"
+    for other in (RuntimeError("CUDA out of memory"), RuntimeError(mismatch), ValueError("bad"), KeyboardInterrupt()):
         assert peer_failure(other) is None
 
 
 def test_preemption_callback_rejects_unknown_signals():
     with pytest.raises(ValueError, match="unknown signal 'SIGNOPE': name one like 'SIGTERM' or 'SIGUSR1'"):
         PreemptionCheckpoint(signals=("SIGNOPE",))
+
+
+def test_outside_training_a_signal_ends_the_process_at_once():
+    """validate/test/predict and the sanity check: no handler that runs a collective, no signal ignored."""
+    code = (
+        "import os, signal, time, types\n"
+        "from lightning.pytorch.trainer.states import TrainerFn\n"
+        "from lightning_zero.preemption import end_on_signal_outside_training\n"
+        "end_on_signal_outside_training(types.SimpleNamespace(state=types.SimpleNamespace(fn=TrainerFn.PREDICTING)))\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=_env(), timeout=60, capture_output=True)
+    assert result.returncode == -signal.SIGTERM, result.stderr.decode()[-2000:]

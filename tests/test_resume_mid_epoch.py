@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import relative_error, spawn_ranks
 from resume_model import ACCUMULATE, SAMPLES, STEPS_PER_EPOCH, ResumeModule, final_state, make_trainer
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, TensorDataset
 
-from lightning_zero.resumable_data import ResumableSampler
+from lightning_zero.resumable_data import ResumableSampler, resumable_loader
 from lightning_zero.sharding import collectives
 
 STEPS, CKPT_STEP = 10, 6  # step 6 is half-way through the second epoch (4 steps each)
@@ -21,19 +21,23 @@ def _exact_worker(rank: int, world: int, root) -> None:
     for stage in (1, 2, 3):
         pl.seed_everything(0)
         whole = ResumeModule()
-        trainer = make_trainer(stage, world, STEPS, dirpath=root / f"stage{stage}")
+        # validation runs right after the step-6 checkpoint (every 4 micro-batches = 2 steps) in this run
+        # only: the resumed one starts after it
+        trainer = make_trainer(stage, world, STEPS, dirpath=root / f"stage{stage}", val_check_interval=4)
         trainer.fit(whole)
         expected = final_state(trainer)
 
         pl.seed_everything(0)  # the resumed run starts from the seed: the checkpoint must restore the rest
         resumed = ResumeModule()
-        trainer = make_trainer(stage, world, STEPS)
+        trainer = make_trainer(stage, world, STEPS, val_check_interval=4)
         trainer.fit(resumed, ckpt_path=str(root / f"stage{stage}" / f"epoch=1-step={CKPT_STEP}.ckpt"))
         got = final_state(trainer)
 
         n = (STEPS - CKPT_STEP) * ACCUMULATE
         assert resumed.seen == whole.seen[-n:], f"stage {stage}: other samples after resuming"
-        assert resumed.losses == whole.losses[-n:], f"stage {stage}: losses after resuming differ"
+        assert resumed.losses == whole.losses[-n:], (
+            f"stage {stage}: losses after resuming differ {resumed.losses} {whole.losses[-n:]}"
+        )
         for name, value in expected.items():
             assert torch.equal(value, got[name]), f"stage {stage}: {name} differs after resuming"
 
@@ -109,3 +113,24 @@ def test_sampler_position_is_the_worlds():
         assert len(set(taken + rest)) == len(taken + rest) == 20 + 30 // world * world
     with pytest.raises(ValueError, match="saved for 50 samples with seed 3, this sampler has 49 samples"):
         ResumableSampler(data[:49], seed=3).load_state_dict(states[0])
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_position_saved_at_the_end_of_an_epoch_resumes_at_the_next(workers):
+    """Lightning makes the loader's iterator before it calls set_epoch; a worker takes indices at once. A
+    state saved after an epoch's last batch must give the whole next epoch, not the empty rest of the last."""
+    data = TensorDataset(torch.arange(40))
+    loader = resumable_loader(data, 4, seed=5, num_workers=workers)
+    loader.sampler.set_epoch(0)
+    first = [b[0].tolist() for b in loader]
+    state = loader.state_dict()
+    assert loader.sampler.state_dict()["consumed"] == 40
+    loader.sampler.set_epoch(1)  # a new epoch: its position is 0 until it is iterated
+    assert loader.sampler.state_dict()["consumed"] == 0
+
+    resumed = resumable_loader(data, 4, seed=5, num_workers=workers)
+    resumed.load_state_dict(state)
+    it = iter(resumed)  # what Lightning's set-up does on a resume, then set_epoch for the epoch it resumes
+    resumed.sampler.set_epoch(1)
+    second = [b[0].tolist() for b in it]
+    assert len(second) == 10 and sorted(sum(second, [])) == list(range(40)) and second != first

@@ -3,9 +3,9 @@
 Lightning's checkpoints hold no generator state, so after a resume dropout draws other masks than the
 uninterrupted run did. Each rank's states (torch's CPU and current CUDA generator, Python's ``random``,
 NumPy's legacy global one) are gathered into Lightning's state in the checkpoint (about 8 KB a rank) and
-restored when the run resumes on as many ranks, at the start of training (after data loading and the
-sanity check have drawn what they draw). On another world size there is no rank-to-rank map: the states
-are not restored and the run goes on from the seeded ones.
+set again as the first training batch of a run resumed on as many ranks starts (strategy_checkpoint.py,
+[Note: generators across a resume]). On another world size there is no rank-to-rank map: the states are
+not restored and the run goes on from the seeded ones.
 """
 
 from __future__ import annotations
@@ -40,3 +40,18 @@ def restore(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(py_state.tolist()), py_gauss))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def snapshot() -> tuple:
+    """This rank's generator states as they are (cheap; for putting them back in this process)."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+
+
+def put_back(state: tuple) -> None:
+    cpu, cuda, python, numpy = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    random.setstate(python)
+    np.random.set_state(numpy)

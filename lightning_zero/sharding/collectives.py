@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch import Tensor
@@ -141,14 +142,15 @@ def set_host_group(group, host) -> None:
     _HOST_GROUPS[id(group)] = host
 
 
-def host_group(group):
+def host_group(group, *, timeout: timedelta | None = None):
     """A group over the same ranks that takes CPU tensors: ``group`` itself when its backend has gloo,
-    else a gloo group made once (collective: every rank makes its optimizers at set-up, in one order)."""
+    else a gloo group made once, timing out after ``timeout`` (torch's default when None) (collective: the
+    strategy makes the world's at set-up, every rank its optimizers at set-up, in one order)."""
     if not dist.is_initialized() or "gloo" in str(dist.get_backend(group)):
         return group
     key = id(group if group is not None else dist.group.WORLD)
     if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = dist.new_group(ranks=_peers(group), backend="gloo")
+        _HOST_GROUPS[key] = dist.new_group(ranks=_peers(group), backend="gloo", timeout=timeout)
     return _HOST_GROUPS[key]
 
 

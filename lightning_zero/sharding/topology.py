@@ -74,6 +74,7 @@ def make_topology(
     """The topology for ``setting`` (collective when hybrid and not made before on this process group: see
     [Note: making groups]); its groups time out after ``timeout`` like the world's."""
     size = resolve_shard_size(setting, world_size=world_size, local_world_size=local_world_size)
+    collectives.host_group(None, timeout=timeout)  # the world's gloo twin under NCCL, with this timeout
     if size == world_size:
         return Topology(shard_rank=rank, shard_size=world_size)
     key = (id(dist.distributed_c10d._get_default_group()), size)
