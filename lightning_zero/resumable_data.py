@@ -40,9 +40,7 @@ class ResumableSampler(DistributedSampler):
 
     Lightning leaves it in place (it is a DistributedSampler) and calls ``set_epoch``. The rank, world size
     and seed default to the process group's (one process without one) and ``PL_GLOBAL_SEED``, read when the
-    sampler is used, so it can be made before the process group exists. ``batch_size`` (per rank; set by
-    ``resumable_loader``) tells a position saved at the end of an epoch, with less than one batch per rank
-    left, from one inside it."""
+    sampler is used, so it can be made before the process group exists."""
 
     def __init__(
         self,
@@ -53,16 +51,15 @@ class ResumableSampler(DistributedSampler):
         drop_last: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
-        batch_size: int = 1,
     ) -> None:
         # Not DistributedSampler.__init__: it reads the world size now, and a loader is often made before
         # the process group exists (in the script Lightning launches on every rank). Read when iterated.
         self.dataset, self.shuffle, self.drop_last, self.epoch = dataset, shuffle, drop_last, 0
         self._replicas, self._rank, self._seed = num_replicas, rank, seed
-        self.batch_size = batch_size  # per rank: what remains of an epoch below one batch each is not a batch
         self._begin = 0  # position in the permutation where this epoch's iteration started
         self._taken = 0  # indices this rank has taken since then
         self._resume: dict[str, int] | None = None  # a loaded state, used by the next iteration of its epoch
+        self._epoch_set = False  # set_epoch was called: a loaded state of another epoch has nothing to resume
 
     @property
     def seed(self) -> int:  # default: the one Lightning's seed_everything exported, as its DistributedSampler
@@ -115,6 +112,7 @@ class ResumableSampler(DistributedSampler):
             yield index
 
     def set_epoch(self, epoch: int) -> None:
+        self._epoch_set = True
         if epoch != self.epoch:  # a new epoch: nothing of it is consumed yet, whatever the last one reached
             self._begin, self._taken = 0, 0
             if self._resume is not None and self._resume["epoch"] != epoch:
@@ -136,13 +134,42 @@ class ResumableSampler(DistributedSampler):
             )
         if not 0 <= int(state["consumed"]) <= size:
             raise ValueError(f"cannot resume the data order at position {state['consumed']} of {size}")
-        resume = {k: int(v) for k, v in state.items()}
-        left = size - resume["consumed"]
-        if left == 0 or (self.drop_last and left < self.num_replicas * self.batch_size):
-            # Saved at the end of its epoch: resume at the start of the next. Lightning makes the loader's
-            # iterator before it calls set_epoch, and with workers that iterator already takes indices.
-            resume.update(epoch=resume["epoch"] + 1, consumed=0)
-        self._resume, self.epoch = resume, resume["epoch"]
+        if self._epoch_set and int(state["epoch"]) != self.epoch:
+            return  # Lightning moved on to the next epoch (a checkpoint at an epoch's last batch): start it
+        self._resume = {k: int(v) for k, v in state.items()}
+        self.epoch = self._resume["epoch"]
+
+
+class ResumableDataLoader(StatefulDataLoader):
+    """torchdata's StatefulDataLoader whose iterator starts when the first batch is asked for.
+
+    [Note: the iterator starts at the first batch]
+    Lightning makes the training loader's iterator at set-up and calls ``set_epoch`` after it. With
+    workers, torchdata's iterator takes its first indices as it is made, so the sampler would be read
+    before it knows the epoch: resumed from a checkpoint taken at an epoch's last batch, Lightning goes on
+    with the next epoch (``set_epoch(e + 1)``) over an iterator already holding epoch e's empty rest, and
+    a whole epoch is skipped. (Resumed from a checkpoint that Lightning's own counters place inside epoch
+    e, as after a chain of resumes, it calls ``set_epoch(e)`` and the rest is rightly empty.) Started at
+    the first ``next``, the iterator hands the sampler its saved state (and takes indices) after
+    ``set_epoch``, with or without workers, and the sampler resumes the position only if it is of the
+    epoch Lightning set.
+    """
+
+    def __iter__(self) -> Iterator:
+        return _StartsAtFirstBatch(self)
+
+
+class _StartsAtFirstBatch:
+    def __init__(self, loader: ResumableDataLoader) -> None:
+        self._loader, self._iterator = loader, None
+
+    def __iter__(self) -> _StartsAtFirstBatch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._iterator = StatefulDataLoader.__iter__(self._loader)
+        return next(self._iterator)
 
 
 def resumable_loader(
@@ -153,14 +180,15 @@ def resumable_loader(
     seed: int | None = None,
     drop_last: bool = True,
     **loader_kwargs: Any,
-) -> StatefulDataLoader:
+) -> ResumableDataLoader:
     """A training loader that a mid-epoch checkpoint resumes exactly, at the same or another world size:
-    torchdata's StatefulDataLoader (Lightning saves its state) over a ``ResumableSampler``.
+    torchdata's StatefulDataLoader (Lightning saves its state; see ``ResumableDataLoader``) over a
+    ``ResumableSampler``.
 
     ``drop_last`` applies to the sampler (the tail that does not divide evenly over the ranks) and to the
     batches, so every rank runs the same number of steps. The loader draws its workers' base seed from a
     generator of its own, not from torch's global one, so that making an iterator (Lightning makes one at
     set-up and at each epoch) draws nothing that a resumed run would draw at another point."""
     loader_kwargs.setdefault("generator", torch.Generator().manual_seed(0 if seed is None else seed))
-    sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, batch_size=batch_size)  # type: ignore[arg-type]
-    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs)
+    sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)  # type: ignore[arg-type]
+    return ResumableDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs)

@@ -116,21 +116,31 @@ def test_sampler_position_is_the_worlds():
 
 
 @pytest.mark.parametrize("workers", [0, 1])
-def test_a_position_saved_at_the_end_of_an_epoch_resumes_at_the_next(workers):
-    """Lightning makes the loader's iterator before it calls set_epoch; a worker takes indices at once. A
-    state saved after an epoch's last batch must give the whole next epoch, not the empty rest of the last."""
+def test_a_position_saved_at_the_end_of_an_epoch_resumes_the_next_whole(workers):
+    """Lightning makes the loader's iterator at set-up and then calls set_epoch: e + 1 after a checkpoint at
+    epoch e's last batch, or e when its own counters put the checkpoint inside epoch e (after a chain of
+    resumes), and then e + 1. Either way the next epoch comes whole, with or without workers (which take
+    indices as soon as their iterator starts: see [Note: the iterator starts at the first batch])."""
     data = TensorDataset(torch.arange(40))
     loader = resumable_loader(data, 4, seed=5, num_workers=workers)
     loader.sampler.set_epoch(0)
-    first = [b[0].tolist() for b in loader]
+    it = iter(loader)
+    first = [next(it)[0].tolist() for _ in range(10)]  # the last batch, and no StopIteration yet: as Lightning
     state = loader.state_dict()
     assert loader.sampler.state_dict()["consumed"] == 40
     loader.sampler.set_epoch(1)  # a new epoch: its position is 0 until it is iterated
     assert loader.sampler.state_dict()["consumed"] == 0
 
-    resumed = resumable_loader(data, 4, seed=5, num_workers=workers)
-    resumed.load_state_dict(state)
-    it = iter(resumed)  # what Lightning's set-up does on a resume, then set_epoch for the epoch it resumes
-    resumed.sampler.set_epoch(1)
-    second = [b[0].tolist() for b in it]
-    assert len(second) == 10 and sorted(sum(second, [])) == list(range(40)) and second != first
+    def resume(*epochs: int) -> list[list[int]]:
+        resumed = resumable_loader(data, 4, seed=5, num_workers=workers)
+        resumed.load_state_dict(state)
+        batches = []
+        for epoch in epochs:
+            it = iter(resumed)
+            resumed.sampler.set_epoch(epoch)
+            batches.append([b[0].tolist() for b in it])
+        return batches
+
+    (next_epoch,) = resume(1)
+    assert len(next_epoch) == 10 and sorted(sum(next_epoch, [])) == list(range(40)) and next_epoch != first
+    assert resume(0, 1) == [[], next_epoch]

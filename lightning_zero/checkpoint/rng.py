@@ -43,15 +43,15 @@ def restore(state: dict[str, Any]) -> None:
 
 
 def snapshot() -> tuple:
-    """This rank's generator states as they are (cheap; for putting them back in this process)."""
+    """torch's CPU and CUDA generators and Python's, as they are, for putting back in this process: taken
+    every training step, so NumPy's (about 40-80 us to copy, 10x the rest) is left out."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+    return torch.get_rng_state(), cuda, random.getstate()
 
 
 def put_back(state: tuple) -> None:
-    cpu, cuda, python, numpy = state
+    cpu, cuda, python = state
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)
     random.setstate(python)
-    np.random.set_state(numpy)
