@@ -2,7 +2,8 @@
 
 It reuses Lightning's DDP machinery for what is the same (launchers, process group, barrier,
 broadcast, distributed sampler) and replaces the DDP wrapper: parameters are flattened into units,
-the user's optimizers become ZeroOptimizers and gradients are reduce-scattered by hooks.
+the user's optimizers become ZeroOptimizers and gradients are reduce-scattered by hooks. The
+checkpoint hooks live in strategy_checkpoint.py and stage 3's in strategy_stage3.py (mixins).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from lightning_zero.peer_failure import exit_if_peer_failed
 from lightning_zero.precision import (
     ZeroPrecision,
     hold_schedulers_on_skipped_steps,
-    stage3_param_dtype,
     validate_precision,
 )
 from lightning_zero.preemption import end_on_signal_outside_training, ensure_preemption_callback
@@ -54,17 +54,14 @@ from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import (
     ShardedModule,
-    default_init,
-    gather_module,
-    initialize_sharded,
     install_load_hooks,
-    shard_module,
 )
 from lightning_zero.sharding.topology import Topology, make_topology
 from lightning_zero.strategy_checkpoint import CheckpointHooks
+from lightning_zero.strategy_stage3 import Stage3Hooks
 
 
-class ZeroStrategy(CheckpointHooks, DDPStrategy):
+class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
     sharded across ranks.
 
@@ -247,46 +244,6 @@ class ZeroStrategy(CheckpointHooks, DDPStrategy):
                 hold_schedulers_on_skipped_steps(self.lr_scheduler_configs, self.optimizers)
         self.setup_precision_plugin()
 
-    def _setup_stage3(
-        self, fitting: bool, on_meta: bool, sharded: ShardedModule | None, construction: ShardedConstruction | None
-    ) -> None:
-        module = self.lightning_module
-        if sharded is not None:  # fit, then validate/test/predict (or fit again): keep the shards
-            sharded.check(world_size=self.topology.shard_size, rank=self.topology.shard_rank)
-            if fitting:
-                for unit in sharded.units:
-                    if unit.requires_grad:
-                        unit.make_trainable(**self.config.unit_options(unit.param_dtype))
-        else:
-            holder = {id(p): k for k, o in enumerate(self.optimizers) for g in o.param_groups for p in g["params"]}
-            sharded = shard_module(
-                module,
-                self.config,
-                rank=self.topology.shard_rank,
-                world_size=self.topology.shard_size,
-                device=self.root_device,
-                dtype=stage3_param_dtype(self.precision_plugin, self.config.gather_dtype),
-                construction=construction,
-                holder=holder if fitting else None,
-            )
-            if construction is not None:
-                self.sharded_init_peak_bytes = construction.peak_bytes
-            if on_meta:
-                init = getattr(module, "init_module", default_init)
-                self.sharded_init_peak_bytes = initialize_sharded(module, sharded.units, init, device=self.root_device)
-                self.model_to_device()
-        self._units = sharded.units
-        self._stage3 = Stage3Runtime(
-            sharded.units,
-            sharded.modules,
-            max_live_parameters=self.config.max_live_parameters,
-            prefetch_bucket_size=self.config.prefetch_bucket_size,
-            param_persistence_threshold=self.config.param_persistence_threshold,
-            backward_end=self._backward_end,
-            group=self.topology.shard_group,
-        )
-        self._stage3.install_access_hooks(module)
-
     def _activate(self, params: list) -> tuple[dict, dict]:
         """``ZeroOptimizer.add_param_group``: gives ``params`` master weights and gradients from now on
         (stage 3: their frozen units become trainable; stages 1-2: they get a unit of their own)."""
@@ -300,22 +257,6 @@ class ZeroStrategy(CheckpointHooks, DDPStrategy):
         if self._gathers is not None:
             self._gathers.add_units(units)
         return {p: unit_location(p) for p in params}, names
-
-    @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3 builds ``configure_model``'s modules for real but never whole (sharding/construct.py)."""
-        if self.config.stage != 3:
-            yield
-            return
-        self._construction = ShardedConstruction(
-            rank=self.topology.shard_rank,
-            world_size=self.topology.shard_size,
-            device=self.root_device,
-            max_whole_numel=self.config.max_live_parameters,
-            group=self.topology.shard_group,
-        )
-        with self._construction:
-            yield
 
     # --- steps -----------------------------------------------------------------------------------
     # [Note: stage-3 steps] A step gathers the root unit first; the forward ends when the step returns
@@ -404,18 +345,6 @@ class ZeroStrategy(CheckpointHooks, DDPStrategy):
             problem = collectives.first_divergence(collectives.all_gather_object(sequence))
             step = self.lightning_module.trainer.global_step
             raise RuntimeError(f"the ranks issued different collectives before global step {step}: {problem}")
-
-    def gather_module(self, device: str | torch.device = "cpu") -> pl.LightningModule:
-        """Stage 3, after ``fit``/``validate``/...: makes the LightningModule whole on ``device``, one unit
-        gathered at a time (collective: call it on every rank). Other stages' modules are whole already."""
-        module = self.lightning_module
-        if self._stage3 is not None:
-            if self._stage3.in_step:
-                raise RuntimeError("gather_module() is for after a Trainer run, not inside a step")
-            gather_module(self._stage3, torch.device(device))
-            ShardedModule.detach(module)
-            self._stage3, self._units = None, []
-        return module.to(device)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
