@@ -22,6 +22,7 @@ stage-3 and 1 of 6 stage-2 runs launched one process per rank; topology.py does 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 from datetime import timedelta
 
@@ -49,14 +50,10 @@ def init_process_group_per_attempt(
     return True
 
 
-_REGISTERED: list[bool] = []
-
-
+@functools.cache  # once per process
 def destroy_at_exit() -> None:
-    """Destroys the default process group when the interpreter exits normally (once per process)."""
-    if not _REGISTERED:
-        _REGISTERED.append(True)
-        atexit.register(_destroy)
+    """Destroys the default process group when the interpreter exits normally."""
+    atexit.register(_destroy)
 
 
 def _destroy() -> None:

@@ -17,8 +17,6 @@ import re
 import sys
 from collections.abc import Sequence
 
-import torch.distributed as dist
-
 from lightning_zero.checkpoint.format import CheckpointError
 
 EXIT_CODE = 1
@@ -43,7 +41,7 @@ def peer_failure(error: BaseException) -> str | None:
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         text = str(error)
-        if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and any(m in text for m in _MARKERS)):
+        if isinstance(error, RuntimeError) and any(m in text for m in _MARKERS):  # DistError is a RuntimeError
             return _first_sentence(text)
         error = error.__cause__ or error.__context__
     return None

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -44,7 +44,7 @@ def spawn_local_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, dead
     processes still running then are killed and a TimeoutError is raised, so nothing waits forever.
     """
     context = mp.start_processes(
-        _rank_main, args=(world_size, _free_port(), timeout_s, fn, args), nprocs=world_size, join=False
+        _rank_main, args=(world_size, free_port(), timeout_s, fn, args), nprocs=world_size, join=False
     )
     deadline = time.monotonic() + deadline_s
     while not context.join(timeout=1.0):

@@ -64,8 +64,8 @@ class CheckpointHooks:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
         self._settle()
-        mine = rng.capture()
-        states = collectives.all_gather_object(mine) if self.world_size > 1 else [mine]
+        mine = rng.capture()  # rank 0 writes Lightning's state, so only it holds every rank's generators
+        states = collectives.gather_object(mine) if self.world_size > 1 else [mine]
         checkpoint = {**checkpoint, rng.KEY: {"world_size": self.world_size, "states": states}}
         checkpoint_save.save(
             checkpoint,

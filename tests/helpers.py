@@ -8,6 +8,7 @@ group, whose timeout turns a hang into an error.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -25,6 +26,18 @@ from lightning_zero.sharding import collectives
 from lightning_zero.spawn import spawn_local_ranks
 
 COLLECTIVE_TIMEOUT_S = 120
+
+
+LAUNCHER_VARS = ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK")
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This process's environment without what a launcher or scheduler set (so a test launches its own
+    ranks whatever pytest runs under), one thread per rank, unbuffered output, and ``extra``."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))
+    }
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
 def spawn_ranks(fn, world_size: int, *args) -> None:

@@ -14,8 +14,6 @@ Every launch runs under a timeout; a node that fails or hangs fails the test wit
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,24 +21,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import EquivalenceModule, make_trainer, relative_error
+from helpers import EquivalenceModule, launch_env, make_trainer, relative_error
+
+from lightning_zero.spawn import free_port
 
 TARGET = Path(__file__).with_name("multinode_target.py")
 HALF = 3
 TIMEOUT_S = 420
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _clean_env() -> dict[str, str]:
-    launcher_vars = ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars and not k.startswith("SLURM_")}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], logs: Path) -> None:
@@ -65,18 +53,18 @@ def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], logs: Path) -> 
 
 
 def _lightning(nodes: int, devices: int, out: Path, *extra: str) -> list[tuple[list[str], dict[str, str]]]:
-    port = str(_free_port())
+    port = str(free_port())
     command = [sys.executable, str(TARGET), "--nodes", str(nodes), "--devices", str(devices), "--out", str(out)]
-    env = {**_clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env = {**launch_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     return [([*command, *extra], {**env, "NODE_RANK": str(k)}) for k in range(nodes)]
 
 
 def _torchrun(nodes: int, devices: int, out: Path, *extra: str) -> list[tuple[list[str], dict[str, str]]]:
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     script = [str(TARGET), "--nodes", str(nodes), "--devices", str(devices), "--out", str(out), *extra]
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={devices}"]
     return [
-        ([*launcher, f"--node-rank={k}", f"--rdzv-endpoint={endpoint}", *script], _clean_env()) for k in range(nodes)
+        ([*launcher, f"--node-rank={k}", f"--rdzv-endpoint={endpoint}", *script], launch_env()) for k in range(nodes)
     ]
 
 

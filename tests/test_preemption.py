@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,34 +26,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import launch_env
 from torch.distributed import DistBackendError
 
 from lightning_zero import PreemptionCheckpoint
 from lightning_zero.checkpoint.format import read_metadata
 from lightning_zero.peer_failure import peer_failure
+from lightning_zero.spawn import free_port
 
 TARGET = Path(__file__).with_name("resume_target.py")
 STEPS_PER_EPOCH = 4
 RUN_TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TARGET.parent), env.get("PYTHONPATH", "")]))
-    env.update(extra)
-    return env
+    return launch_env(PYTHONPATH=os.pathsep.join([str(TARGET.parent), os.environ.get("PYTHONPATH", "")]), **extra)
 
 
 def _launch(out: Path, *args: str, world: int = 2, slurm: bool = False, path: str | None = None) -> list:
     """One process per rank with the variables a scheduler sets (Lightning starts no processes then)."""
     out.mkdir(parents=True, exist_ok=True)
-    port, procs = str(_free_port()), []
+    port, procs = str(free_port()), []
     for rank in range(world):
         if slurm:  # what srun sets for one task per rank on one node
             ids = dict(
@@ -228,7 +220,8 @@ def test_peer_failures_are_told_from_other_errors():
     assert peer_failure(wrapped) == "Application timeout caused pair closure"
     assert peer_failure(DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited")) is not None
     mismatch = "[../third_party/gloo/gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 32 vs 16"
-    for other in (RuntimeError("CUDA out of memory"), RuntimeError(mismatch), ValueError("bad"), KeyboardInterrupt()):
+    invalid = DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1, invalid usage, NCCL version 2.27")
+    for other in (RuntimeError("CUDA out of memory"), RuntimeError(mismatch), invalid, ValueError("bad")):
         assert peer_failure(other) is None
 
 

@@ -228,6 +228,13 @@ def all_gather_object(obj: object, *, group=None) -> list:
     return out
 
 
+def gather_object(obj: object, *, dst: int = 0, group=None) -> list | None:
+    """Every rank's ``obj``, in rank order, on global rank ``dst`` (None elsewhere); never on the hot path."""
+    out: list | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
 def wait(work: dist.Work | Pending | None) -> None:
     if work is not None:
         work.wait()
