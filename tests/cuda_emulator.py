@@ -1,0 +1,114 @@
+"""Runs lightning_zero's CUDA kernels on the CPU (``tests/cuda_emulator/emulator.h``), through the real host
+launchers: the ``emulated_gpu`` fixture swaps ``loader.launch`` for a launch on the emulator and lets the
+launchers take CPU tensors, so a test calls ``launchers.layer_norm_fwd`` or the ops exactly as on a GPU.
+
+Each source is built once per content with g++ into a shared library of plain host functions; a launch
+calls the kernel from one OS thread per CUDA thread. The kernels' argument types come from their PTX
+(NVRTC), so the arguments are passed as the GPU would receive them, and a launcher passing the wrong
+number of arguments fails here as it would there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_zero.kernels import adamw, launchers, loader, ops
+
+HERE = Path(__file__).parent / "cuda_emulator"
+PTX_TYPES = {"u64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32, "s32": ctypes.c_int32}
+PTX_TYPES["f32"] = ctypes.c_float
+KERNEL = ctypes.CFUNCTYPE(None)
+
+
+def available() -> str | None:
+    """Why the emulator cannot run here, or None."""
+    if shutil.which("g++") is None:
+        return "no g++"
+    try:
+        from cuda.bindings import nvrtc  # noqa: F401
+    except ImportError:
+        return "no NVRTC (cuda-bindings) to read the kernels' signatures"
+    return None
+
+
+@functools.cache
+def _library(source: str) -> ctypes.CDLL:
+    command = ["g++", "-std=c++20", "-O2", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread"]
+    command += [f"-I{HERE / 'include'}", f"-I{loader.source_dir()}", "-include", str(HERE / "emulator.h")]
+    text = b"".join(p.read_bytes() for p in (*sorted(HERE.rglob("*.h")), *sorted(loader.source_dir().glob("*.cu*"))))
+    key = hashlib.sha1(text + " ".join(command).encode() + source.encode()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / f"lz_emulated_{source.replace('.', '_')}_{key}.so"
+    if not out.exists():
+        partial = out.with_suffix(f".{os.getpid()}.partial")
+        command += ["-x", "c++", str(loader.source_dir() / source), "-o", str(partial)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        partial.rename(out)
+    return ctypes.CDLL(str(out))
+
+
+@functools.cache
+def _signatures(source: str) -> dict[str, list]:
+    """Each entry point's parameter types, from the PTX NVRTC makes of the source."""
+    from cuda.bindings import nvrtc
+
+    code = (loader.source_dir() / source).read_bytes()
+    _, program = nvrtc.nvrtcCreateProgram(code, source.encode(), 0, [], [])
+    options = [o.encode() for o in (*loader.compile_options(), "-arch=compute_80")]
+    assert nvrtc.nvrtcCompileProgram(program, len(options), options)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    _, size = nvrtc.nvrtcGetPTXSize(program)
+    ptx = bytearray(size)
+    nvrtc.nvrtcGetPTX(program, ptx)
+    nvrtc.nvrtcDestroyProgram(program)
+    entries = re.findall(r"\.entry (\w+)\((.*?)\)", ptx.decode(errors="replace"), re.S)
+    return {name: [PTX_TYPES[t] for t in re.findall(r"\.param \.(\w+)", params)] for name, params in entries}
+
+
+def launch(source: str, kernel: str, grid, block: int, args: tuple, *, device: torch.device) -> None:
+    """loader.launch's contract, on the emulator: ``args`` as the launchers build them."""
+    types = _signatures(source)[kernel]
+    assert len(args) == len(types), f"{kernel} takes {len(types)} arguments, the launcher passed {len(args)}"
+    function = getattr(_library(source), kernel)
+    function.argtypes, function.restype = types, None
+    values = [int(a) if isinstance(a, (int, np.integer)) else float(a) for a in args]
+    if any(v < 0 for v, t in zip(values, types) if t is ctypes.c_uint64):  # an i64 such as AdamW's head = -1
+        values = [v & (2**64 - 1) if t is ctypes.c_uint64 else v for v, t in zip(values, types)]
+    callback = KERNEL(lambda: function(*values))
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    run = _library(source).emulated_launch
+    run.argtypes = [KERNEL, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
+    run(callback, grid[0], grid[1] if len(grid) > 1 else 1, block, 1)
+
+
+def _tensor(t: torch.Tensor, name: str, *, dtypes, like=None) -> int:
+    """loader.tensor's checks, with CPU tensors standing in for CUDA ones."""
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+    return t.data_ptr()
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """The kernels run on the emulator for CPU tensors, through the launchers and the ops."""
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    for module in (launchers, adamw):
+        monkeypatch.setattr(module, "launch", launch)
+        monkeypatch.setattr(module, "tensor", _tensor)
+    for module in (ops, adamw):
+        monkeypatch.setattr(module, "use_kernels", lambda t: True)
+    monkeypatch.setattr(launchers, "_sms", lambda device: 4)  # a small device: the row chunks are exercised

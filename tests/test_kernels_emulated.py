@@ -1,0 +1,127 @@
+"""The CUDA kernels themselves, run on the CPU by the emulator (tests/cuda_emulator.py): every kernel through
+its real host launcher, against the pure-torch references, for fp32, fp16 and bf16, on the vector-pack and
+scalar paths, at row widths that take each of the row kernels' layouts. What a GPU adds (its maths library,
+real timing and memory) is left to tests/test_kernels_gpu.py; what it cannot add is here: the index maths,
+the reductions, the barriers and the launch arguments run on every machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cuda_emulator import emulated_gpu  # noqa: F401 (a fixture)
+
+from lightning_zero.kernels import launchers, reference
+from lightning_zero.kernels.adamw import check_finite_, fused_adamw_
+
+pytestmark = pytest.mark.usefixtures("emulated_gpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _close(got, want, dtype=None):
+    dtype = dtype or want.dtype
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(3, 37), (300, 64), (2, 1500)])  # odd, many rows (several chunks), wide
+def test_layer_norm(dtype, rows, cols):
+    x, dy = _randn(rows, cols, dtype=dtype), _randn(rows, cols, dtype=dtype, seed=1)
+    w, b = _randn(cols, seed=2), _randn(cols, seed=3)
+    y, mean, rstd = launchers.layer_norm_fwd(x, w, b, 1e-5)
+    y_ref, mean_ref, rstd_ref = reference.layer_norm_fwd(x, w, b, 1e-5)
+    _close(y, y_ref)
+    _close(mean, mean_ref)
+    _close(rstd, rstd_ref)
+    for got, want in zip(
+        launchers.layer_norm_bwd(dy, x, w, mean, rstd, torch.bfloat16),
+        reference.layer_norm_bwd(dy, x, w, mean_ref, rstd_ref, torch.bfloat16),
+    ):
+        _close(got, want, dtype if got.shape == x.shape else torch.float32 if got.dtype == torch.float32 else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tanh", [True, False])
+@pytest.mark.parametrize("cols", [37, 64])  # scalar path, 16-byte packs
+def test_bias_gelu(dtype, tanh, cols):
+    x, dy, b = _randn(5, cols, dtype=dtype), _randn(5, cols, dtype=dtype, seed=1), _randn(cols, seed=2)
+    _close(launchers.bias_gelu_fwd(x, b, tanh), reference.bias_gelu(x, b, "tanh" if tanh else "none"))
+    for got, want in zip(launchers.bias_gelu_bwd(dy, x, b, tanh), reference.bias_gelu_bwd(dy, x, b, tanh)):
+        _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,masked,p", [(True, False, 0.0), (False, True, 0.3), (True, True, 0.5)])
+@pytest.mark.parametrize("q_len,k_len", [(5, 5), (3, 40), (2, 1500)])
+def test_softmax_dropout(dtype, causal, masked, p, q_len, k_len):
+    scores = _randn(2, 2, q_len, k_len, dtype=dtype)
+    mask = None
+    if masked:  # a padding mask, read through its strides
+        mask = torch.zeros(2, 1, 1, k_len).masked_fill_(_randn(2, 1, 1, k_len, seed=4) > 1.0, float("-inf"))
+        mask[..., 0] = 0.0
+    out, probs = launchers.softmax_dropout_fwd(scores, mask, 0.5, causal, p, 77, 8)
+    out_ref, probs_ref = reference.softmax_dropout_fwd(scores, mask, 0.5, causal, p, 77, 8)
+    assert torch.equal(out == 0, out_ref == 0), "the kernel drops other elements than the reference"
+    _close(out, out_ref)
+    _close(probs, probs_ref)
+    dout = _randn(*scores.shape, dtype=dtype, seed=5)
+    saved = probs if p > 0 else out
+    _close(
+        launchers.softmax_dropout_bwd(dout, saved, 0.5, p, 77, 8),
+        reference.softmax_dropout_bwd(dout, saved, 0.5, p, 77, 8),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [37, 64])
+@pytest.mark.parametrize("p", [0.0, 0.4])
+def test_bias_dropout_residual_and_its_backward(dtype, cols, p):
+    x, r, b = _randn(6, cols, dtype=dtype), _randn(6, cols, dtype=dtype, seed=1), _randn(cols, seed=2)
+    y = launchers.bias_dropout_residual_fwd(x, b, r, p, 123, 4)
+    dropped = ~reference._keep(x.shape, p, 123, 4, x.device)
+    assert torch.equal(y[dropped], r[dropped]), "the kernel keeps elements the reference drops"
+    _close(y, reference.bias_dropout_residual(x, b, r, p, 123, 4))
+    if p > 0:
+        dy = _randn(6, cols, dtype=dtype, seed=3)
+        assert torch.equal(launchers.dropout_bwd(dy, p, 123, 4), reference.dropout_bwd(dy, p, 123, 4))
+    data = _randn(300, cols, dtype=dtype, seed=6)  # several row chunks
+    _close(launchers.column_sum(data, torch.float32), reference.column_sum(data, torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("starts", [(0, 0, 0), (1, 1, 1), (3, 3, 3), (1, 2, 3)])
+@pytest.mark.parametrize("lowp", [None, torch.float16, torch.bfloat16])
+def test_fused_adamw(starts, lowp):
+    """Equally misaligned views are peeled to a 16-byte boundary (the emulator aborts on a misaligned vector
+    load), unequal ones go one element at a time; a device scale factor and the fp16/bf16 copy."""
+    n = 203
+    param, m, v = (_randn(n + 4, seed=s)[k : k + n] for s, k in enumerate(starts))
+    v.abs_()
+    grad = _randn(n, dtype=torch.bfloat16, seed=9)
+    out = None if lowp is None else torch.empty(n, dtype=lowp)
+    expected = [t.clone() for t in (param, m, v)]
+    kwargs = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3, inv_scale=0.5)
+    fused_adamw_(param, grad, m, v, multiplier=torch.tensor(0.25), lowp_out=out, **kwargs)
+    reference.adamw_(expected[0], grad, *expected[1:], multiplier=torch.tensor(0.25), **kwargs)
+    for got, want in zip((param, m, v), expected):
+        _close(got, want)
+    if out is not None:
+        assert torch.equal(out, param.to(lowp))
+
+
+def test_an_overflow_flag_skips_the_step():
+    grad = _randn(1000, seed=1)
+    grad[777] = float("inf")
+    flag = torch.zeros(1, dtype=torch.int32)
+    check_finite_(grad[:700], flag)
+    assert int(flag) == 0
+    check_finite_(grad, flag)
+    assert int(flag) == 1
+    param, m, v = _randn(1000), torch.zeros(1000), torch.zeros(1000)
+    before = param.clone()
+    fused_adamw_(param, grad, m, v, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, found_inf=flag)
+    assert torch.equal(param, before) and not m.any()
