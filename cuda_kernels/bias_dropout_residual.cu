@@ -1,5 +1,5 @@
 // y = residual + dropout(x + bias), bias broadcast over rows of [rows, cols]. Backward: dx = dy * mask
-// / (1 - p) with the mask regenerated from (seed, offset, index); d(residual) = dy; the bias gradient
+// / (1 - p) with the mask regenerated from the stream and the index; d(residual) = dy; the bias gradient
 // is the column sum of dx (reduce.cu). Elements go in fours (one Philox call each); with `vec` (the host
 // checked: n a multiple of the pack, pointers 16-byte aligned) each thread moves a 16-byte pack per load.
 #include "common.cuh"
@@ -7,8 +7,9 @@
 template <typename T>
 __device__ void bias_dropout_residual_fwd(const T* __restrict__ x, const float* __restrict__ bias,
                                           const T* __restrict__ residual, T* __restrict__ y, i64 n, i64 cols,
-                                          float p_drop, unsigned long long seed, unsigned long long offset, int vec) {
+                                          float p_drop, const long long* stream, int vec) {
   const float keep_scale = 1.f / (1.f - p_drop);
+  const auto [seed, offset] = read_stream(stream);
   const i64 stride = (i64)gridDim.x * blockDim.x, groups = (n + 3) / 4;
   if (vec) {
     constexpr int N = Pack<T>::N;  // a multiple of 4
@@ -44,9 +45,9 @@ __device__ void bias_dropout_residual_fwd(const T* __restrict__ x, const float* 
 }
 
 template <typename T>
-__device__ void dropout_bwd(const T* __restrict__ dy, T* __restrict__ dx, i64 n, float p_drop, unsigned long long seed,
-                            unsigned long long offset, int vec) {
+__device__ void dropout_bwd(const T* __restrict__ dy, T* __restrict__ dx, i64 n, float p_drop, const long long* stream, int vec) {
   const float keep_scale = 1.f / (1.f - p_drop);
+  const auto [seed, offset] = read_stream(stream);
   const i64 stride = (i64)gridDim.x * blockDim.x, groups = (n + 3) / 4;
   if (vec) {
     constexpr int N = Pack<T>::N;
@@ -75,14 +76,14 @@ __device__ void dropout_bwd(const T* __restrict__ dy, T* __restrict__ dx, i64 n,
   }
 }
 
-#define LZ_BIAS_DROPOUT_RESIDUAL(T, N)                                                                               \
-  extern "C" __global__ void bias_dropout_residual_fwd_##N(const T* x, const float* bias, const T* residual, T* y,  \
-                                                           i64 n, i64 cols, float p_drop, unsigned long long seed,  \
-                                                           unsigned long long offset, int vec) {                    \
-    bias_dropout_residual_fwd<T>(x, bias, residual, y, n, cols, p_drop, seed, offset, vec);                          \
-  }                                                                                                                  \
-  extern "C" __global__ void dropout_bwd_##N(const T* dy, T* dx, i64 n, float p_drop, unsigned long long seed,      \
-                                             unsigned long long offset, int vec) {                                  \
-    dropout_bwd<T>(dy, dx, n, p_drop, seed, offset, vec);                                                            \
+#define LZ_BIAS_DROPOUT_RESIDUAL(T, N)                                                                              \
+  extern "C" __global__ void bias_dropout_residual_fwd_##N(const T* x, const float* bias, const T* residual, T* y, \
+                                                           i64 n, i64 cols, float p_drop, const long long* stream, \
+                                                           int vec) {                                              \
+    bias_dropout_residual_fwd<T>(x, bias, residual, y, n, cols, p_drop, stream, vec);                               \
+  }                                                                                                                 \
+  extern "C" __global__ void dropout_bwd_##N(const T* dy, T* dx, i64 n, float p_drop, const long long* stream,    \
+                                             int vec) {                                                            \
+    dropout_bwd<T>(dy, dx, n, p_drop, stream, vec);                                                                 \
   }
 LZ_EXPORT_FLOATING(LZ_BIAS_DROPOUT_RESIDUAL)

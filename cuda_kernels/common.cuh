@@ -76,6 +76,17 @@ __device__ __forceinline__ float4 philox_uniform4(unsigned long long seed, unsig
   return make_float4((bits.x >> 8) * unit, (bits.y >> 8) * unit, (bits.z >> 8) * unit, (bits.w >> 8) * unit);
 }
 
+// A dropout stream lives in device memory as two int64s, (seed, offset), drawn by torch's generator on the
+// tensors' device (ops._stream): read here, never passed as a host value, so a CUDA graph replays a fresh
+// draw each time instead of baking one mask in. Null when there is no dropout.
+struct DropoutStream {
+  unsigned long long seed, offset;
+};
+__device__ __forceinline__ DropoutStream read_stream(const long long* stream) {
+  if (stream == nullptr) return {0ull, 0ull};
+  return {(unsigned long long)stream[0], (unsigned long long)stream[1]};
+}
+
 // Element `index` of the same stream, alone (for kernels that cannot walk in fours).
 __device__ __forceinline__ float philox_uniform(unsigned long long seed, unsigned long long offset, i64 index) {
   const float4 u = philox_uniform4(seed, offset, index >> 2);

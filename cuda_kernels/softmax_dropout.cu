@@ -4,15 +4,16 @@
 // query, its keys contiguous: a [batch, 1, 1, k_len] padding mask is never expanded); causal hides key
 // k > q + (k_len - q_len). A fully
 // hidden row gives zeros. Forward writes the probabilities (kept for backward) and, with dropout, the
-// dropped-out output; dropout regenerates its mask in backward from (seed, offset, row * cols + col).
+// dropped-out output; dropout regenerates its mask in backward from the stream and row * cols + col.
 #include "common.cuh"
 
 template <typename T>
 __device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* __restrict__ mask, i64 mask_sb,
                                     i64 mask_sh, i64 mask_sq, T* __restrict__ probs, T* __restrict__ out, i64 cols,
                                     i64 heads, i64 q_len, float scale, int causal, float p_drop,
-                                    unsigned long long seed, unsigned long long offset) {
+                                    const long long* stream) {
   __shared__ float scratch[32];
+  const auto [seed, offset] = read_stream(stream);
   const i64 row = blockIdx.x, q = row % q_len, head = (row / q_len) % heads, batch = row / (heads * q_len);
   const i64 visible = causal ? min(cols, q + (cols - q_len) + 1) : cols;
   const float* mask_row = mask != nullptr ? mask + batch * mask_sb + head * mask_sh + q * mask_sq : nullptr;
@@ -40,9 +41,9 @@ __device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* _
 
 template <typename T>
 __device__ void softmax_dropout_bwd(const T* __restrict__ dout, const T* __restrict__ probs, T* __restrict__ dscores,
-                                    i64 cols, float scale, float p_drop, unsigned long long seed,
-                                    unsigned long long offset) {
+                                    i64 cols, float scale, float p_drop, const long long* stream) {
   __shared__ float scratch[32];
+  const auto [seed, offset] = read_stream(stream);
   const i64 row = blockIdx.x;
   const float keep_scale = 1.f / (1.f - p_drop);
   float dot = 0.f;
@@ -63,13 +64,12 @@ __device__ void softmax_dropout_bwd(const T* __restrict__ dout, const T* __restr
   extern "C" __global__ void softmax_dropout_fwd_##N(const T* scores, const float* mask, i64 mask_sb, i64 mask_sh,   \
                                                      i64 mask_sq, T* probs, T* out, i64 cols, i64 heads, i64 q_len, \
                                                      float scale, int causal, float p_drop,                        \
-                                                     unsigned long long seed, unsigned long long offset) {         \
+                                                     const long long* stream) {         \
     softmax_dropout_fwd<T>(scores, mask, mask_sb, mask_sh, mask_sq, probs, out, cols, heads, q_len, scale, causal, \
-                           p_drop, seed, offset);                                                                  \
+                           p_drop, stream);                                                                  \
   }                                                                                                                \
   extern "C" __global__ void softmax_dropout_bwd_##N(const T* dout, const T* probs, T* dscores, i64 cols,         \
-                                                     float scale, float p_drop, unsigned long long seed,           \
-                                                     unsigned long long offset) {                                  \
-    softmax_dropout_bwd<T>(dout, probs, dscores, cols, scale, p_drop, seed, offset);                                 \
+                                                     float scale, float p_drop, const long long* stream) {      \
+    softmax_dropout_bwd<T>(dout, probs, dscores, cols, scale, p_drop, stream);                                 \
   }
 LZ_EXPORT_FLOATING(LZ_SOFTMAX_DROPOUT)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_zero.kernels import launchers, ops
+from lightning_zero.kernels.reference import stream_tensor as stream
 
 LZ = torch.ops.lightning_zero
 
@@ -28,14 +29,17 @@ def _cases():
         "layer_norm_bwd": (LZ.layer_norm_bwd.default, (randn(3, 5, 8), x.detach(), w.detach(), mean, rstd, b.dtype)),
         "bias_gelu_fwd": (LZ.bias_gelu_fwd.default, (x, b, True)),
         "bias_gelu_bwd": (LZ.bias_gelu_bwd.default, (randn(3, 5, 8), x.detach(), b.detach(), False)),
-        "softmax_dropout_fwd": (LZ.softmax_dropout_fwd.default, (scores, randn(2, 1, 1, 6), 0.5, True, 0.25, 3, 1)),
-        "softmax_dropout_fwd_no_dropout": (LZ.softmax_dropout_fwd.default, (scores, None, 0.5, False, 0.0, 0, 0)),
-        "softmax_dropout_bwd": (LZ.softmax_dropout_bwd.default, (randn(2, 3, 4, 6), probs, 0.5, 0.25, 3, 1)),
+        "softmax_dropout_fwd": (
+            LZ.softmax_dropout_fwd.default,
+            (scores, randn(2, 1, 1, 6), 0.5, True, 0.25, stream(3, 1)),
+        ),
+        "softmax_dropout_fwd_no_dropout": (LZ.softmax_dropout_fwd.default, (scores, None, 0.5, False, 0.0, None)),
+        "softmax_dropout_bwd": (LZ.softmax_dropout_bwd.default, (randn(2, 3, 4, 6), probs, 0.5, 0.25, stream(3, 1))),
         "bias_dropout_residual_fwd": (
             LZ.bias_dropout_residual_fwd.default,
-            (x, b, randn(3, 5, 8, grad=True), 0.1, 5, 2),
+            (x, b, randn(3, 5, 8, grad=True), 0.1, stream(5, 2)),
         ),
-        "dropout_bwd": (LZ.dropout_bwd.default, (randn(3, 5, 8), 0.1, 5, 2)),
+        "dropout_bwd": (LZ.dropout_bwd.default, (randn(3, 5, 8), 0.1, stream(5, 2))),
         "column_sum": (LZ.column_sum.default, (randn(3, 5, 8), torch.float32)),
     }
 
@@ -92,3 +96,21 @@ def test_empty_inputs_and_64_bit_seeds():
     y = torch.randn(4, 8)
     high = ops.bias_dropout_residual(y, torch.zeros(8), torch.zeros(4, 8), p=0.5, seed=-(2**63))  # a uint64 seed
     assert high.shape == y.shape
+
+
+def test_dropout_without_a_seed_traces_and_follows_torch_manual_seed():
+    """A call without a seed draws its stream with torch's generator as a tensor (ops._stream): torch.compile
+    traces it without a graph break, torch.manual_seed reproduces it, and the next call drops other elements."""
+    x, b, r = torch.randn(6, 32), torch.zeros(32), torch.zeros(6, 32)
+
+    def fn(x, b, r):
+        return ops.bias_dropout_residual(x, b, r, p=0.5)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(5)
+    eager_first, eager_second = fn(x, b, r), fn(x, b, r)
+    torch.manual_seed(5)
+    compiled_first = compiled(x, b, r)
+    assert torch.equal(compiled_first, eager_first)
+    assert not torch.equal(eager_first == 0, eager_second == 0)

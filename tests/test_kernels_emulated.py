@@ -15,6 +15,7 @@ from lightning_zero.kernels.adamw import check_finite_, fused_adamw_
 
 pytestmark = pytest.mark.usefixtures("emulated_gpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+STREAM = reference.stream_tensor(77, 8)
 
 
 def _close(got, want, dtype=None):
@@ -64,16 +65,16 @@ def test_softmax_dropout(dtype, causal, masked, p, q_len, k_len):
     if masked:  # a padding mask, read through its strides
         mask = torch.zeros(2, 1, 1, k_len).masked_fill_(_randn(2, 1, 1, k_len, seed=4) > 1.0, float("-inf"))
         mask[..., 0] = 0.0
-    out, probs = launchers.softmax_dropout_fwd(scores, mask, 0.5, causal, p, 77, 8)
-    out_ref, probs_ref = reference.softmax_dropout_fwd(scores, mask, 0.5, causal, p, 77, 8)
+    out, probs = launchers.softmax_dropout_fwd(scores, mask, 0.5, causal, p, STREAM)
+    out_ref, probs_ref = reference.softmax_dropout_fwd(scores, mask, 0.5, causal, p, STREAM)
     assert torch.equal(out == 0, out_ref == 0), "the kernel drops other elements than the reference"
     _close(out, out_ref)
     _close(probs, probs_ref)
     dout = _randn(*scores.shape, dtype=dtype, seed=5)
     saved = probs if p > 0 else out
     _close(
-        launchers.softmax_dropout_bwd(dout, saved, 0.5, p, 77, 8),
-        reference.softmax_dropout_bwd(dout, saved, 0.5, p, 77, 8),
+        launchers.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM),
+        reference.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM),
     )
 
 
@@ -82,13 +83,14 @@ def test_softmax_dropout(dtype, causal, masked, p, q_len, k_len):
 @pytest.mark.parametrize("p", [0.0, 0.4])
 def test_bias_dropout_residual_and_its_backward(dtype, cols, p):
     x, r, b = _randn(6, cols, dtype=dtype), _randn(6, cols, dtype=dtype, seed=1), _randn(cols, seed=2)
-    y = launchers.bias_dropout_residual_fwd(x, b, r, p, 123, 4)
+    stream = reference.stream_tensor(123, 4) if p > 0 else None
+    y = launchers.bias_dropout_residual_fwd(x, b, r, p, stream)
     dropped = ~reference._keep(x.shape, p, 123, 4, x.device)
     assert torch.equal(y[dropped], r[dropped]), "the kernel keeps elements the reference drops"
-    _close(y, reference.bias_dropout_residual(x, b, r, p, 123, 4))
+    _close(y, reference.bias_dropout_residual_fwd(x, b, r, p, stream))
     if p > 0:
         dy = _randn(6, cols, dtype=dtype, seed=3)
-        assert torch.equal(launchers.dropout_bwd(dy, p, 123, 4), reference.dropout_bwd(dy, p, 123, 4))
+        assert torch.equal(launchers.dropout_bwd(dy, p, stream), reference.dropout_bwd(dy, p, stream))
     data = _randn(300, cols, dtype=dtype, seed=6)  # several row chunks
     _close(launchers.column_sum(data, torch.float32), reference.column_sum(data, torch.float32), torch.float32)
 

@@ -134,10 +134,12 @@ def test_dropout_is_the_cpu_references_philox_stream_with_the_right_keep_rate():
         x, r = torch.randn(8, cols, device="cuda", dtype=dtype), torch.randn(8, cols, device="cuda", dtype=dtype)
         b = torch.randn(cols, device="cuda")
         y = ops.bias_dropout_residual(x, b, r, p=0.5, seed=99)
-        assert torch.equal(y.cpu(), reference.bias_dropout_residual(x.cpu(), b.cpu(), r.cpu(), 0.5, 99, 0))
+        assert torch.equal(
+            y.cpu(), reference.bias_dropout_residual_fwd(x.cpu(), b.cpu(), r.cpu(), 0.5, reference.stream_tensor(99, 0))
+        )
         dy = torch.randn_like(x)
-        dx = torch.ops.lightning_zero.dropout_bwd(dy, 0.5, 99, 0)
-        assert torch.equal(dx.cpu(), reference.dropout_bwd(dy.cpu(), 0.5, 99, 0))
+        dx = torch.ops.lightning_zero.dropout_bwd(dy, 0.5, reference.stream_tensor(99, 0, "cuda"))
+        assert torch.equal(dx.cpu(), reference.dropout_bwd(dy.cpu(), 0.5, reference.stream_tensor(99, 0)))
 
 
 @pytest.mark.parametrize("n", [1023, 1500, 4 * 997, 4096])  # odd sizes, and one the vectorized path takes
@@ -236,3 +238,21 @@ def test_fused_adamw_on_misaligned_views(starts):
     reference.adamw_(*expected[:1], grad.cpu(), *expected[1:], **kwargs)
     for got, want in zip((param, m, v), expected):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_under_a_cuda_graph_draws_a_new_mask_on_every_replay():
+    """The stream is drawn on the device inside the graph (torch's graph-safe generator), so replays differ."""
+    x, b, r = torch.randn(64, 64, device="cuda"), torch.zeros(64, device="cuda"), torch.zeros(64, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.bias_dropout_residual(x, b, r, p=0.5)  # compiles the kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.bias_dropout_residual(x, b, r, p=0.5)
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    assert not torch.equal(first == 0, out == 0)
+    assert abs(float((out == 0).float().mean()) - 0.5) < 0.05

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_zero.kernels.loader import BLOCK, SUFFIX, f32, grid_for, i64, launch, tensor, u64
+from lightning_zero.kernels.loader import BLOCK, SUFFIX, f32, grid_for, i64, launch, tensor
 
 FLOATS = tuple(SUFFIX)
 MAX_GRID_Y = 65535
@@ -30,6 +30,11 @@ def row_chunks(rows: int, cols: int, sms: int) -> tuple[int, int]:
     chunks = max(1, min(rows, MAX_GRID_Y, -(-4 * sms // column_blocks)))
     per_chunk = -(-rows // chunks)
     return -(-rows // per_chunk), per_chunk
+
+
+def _stream(stream: Tensor | None, like: Tensor) -> int:
+    """The device pointer of a dropout stream (two int64s: seed, offset), or null without dropout."""
+    return 0 if stream is None else tensor(stream, "stream", dtypes=(torch.int64,), like=like)
 
 
 def _sms(device: torch.device) -> int:
@@ -152,7 +157,7 @@ def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool) -> tuple[Tens
 
 
 def softmax_dropout_fwd(
-    scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, seed: int, offset: int
+    scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, stream: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """The output and, with dropout, the probabilities backward needs (without, they are the output: an
     empty tensor instead). ``mask``: additive fp32, broadcastable to the scores (ops.softmax_dropout checks
@@ -180,15 +185,14 @@ def softmax_dropout_fwd(
         f32(scale),
         int(causal),
         f32(p),
-        u64(seed),
-        u64(offset),
+        _stream(stream, scores),
     )
     kernel = f"softmax_dropout_fwd_{SUFFIX[scores.dtype]}"
     launch("softmax_dropout.cu", kernel, batch * heads * q_len, _row_block(k_len), args, device=scores.device)
     return out, (probs if p > 0 else probs.new_empty(0))
 
 
-def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, seed: int, offset: int) -> Tensor:
+def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, stream: Tensor | None) -> Tensor:
     dout = dout.contiguous()
     dscores = torch.empty_like(probs)
     k_len = probs.shape[-1]
@@ -199,15 +203,14 @@ def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, see
         i64(k_len),
         f32(scale),
         f32(p),
-        u64(seed),
-        u64(offset),
+        _stream(stream, probs),
     )
     kernel = f"softmax_dropout_bwd_{SUFFIX[probs.dtype]}"
     launch("softmax_dropout.cu", kernel, probs.numel() // k_len, _row_block(k_len), args, device=probs.device)
     return dscores
 
 
-def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
+def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, stream: Tensor | None) -> Tensor:
     x, residual, b = x.contiguous(), residual.contiguous(), bias.float().contiguous()
     y = torch.empty_like(x)
     pack = _pack(x.numel(), x, residual, y)
@@ -219,8 +222,7 @@ def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: floa
         i64(x.numel()),
         i64(x.shape[-1]),
         f32(p),
-        u64(seed),
-        u64(offset),
+        _stream(stream, x),
         int(pack > 1),
     )
     kernel = f"bias_dropout_residual_fwd_{SUFFIX[x.dtype]}"
@@ -228,7 +230,7 @@ def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: floa
     return y
 
 
-def dropout_bwd(dy: Tensor, p: float, seed: int, offset: int) -> Tensor:
+def dropout_bwd(dy: Tensor, p: float, stream: Tensor) -> Tensor:
     """The gradient through dropout: dy where kept (scaled by 1 / (1 - p)), zero where dropped."""
     dy = dy.contiguous()
     dx = torch.empty_like(dy)
@@ -238,8 +240,7 @@ def dropout_bwd(dy: Tensor, p: float, seed: int, offset: int) -> Tensor:
         dx.data_ptr(),
         i64(dy.numel()),
         f32(p),
-        u64(seed),
-        u64(offset),
+        _stream(stream, dy),
         int(pack > 1),
     )
     kernel = f"dropout_bwd_{SUFFIX[dy.dtype]}"

@@ -134,11 +134,6 @@ def f32(value: float) -> np.float32:
     return np.float32(value)
 
 
-def u64(value: int) -> np.uint64:
-    """The 64 bits of ``value`` (an int64 seed may be negative) as an unsigned kernel argument."""
-    return np.uint64(value & (2**64 - 1))
-
-
 def grid_for(n: int, per_thread: int = 1) -> int:
     """Blocks for a grid-stride loop over ``n`` elements: enough to fill the device, never more than needed."""
     return max(1, min(-(-n // (BLOCK * per_thread)), 65535))
@@ -157,15 +152,8 @@ def launch(
         function(grid, (block,), args)
 
 
-def dropout_stream(device: torch.device, numel: int) -> tuple[int, int]:
-    """A fresh (seed, offset) for one dropout of ``numel`` elements, from torch's own generator state, so
-    ``torch.manual_seed`` governs it and no two calls share a mask. On CUDA: the device generator's seed and
-    its Philox offset, advanced past what the call uses, as torch's dropout reserves its range (a host-side
-    read: no sync). On the CPU: a seed drawn from the CPU generator (as torch's CPU dropout consumes it)."""
-    if device.type == "cuda":
-        generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
-        offset = generator.get_offset()
-        generator.set_offset(offset + 4 * -(-numel // 4))  # one counter per four elements, as Philox counts
-        seed = generator.initial_seed()  # a uint64: passed on as the int64 with the same bits
-        return seed - 2**64 if seed >= 2**63 else seed, offset
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64)), 0
+def dropout_stream(device: torch.device) -> Tensor:
+    """A fresh dropout stream for one call: (seed, offset) as two int64s drawn by torch's generator on
+    ``device`` (a device tensor on CUDA: no host sync, and a CUDA graph replays the draw, so every replay
+    drops other elements). ``torch.manual_seed`` governs it."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)

@@ -116,36 +116,36 @@ _bias_gelu_fwd.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_s
 # --- softmax + dropout --------------------------------------------------------------------------------
 @torch.library.custom_op(_LIB + "softmax_dropout_fwd", mutates_args=())
 def _softmax_dropout_fwd(
-    scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, seed: int, offset: int
+    scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, stream: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    return _pick(scores, "softmax_dropout_fwd")(scores, mask, scale, causal, p, seed, offset)
+    return _pick(scores, "softmax_dropout_fwd")(scores, mask, scale, causal, p, stream)
 
 
 @_softmax_dropout_fwd.register_fake
-def _(scores, mask, scale, causal, p, seed, offset):
+def _(scores, mask, scale, causal, p, stream):
     return torch.empty_like(scores), (torch.empty_like(scores) if p > 0 else scores.new_empty(0))
 
 
 @torch.library.custom_op(_LIB + "softmax_dropout_bwd", mutates_args=())
-def _softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, seed: int, offset: int) -> Tensor:
-    return _pick(probs, "softmax_dropout_bwd")(dout, probs, scale, p, seed, offset)
+def _softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, stream: Tensor | None) -> Tensor:
+    return _pick(probs, "softmax_dropout_bwd")(dout, probs, scale, p, stream)
 
 
 @_softmax_dropout_bwd.register_fake
-def _(dout, probs, scale, p, seed, offset):
+def _(dout, probs, scale, p, stream):
     return torch.empty_like(probs)
 
 
 def _softmax_dropout_setup(ctx, inputs, output) -> None:
-    _, _, scale, _, p, seed, offset = inputs
+    _, _, scale, _, p, stream = inputs
     out, probs = output
-    ctx.save_for_backward(probs if p > 0 else out)  # without dropout the output is the probabilities
-    ctx.params = (scale, p, seed, offset)
+    ctx.save_for_backward(probs if p > 0 else out, stream)  # without dropout the output is the probabilities
+    ctx.params = (scale, p)
 
 
 def _softmax_dropout_backward(ctx, dout, _probs):
-    (probs,) = ctx.saved_tensors
-    return _softmax_dropout_bwd(dout, probs, *ctx.params), None, None, None, None, None, None
+    probs, stream = ctx.saved_tensors
+    return _softmax_dropout_bwd(dout, probs, *ctx.params, stream), None, None, None, None, None
 
 
 _softmax_dropout_fwd.register_autograd(_softmax_dropout_backward, setup_context=_softmax_dropout_setup)
@@ -153,24 +153,22 @@ _softmax_dropout_fwd.register_autograd(_softmax_dropout_backward, setup_context=
 
 # --- bias + dropout + residual ---------------------------------------------------------------------------
 @torch.library.custom_op(_LIB + "bias_dropout_residual_fwd", mutates_args=())
-def _bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
-    if _kernels(x):
-        return launchers.bias_dropout_residual_fwd(x, bias, residual, p, seed, offset)
-    return reference.bias_dropout_residual(x, bias, residual, p, seed, offset)
+def _bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, stream: Tensor | None) -> Tensor:
+    return _pick(x, "bias_dropout_residual_fwd")(x, bias, residual, p, stream)
 
 
 @_bias_dropout_residual_fwd.register_fake
-def _(x, bias, residual, p, seed, offset):
+def _(x, bias, residual, p, stream):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op(_LIB + "dropout_bwd", mutates_args=())
-def _dropout_bwd(dy: Tensor, p: float, seed: int, offset: int) -> Tensor:
-    return _pick(dy, "dropout_bwd")(dy, p, seed, offset)  # (called with p > 0 only: at 0 it would alias dy)
+def _dropout_bwd(dy: Tensor, p: float, stream: Tensor) -> Tensor:
+    return _pick(dy, "dropout_bwd")(dy, p, stream)  # (called with p > 0 only: at 0 it would alias dy)
 
 
 @_dropout_bwd.register_fake
-def _(dy, p, seed, offset):
+def _(dy, p, stream):
     return torch.empty_like(dy)
 
 
@@ -185,14 +183,15 @@ def _(data, dtype):
 
 
 def _bias_dropout_residual_setup(ctx, inputs, output) -> None:
-    _, bias, _, p, seed, offset = inputs
-    ctx.params = (p, seed, offset)
-    ctx.bias_dtype = bias.dtype
+    _, bias, _, p, stream = inputs
+    ctx.save_for_backward(stream)
+    ctx.p, ctx.bias_dtype = p, bias.dtype
 
 
 def _bias_dropout_residual_backward(ctx, dy):
-    dx = _dropout_bwd(dy, *ctx.params) if ctx.params[0] > 0 else dy
-    return dx, _column_sum(dx, ctx.bias_dtype), dy, None, None, None
+    (stream,) = ctx.saved_tensors
+    dx = _dropout_bwd(dy, ctx.p, stream) if ctx.p > 0 else dy
+    return dx, _column_sum(dx, ctx.bias_dtype), dy, None, None
 
 
 _bias_dropout_residual_fwd.register_autograd(
@@ -273,8 +272,7 @@ def softmax_dropout(
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     mask = None if mask is None else _additive_mask(mask, scores)
-    seed, offset = _stream(scores, p, seed, offset)
-    return _softmax_dropout_fwd(scores, mask, scale, causal, p, seed, offset)[0]
+    return _softmax_dropout_fwd(scores, mask, scale, causal, p, _stream(scores, p, seed, offset))[0]
 
 
 def bias_dropout_residual(
@@ -291,13 +289,15 @@ def bias_dropout_residual(
     _check_like("residual", residual, x, tuple(x.shape))
     dtype = torch.promote_types(x.dtype, residual.dtype)
     x, residual = x.to(dtype), residual.to(dtype)
-    seed, offset = _stream(x, p, seed, offset)
-    return _bias_dropout_residual_fwd(x, bias, residual, p, seed, offset)
+    return _bias_dropout_residual_fwd(x, bias, residual, p, _stream(x, p, seed, offset))
 
 
-def _stream(x: Tensor, p: float, seed: int | None, offset: int) -> tuple[int, int]:
-    """The dropout stream: the caller's, or without one a fresh one from torch's generator (never a fixed
-    default, which would drop the same elements on every call)."""
-    if seed is not None or p == 0.0:
-        return seed or 0, offset
-    return dropout_stream(x.device, x.numel())
+def _stream(x: Tensor, p: float, seed: int | None, offset: int) -> Tensor | None:
+    """The dropout stream on ``x``'s device (none without dropout): the caller's (seed, offset), or without a
+    seed a fresh draw from torch's generator (``loader.dropout_stream``), never a fixed default, which
+    would drop the same elements on every call."""
+    if p == 0.0:
+        return None
+    if seed is None:
+        return dropout_stream(x.device)
+    return reference.stream_tensor(seed, offset, x.device)

@@ -54,6 +54,18 @@ def _keep(shape: torch.Size, p: float, seed: int, offset: int, device: torch.dev
     return philox_uniform(seed, offset, index) >= p
 
 
+def stream_tensor(seed: int, offset: int, device: torch.device | str = "cpu") -> Tensor:
+    """The dropout stream (seed, offset) as the kernels read it: two int64s on the device. A seed of 2^63 or
+    more keeps its bits (as the int64 of the same bits); the offset counts elements and must be >= 0."""
+    if not 0 <= offset < 2**63:
+        raise ValueError(f"the dropout offset must be in [0, 2^63), got {offset}")
+    return torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset], dtype=torch.int64, device=device)
+
+
+def _seed_offset(stream: Tensor | None) -> tuple[int, int]:
+    return (0, 0) if stream is None else tuple(stream.tolist())
+
+
 def dropout(x: Tensor, p: float, seed: int, offset: int) -> Tensor:
     if p == 0.0:
         return x
@@ -68,7 +80,7 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
 def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     rows = x.float().reshape(-1, x.shape[-1])
     mean = rows.mean(-1)
-    rstd = torch.rsqrt(rows.var(-1, unbiased=False) + eps)
+    rstd = torch.rsqrt((rows - mean[:, None]).square().mean(-1) + eps)  # two passes, as the kernels
     y = (rows - mean[:, None]) * rstd[:, None] * weight.float() + bias.float()
     return y.view(x.shape).to(x.dtype), mean, rstd
 
@@ -111,16 +123,17 @@ def softmax_dropout(
     seed: int = 0,
     offset: int = 0,
 ) -> Tensor:
-    """softmax(scores * scale + mask, hiding keys after the query when causal), then dropout.
+    """softmax(scores * scale + mask, hiding keys after the query when causal), then dropout with the stream
+    (seed, offset).
 
     ``scores`` is (batch, heads, q_len, k_len); ``mask`` is additive and broadcasts to it (ops.softmax_dropout
     turns a bool mask into one). A row with every key hidden gives zeros.
     """
-    return softmax_dropout_fwd(scores, mask, scale, causal, p, seed, offset)[0]
+    return softmax_dropout_fwd(scores, mask, scale, causal, p, stream_tensor(seed, offset))[0]
 
 
 def softmax_dropout_fwd(
-    scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, seed: int, offset: int
+    scores: Tensor, mask: Tensor | None, scale: float, causal: bool, p: float, stream: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """As launchers.softmax_dropout_fwd: the output, and the probabilities when dropout is on (else empty)."""
     x = scores.float() * scale
@@ -133,27 +146,27 @@ def softmax_dropout_fwd(
     all_hidden = torch.isneginf(x).all(dim=-1, keepdim=True)
     probs = torch.softmax(x.masked_fill(all_hidden, 0.0), dim=-1)  # no NaN, in values or in gradients
     probs = probs.masked_fill(all_hidden, 0.0)
-    out = dropout(probs, p, seed, offset).to(scores.dtype)
+    out = dropout(probs, p, *_seed_offset(stream)).to(scores.dtype)
     return out, (probs.to(scores.dtype) if p > 0 else scores.new_empty(0))
 
 
-def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, seed: int, offset: int) -> Tensor:
-    d = dropout_bwd(dout.float(), p, seed, offset)
+def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, stream: Tensor | None) -> Tensor:
+    d = dropout_bwd(dout.float(), p, stream)
     pf = probs.float()
     return (scale * pf * (d - (d * pf).sum(-1, keepdim=True))).to(probs.dtype)
 
 
-def dropout_bwd(dy: Tensor, p: float, seed: int, offset: int) -> Tensor:
-    """The gradient through ``dropout(., p, seed, offset)``: the same elements kept and scaled."""
+def dropout_bwd(dy: Tensor, p: float, stream: Tensor | None) -> Tensor:
+    """The gradient through ``dropout(., p, *stream)``: the same elements kept and scaled."""
     if p == 0.0:
         return dy
-    keep = _keep(dy.shape, p, seed, offset, dy.device)
+    keep = _keep(dy.shape, p, *_seed_offset(stream), dy.device)
     return torch.where(keep, dy.float() * (1.0 / (1.0 - p)), 0.0).to(dy.dtype)
 
 
-def bias_dropout_residual(x: Tensor, bias: Tensor, residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
+def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, stream: Tensor | None) -> Tensor:
     dtype = torch.promote_types(x.dtype, residual.dtype)
-    return (residual.float() + dropout(x.float() + bias.float(), p, seed, offset)).to(dtype)
+    return (residual.float() + dropout(x.float() + bias.float(), p, *_seed_offset(stream))).to(dtype)
 
 
 @torch.no_grad()
