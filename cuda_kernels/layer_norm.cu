@@ -1,8 +1,12 @@
-// LayerNorm over the last dimension: x [rows, cols] in T, weight and bias fp32 [cols]. One block per
-// row; statistics in fp32 with two passes (mean, then the mean of squared deviations). Forward saves
-// mean and rstd for backward. Backward writes dx per row and, in a second kernel over column tiles,
-// each chunk of rows' partial sums of dweight (dy * xhat) and dbias (dy); the host sums the chunks.
-#include "common.cuh"
+// LayerNorm over the last dimension: x [rows, cols] in T, weight and bias fp32 [cols]; statistics in fp32
+// with two passes over the row (mean, then the mean of squared deviations). Forward saves mean and rstd
+// for backward.
+//
+// Rows of up to 8192 columns take the row kernels (rows.cuh, [Note: row teams]): each row read once into
+// registers; backward reads dy and x once and reduces dx's row sums and each team's partial dweight
+// (dy * xhat) and dbias (dy) in the same pass; the host sums the teams' partials. Wider rows take the
+// looping kernels below them, which read a row three times (forward) or twice plus a column pass (backward).
+#include "rows.cuh"
 
 template <typename T>
 __device__ void layer_norm_fwd(const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias,
@@ -66,6 +70,85 @@ __device__ void layer_norm_bwd_params(const T* __restrict__ dy, const T* __restr
   partial_dbias[(i64)blockIdx.y * cols + col] = dbias;
 }
 
+template <typename T>
+__device__ void layer_norm_fwd_rows(const T* __restrict__ x, const float* __restrict__ weight,
+                                    const float* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
+                                    float* __restrict__ rstd_out, i64 rows, int cols, int team_size, float eps) {
+  __shared__ float scratch[32];
+  constexpr int V = PACK_OF(T);
+  const RowTeam team(team_size);
+  for (i64 row = team.first; row < rows; row += team.stride) {
+    constexpr int E = FWD_ELEMS;
+    float v[E];
+    load_row<E>(x + row * cols, cols, team, v, 0.f);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) sum += v[j];  // (past the row's end: 0)
+    const float mean = team_sum(sum, team, scratch) / cols;
+    float squares = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const float d = team.column<V>(j) < cols ? v[j] - mean : 0.f;
+      squares += d * d;
+    }
+    const float rstd = rsqrtf(team_sum(squares, team, scratch) / cols + eps);
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int c = team.column<V>(j);
+      if (c < cols) v[j] = (v[j] - mean) * rstd * weight[c] + bias[c];
+    }
+    store_row<E>(y + row * cols, cols, team, v);
+    if (team.lane == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+  }
+}
+
+// dx for each row, and this team's sums over its rows of dy * xhat and dy into row `team.index` of
+// partial_dweight / partial_dbias ([teams, cols]; every team writes its row, zeros if it had no rows).
+template <typename T>
+__device__ void layer_norm_bwd_rows(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
+                                    const float* __restrict__ mean, const float* __restrict__ rstd,
+                                    T* __restrict__ dx, float* __restrict__ partial_dweight,
+                                    float* __restrict__ partial_dbias, i64 rows, int cols, int team_size) {
+  __shared__ float scratch[32];
+  constexpr int E = BWD_ELEMS, V = PACK_OF(T);
+  const RowTeam team(team_size);
+  float dweight[E] = {}, dbias[E] = {};
+  for (i64 row = team.first; row < rows; row += team.stride) {
+    float xv[E], g[E];
+    load_row<E>(x + row * cols, cols, team, xv, 0.f);
+    load_row<E>(dy + row * cols, cols, team, g, 0.f);
+    const float mu = mean[row], rs = rstd[row];
+    float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int c = team.column<V>(j);
+      if (c >= cols) continue;
+      const float xhat = (xv[j] - mu) * rs;
+      dweight[j] += g[j] * xhat;
+      dbias[j] += g[j];
+      g[j] *= weight[c];
+      xv[j] = xhat;
+      sum_g += g[j];
+      sum_gx += g[j] * xhat;
+    }
+    const float mean_g = team_sum(sum_g, team, scratch) / cols, mean_gx = team_sum(sum_gx, team, scratch) / cols;
+#pragma unroll
+    for (int j = 0; j < E; ++j) xv[j] = rs * (g[j] - mean_g - xv[j] * mean_gx);
+    store_row<E>(dx + row * cols, cols, team, xv);
+  }
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const int c = team.column<V>(j);
+    if (c < cols) {
+      partial_dweight[team.index * cols + c] = dweight[j];
+      partial_dbias[team.index * cols + c] = dbias[j];
+    }
+  }
+}
+
 #define LZ_LAYER_NORM(T, N)                                                                                          \
   extern "C" __global__ void layer_norm_fwd_##N(const T* x, const float* weight, const float* bias, T* y,           \
                                                 float* mean, float* rstd, i64 cols, float eps) {                    \
@@ -79,5 +162,15 @@ __device__ void layer_norm_bwd_params(const T* __restrict__ dy, const T* __restr
                                                        i64 rows, i64 cols, i64 rows_per_chunk, float* partial_dweight, \
                                                        float* partial_dbias) {                                       \
     layer_norm_bwd_params<T>(dy, x, mean, rstd, rows, cols, rows_per_chunk, partial_dweight, partial_dbias);         \
+  }                                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(1024)                                                              \
+      layer_norm_fwd_rows_##N(const T* x, const float* weight, const float* bias, T* y, float* mean, float* rstd,  \
+                              i64 rows, int cols, int team, float eps) {                                           \
+    layer_norm_fwd_rows<T>(x, weight, bias, y, mean, rstd, rows, cols, team, eps);                                   \
+  }                                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(512)                                                               \
+      layer_norm_bwd_rows_##N(const T* dy, const T* x, const float* weight, const float* mean, const float* rstd,  \
+                              T* dx, float* partial_dweight, float* partial_dbias, i64 rows, int cols, int team) { \
+    layer_norm_bwd_rows<T>(dy, x, weight, mean, rstd, dx, partial_dweight, partial_dbias, rows, cols, team);        \
   }
 LZ_EXPORT_FLOATING(LZ_LAYER_NORM)

@@ -2,10 +2,14 @@
 // [rows = batch * heads * q_len, cols = k_len]. x = scores * scale + mask (mask: optional fp32, any
 // shape that broadcasts to [batch, heads, q_len, k_len], read through its strides for batch, head and
 // query, its keys contiguous: a [batch, 1, 1, k_len] padding mask is never expanded); causal hides key
-// k > q + (k_len - q_len). A fully
-// hidden row gives zeros. Forward writes the probabilities (kept for backward) and, with dropout, the
-// dropped-out output; dropout regenerates its mask in backward from the stream and row * cols + col.
-#include "common.cuh"
+// k > q + (k_len - q_len). A fully hidden row gives zeros. Forward writes the probabilities (kept for
+// backward) and, with dropout, the dropped-out output; backward regenerates the mask from the stream and
+// row * cols + col.
+//
+// Rows of up to 8192 keys, a multiple of the 16-byte pack, take the row kernels (rows.cuh, [Note: row
+// teams]): each row read once into registers, the mask made once per element in backward. Other rows take
+// the looping kernels, which read a row three times forward and twice backward (making the mask twice).
+#include "rows.cuh"
 
 template <typename T>
 __device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* __restrict__ mask, i64 mask_sb,
@@ -60,6 +64,80 @@ __device__ void softmax_dropout_bwd(const T* __restrict__ dout, const T* __restr
   }
 }
 
+template <typename T>
+__device__ void softmax_dropout_fwd_rows(const T* scores, const float* __restrict__ mask, i64 mask_sb, i64 mask_sh,
+                                         i64 mask_sq, T* probs, T* out, i64 rows, int cols, i64 heads, i64 q_len,
+                                         float scale, int causal, float p_drop, const long long* stream,
+                                         int team_size) {
+  __shared__ float scratch[32];
+  constexpr int E = FWD_ELEMS, V = PACK_OF(T);
+  const DropoutStream drop = read_stream(stream);
+  const RowTeam team(team_size);
+  const float keep_scale = 1.f / (1.f - p_drop);
+  for (i64 row = team.first; row < rows; row += team.stride) {
+    const i64 q = row % q_len, head = (row / q_len) % heads, batch = row / (heads * q_len);
+    const i64 visible = causal ? min((i64)cols, q + (cols - q_len) + 1) : cols;
+    const float* mask_row = mask != nullptr ? mask + batch * mask_sb + head * mask_sh + q * mask_sq : nullptr;
+    float v[E];
+    load_row<E>(scores + row * cols, cols, team, v, 0.f);
+    float row_max = -LZ_INF;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int c = team.column<V>(j);
+      v[j] = c < visible ? v[j] * scale + (mask_row ? mask_row[c] : 0.f) : -LZ_INF;
+      row_max = fmaxf(row_max, v[j]);
+    }
+    row_max = team_max(row_max, team, scratch);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      v[j] = row_max != -LZ_INF ? expf(v[j] - row_max) : 0.f;  // hidden keys: exp(-inf) = 0
+      sum += v[j];
+    }
+    sum = team_sum(sum, team, scratch);
+    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) v[j] *= inv_sum;
+    store_row<E>(probs + row * cols, cols, team, v);  // (without dropout, `out` is `probs`)
+    if (p_drop > 0.f) {
+      bool keep[E];
+      keep_mask<E, V>(drop, row, cols, team, p_drop, keep);
+#pragma unroll
+      for (int j = 0; j < E; ++j) v[j] = keep[j] ? v[j] * keep_scale : 0.f;
+      store_row<E>(out + row * cols, cols, team, v);
+    }
+  }
+}
+
+template <typename T>
+__device__ void softmax_dropout_bwd_rows(const T* __restrict__ dout, const T* __restrict__ probs,
+                                         T* __restrict__ dscores, i64 rows, int cols, float scale, float p_drop,
+                                         const long long* stream, int team_size) {
+  __shared__ float scratch[32];
+  constexpr int E = FWD_ELEMS, V = PACK_OF(T);
+  const DropoutStream drop = read_stream(stream);
+  const RowTeam team(team_size);
+  const float keep_scale = 1.f / (1.f - p_drop);
+  for (i64 row = team.first; row < rows; row += team.stride) {
+    float d[E], pr[E];
+    load_row<E>(dout + row * cols, cols, team, d, 0.f);
+    load_row<E>(probs + row * cols, cols, team, pr, 0.f);
+    if (p_drop > 0.f) {
+      bool keep[E];
+      keep_mask<E, V>(drop, row, cols, team, p_drop, keep);
+#pragma unroll
+      for (int j = 0; j < E; ++j) d[j] = keep[j] ? d[j] * keep_scale : 0.f;
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) dot += d[j] * pr[j];  // (past the row's end: 0)
+    dot = team_sum(dot, team, scratch);
+#pragma unroll
+    for (int j = 0; j < E; ++j) d[j] = scale * pr[j] * (d[j] - dot);
+    store_row<E>(dscores + row * cols, cols, team, d);
+  }
+}
+
 #define LZ_SOFTMAX_DROPOUT(T, N)                                                                                   \
   extern "C" __global__ void softmax_dropout_fwd_##N(const T* scores, const float* mask, i64 mask_sb, i64 mask_sh,   \
                                                      i64 mask_sq, T* probs, T* out, i64 cols, i64 heads, i64 q_len, \
@@ -71,5 +149,16 @@ __device__ void softmax_dropout_bwd(const T* __restrict__ dout, const T* __restr
   extern "C" __global__ void softmax_dropout_bwd_##N(const T* dout, const T* probs, T* dscores, i64 cols,         \
                                                      float scale, float p_drop, const long long* stream) {      \
     softmax_dropout_bwd<T>(dout, probs, dscores, cols, scale, p_drop, stream);                                 \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(1024) softmax_dropout_fwd_rows_##N(                              \
+      const T* scores, const float* mask, i64 mask_sb, i64 mask_sh, i64 mask_sq, T* probs, T* out, i64 rows,     \
+      int cols, i64 heads, i64 q_len, float scale, int causal, float p_drop, const long long* stream, int team) { \
+    softmax_dropout_fwd_rows<T>(scores, mask, mask_sb, mask_sh, mask_sq, probs, out, rows, cols, heads, q_len,     \
+                                scale, causal, p_drop, stream, team);                                            \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(1024) softmax_dropout_bwd_rows_##N(                              \
+      const T* dout, const T* probs, T* dscores, i64 rows, int cols, float scale, float p_drop,                  \
+      const long long* stream, int team) {                                                                       \
+    softmax_dropout_bwd_rows<T>(dout, probs, dscores, rows, cols, scale, p_drop, stream, team);                    \
   }
 LZ_EXPORT_FLOATING(LZ_SOFTMAX_DROPOUT)

@@ -30,6 +30,7 @@ HERE = Path(__file__).parent / "cuda_emulator"
 PTX_TYPES = {"u64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32, "s32": ctypes.c_int32}
 PTX_TYPES["f32"] = ctypes.c_float
 KERNEL = ctypes.CFUNCTYPE(None)
+LAUNCHED: list[str] = []  # the kernels launched, in order (the fixture empties it)
 
 
 def available() -> str | None:
@@ -77,6 +78,7 @@ def _signatures(source: str) -> dict[str, list]:
 
 def launch(source: str, kernel: str, grid, block: int, args: tuple, *, device: torch.device) -> None:
     """loader.launch's contract, on the emulator: ``args`` as the launchers build them."""
+    LAUNCHED.append(kernel)
     types = _signatures(source)[kernel]
     assert len(args) == len(types), f"{kernel} takes {len(types)} arguments, the launcher passed {len(args)}"
     function = getattr(_library(source), kernel)
@@ -112,3 +114,4 @@ def emulated_gpu(monkeypatch):
     for module in (ops, adamw):
         monkeypatch.setattr(module, "use_kernels", lambda t: True)
     monkeypatch.setattr(launchers, "_sms", lambda device: 4)  # a small device: the row chunks are exercised
+    LAUNCHED.clear()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_emulator import emulated_gpu  # noqa: F401 (a fixture)
+from cuda_emulator import LAUNCHED, emulated_gpu  # noqa: F401 (a fixture)
 
 from lightning_zero.kernels import launchers, reference
 from lightning_zero.kernels.adamw import check_finite_, fused_adamw_
@@ -29,21 +29,38 @@ def _randn(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+# (rows, cols, misaligned start) -> the kernels' layout: odd widths and misaligned rows loop; a row of packs
+# is held by a warp (64 columns), a block (1504; 8192: 1024 threads forward, 512 backward); wider ones loop
+LAYER_NORM_CASES = [
+    (3, 37, False),
+    (300, 64, False),
+    (5, 64, True),
+    (2, 1504, False),
+    (2, 8192, False),
+    (2, 8200, False),
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,cols", [(3, 37), (300, 64), (2, 1500)])  # odd, many rows (several chunks), wide
-def test_layer_norm(dtype, rows, cols):
-    x, dy = _randn(rows, cols, dtype=dtype), _randn(rows, cols, dtype=dtype, seed=1)
+@pytest.mark.parametrize("rows,cols,misaligned", LAYER_NORM_CASES)
+def test_layer_norm(dtype, rows, cols, misaligned):
+    x, dy = _randn(rows * cols + 1, dtype=dtype), _randn(rows, cols, dtype=dtype, seed=1)
+    x = x[1:] if misaligned else x[:-1]
+    x = x.view(rows, cols)
     w, b = _randn(cols, seed=2), _randn(cols, seed=3)
     y, mean, rstd = launchers.layer_norm_fwd(x, w, b, 1e-5)
     y_ref, mean_ref, rstd_ref = reference.layer_norm_fwd(x, w, b, 1e-5)
     _close(y, y_ref)
     _close(mean, mean_ref)
     _close(rstd, rstd_ref)
-    for got, want in zip(
-        launchers.layer_norm_bwd(dy, x, w, mean, rstd, torch.bfloat16),
-        reference.layer_norm_bwd(dy, x, w, mean_ref, rstd_ref, torch.bfloat16),
-    ):
+    grads = launchers.layer_norm_bwd(dy, x, w, mean, rstd, torch.bfloat16)
+    for got, want in zip(grads, reference.layer_norm_bwd(dy, x, w, mean_ref, rstd_ref, torch.bfloat16)):
         _close(got, want, dtype if got.shape == x.shape else torch.float32 if got.dtype == torch.float32 else None)
+    rows_path = cols % (16 // x.element_size()) == 0 and cols <= 8192 and not misaligned
+    expected = (
+        ["layer_norm_fwd_rows", "layer_norm_bwd_rows"] if rows_path else ["layer_norm_fwd", "layer_norm_bwd_input"]
+    )
+    assert [k.rsplit("_", 1)[0] for k in LAUNCHED][:2] == expected
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,7 +75,8 @@ def test_bias_gelu(dtype, tanh, cols):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal,masked,p", [(True, False, 0.0), (False, True, 0.3), (True, True, 0.5)])
-@pytest.mark.parametrize("q_len,k_len", [(5, 5), (3, 40), (2, 1500)])
+# odd widths loop; rows of packs: a warp (16, 64), a block (1504); wider than 8192 keys loop
+@pytest.mark.parametrize("q_len,k_len", [(5, 5), (3, 40), (5, 16), (3, 64), (2, 1504), (1, 8200)])
 def test_softmax_dropout(dtype, causal, masked, p, q_len, k_len):
     scores = _randn(2, 2, q_len, k_len, dtype=dtype)
     mask = None
@@ -76,6 +94,12 @@ def test_softmax_dropout(dtype, causal, masked, p, q_len, k_len):
         launchers.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM),
         reference.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM),
     )
+    rows_path = k_len % (16 // scores.element_size()) == 0 and k_len <= 8192
+    suffix = "_rows" if rows_path else ""
+    assert [k.rsplit("_", 1)[0] for k in LAUNCHED] == [
+        f"softmax_dropout_fwd{suffix}",
+        f"softmax_dropout_bwd{suffix}",
+    ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

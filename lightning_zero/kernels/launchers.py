@@ -52,6 +52,32 @@ def _column_sum(data: Tensor, cols: int) -> Tensor:
     return partial.sum(0)
 
 
+# [Note: row teams] in cuda_kernels/rows.cuh: rows of at most ROW_COLS columns, a multiple of the 16-byte pack
+# and 16-byte aligned stay in registers; forward kernels hold 8 elements a thread in teams of up to 1024
+# threads, backward kernels 16 in teams of up to 512.
+ROW_COLS = 8192
+FWD_ROWS, BWD_ROWS = (8, 1024), (16, 512)  # (elements a thread holds, the largest team)
+
+
+def _row_team(cols: int, kind: tuple[int, int], *tensors: Tensor) -> int | None:
+    """The team size of a row kernel for rows of ``cols``, or None when the rows take the looping kernels."""
+    elems, largest = kind
+    pack = 16 // tensors[0].element_size()
+    if cols > ROW_COLS or cols % pack or any(t.data_ptr() % 16 for t in tensors):
+        return None
+    return min(largest, max(32, 1 << (-(-cols // elems) - 1).bit_length()))
+
+
+def _row_grid(rows: int, team: int, sms: int, threads_per_sm: int) -> tuple[int, int, int]:
+    """(blocks, threads a block, teams): a warp team shares a 128-thread block with three others; teams walk
+    the rows with a stride, the grid at most ``threads_per_sm`` threads an SM (each team's partial sums
+    of parameter gradients are a row of the backward's partial buffers)."""
+    block = max(team, 128)
+    per_block = block // team
+    blocks = max(1, min(-(-rows // per_block), sms * max(1, threads_per_sm // block)))
+    return blocks, block, blocks * per_block
+
+
 def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """y, and each row's mean and 1/std in fp32 (for backward)."""
     x = x.contiguous()
@@ -68,10 +94,14 @@ def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple
         y.data_ptr(),
         mean.data_ptr(),
         rstd.data_ptr(),
-        i64(cols),
-        f32(eps),
     )
-    launch("layer_norm.cu", f"layer_norm_fwd_{SUFFIX[x.dtype]}", rows, _row_block(cols), args, device=x.device)
+    team = _row_team(cols, FWD_ROWS, x, y)
+    if team is None:
+        kernel, grid, block, args = "layer_norm_fwd", rows, _row_block(cols), (*args, i64(cols), f32(eps))
+    else:
+        grid, block, _ = _row_grid(rows, team, _sms(x.device), 2048)
+        kernel, args = "layer_norm_fwd_rows", (*args, i64(rows), int(cols), int(team), f32(eps))
+    launch("layer_norm.cu", f"{kernel}_{SUFFIX[x.dtype]}", grid, block, args, device=x.device)
     return y, mean, rstd
 
 
@@ -83,15 +113,23 @@ def layer_norm_bwd(
     rows = x.numel() // cols
     name = SUFFIX[x.dtype]
     dx = torch.empty_like(x)
-    args = (
-        tensor(dy, "dy", dtypes=(x.dtype,), like=x),
-        x.data_ptr(),
-        w.data_ptr(),
-        mean.data_ptr(),
-        rstd.data_ptr(),
-        dx.data_ptr(),
-        i64(cols),
-    )
+    checked = (tensor(dy, "dy", dtypes=(x.dtype,), like=x), x.data_ptr(), w.data_ptr(), mean.data_ptr())
+    team = _row_team(cols, BWD_ROWS, dy, x, dx)
+    if team is not None:  # one pass: dx, and each team's partial sums of dweight and dbias
+        grid, block, teams = _row_grid(rows, team, _sms(x.device), 1024)
+        partial_dw = torch.empty(teams, cols, dtype=torch.float32, device=x.device)
+        partial_db = torch.empty_like(partial_dw)
+        args = (*checked, rstd.data_ptr(), dx.data_ptr(), partial_dw.data_ptr(), partial_db.data_ptr())
+        launch(
+            "layer_norm.cu",
+            f"layer_norm_bwd_rows_{name}",
+            grid,
+            block,
+            (*args, i64(rows), int(cols), int(team)),
+            device=x.device,
+        )
+        return dx, partial_dw.sum(0).to(weight.dtype), partial_db.sum(0).to(bias_dtype)
+    args = (*checked, rstd.data_ptr(), dx.data_ptr(), i64(cols))
     launch("layer_norm.cu", f"layer_norm_bwd_input_{name}", rows, _row_block(cols), args, device=x.device)
     chunks, per_chunk = row_chunks(rows, cols, _sms(x.device))
     partial_dw = torch.empty(chunks, cols, dtype=torch.float32, device=x.device)
@@ -173,22 +211,15 @@ def softmax_dropout_fwd(
         if mask.dtype != torch.float32 or mask.device != scores.device:
             raise ValueError(f"mask must be fp32 on {scores.device}, got {mask.dtype} on {mask.device}")
         mask_ptr, strides = mask.data_ptr(), mask.stride()[:3]
-    args = (
-        tensor(scores, "scores", dtypes=FLOATS),
-        mask_ptr,
-        *map(i64, strides),
-        probs.data_ptr(),
-        out.data_ptr(),
-        i64(k_len),
-        i64(heads),
-        i64(q_len),
-        f32(scale),
-        int(causal),
-        f32(p),
-        _stream(stream, scores),
-    )
-    kernel = f"softmax_dropout_fwd_{SUFFIX[scores.dtype]}"
-    launch("softmax_dropout.cu", kernel, batch * heads * q_len, _row_block(k_len), args, device=scores.device)
+    head = (tensor(scores, "scores", dtypes=FLOATS), mask_ptr, *map(i64, strides), probs.data_ptr(), out.data_ptr())
+    tail = (i64(heads), i64(q_len), f32(scale), int(causal), f32(p), _stream(stream, scores))
+    rows, team = batch * heads * q_len, _row_team(k_len, FWD_ROWS, scores, probs, out)
+    if team is None:
+        kernel, grid, block, args = "softmax_dropout_fwd", rows, _row_block(k_len), (*head, i64(k_len), *tail)
+    else:
+        grid, block, _ = _row_grid(rows, team, _sms(scores.device), 2048)
+        kernel, args = "softmax_dropout_fwd_rows", (*head, i64(rows), int(k_len), *tail, int(team))
+    launch("softmax_dropout.cu", f"{kernel}_{SUFFIX[scores.dtype]}", grid, block, args, device=scores.device)
     return out, (probs if p > 0 else probs.new_empty(0))
 
 
@@ -196,17 +227,15 @@ def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, str
     dout = dout.contiguous()
     dscores = torch.empty_like(probs)
     k_len = probs.shape[-1]
-    args = (
-        tensor(dout, "dout", dtypes=(probs.dtype,), like=probs),
-        probs.data_ptr(),
-        dscores.data_ptr(),
-        i64(k_len),
-        f32(scale),
-        f32(p),
-        _stream(stream, probs),
-    )
-    kernel = f"softmax_dropout_bwd_{SUFFIX[probs.dtype]}"
-    launch("softmax_dropout.cu", kernel, probs.numel() // k_len, _row_block(k_len), args, device=probs.device)
+    head = (tensor(dout, "dout", dtypes=(probs.dtype,), like=probs), probs.data_ptr(), dscores.data_ptr())
+    tail = (f32(scale), f32(p), _stream(stream, probs))
+    rows, team = probs.numel() // k_len, _row_team(k_len, FWD_ROWS, dout, probs, dscores)
+    if team is None:
+        kernel, grid, block, args = "softmax_dropout_bwd", rows, _row_block(k_len), (*head, i64(k_len), *tail)
+    else:
+        grid, block, _ = _row_grid(rows, team, _sms(probs.device), 2048)
+        kernel, args = "softmax_dropout_bwd_rows", (*head, i64(rows), int(k_len), *tail, int(team))
+    launch("softmax_dropout.cu", f"{kernel}_{SUFFIX[probs.dtype]}", grid, block, args, device=probs.device)
     return dscores
 
 

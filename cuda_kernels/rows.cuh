@@ -1,0 +1,99 @@
+// Row kernels (LayerNorm, softmax, and the fused residual + LayerNorm): each row is read from memory once
+// and kept in registers while its statistics are reduced.
+//
+// [Note: row teams]
+// A team of threads owns a row: a warp (team = 32; a block holds blockDim.x / 32 teams, one row each) for
+// short rows, else the whole block (team = blockDim.x). Each thread holds E elements in registers: chunk k
+// of V contiguous elements (a 16-byte pack: rows whose length is not a multiple of it, or that do not start
+// 16-byte aligned, take the looping kernels) starts at column (k * team + lane) * V, so a row of up to
+// E * team columns stays in registers. Forward
+// kernels hold E = 8 with teams of up to 1024 threads (64 registers a thread), backward kernels, which
+// keep two rows and two partial sums, E = 16 with teams of up to 512 (128 registers): 8192 columns
+// either way (columns are ints there); wider rows take the looping kernels. Teams walk the
+// rows with a grid stride (the grid is one wave of the device), so per-team partial sums of parameter
+// gradients stay few. A team is either one warp (shuffles only) or the whole block (every thread walks the
+// same rows, so the block's barriers are reached by all); never anything in between.
+#pragma once
+#include "common.cuh"
+
+constexpr int FWD_ELEMS = 8, BWD_ELEMS = 16;  // E of the forward and backward row kernels
+#define PACK_OF(T) (int)(16 / sizeof(T))  // elements per 16-byte pack (a macro: entry-point macros name their dtype N)
+
+struct RowTeam {
+  int lane, size;  // this thread's place in its team, the team's size
+  i64 first, stride, index;
+  __device__ RowTeam(int team) {
+    size = team;
+    lane = threadIdx.x % team;
+    const i64 per_block = blockDim.x / team;
+    index = (i64)blockIdx.x * per_block + threadIdx.x / team;
+    first = index;
+    stride = (i64)gridDim.x * per_block;
+  }
+  // The column of this thread's element j, for chunks of V.
+  template <int V> __device__ __forceinline__ int column(int j) const { return ((j / V) * size + lane) * V + j % V; }
+};
+
+__device__ __forceinline__ float team_sum(float value, const RowTeam& team, float* scratch) {
+  if (team.size > 32) return block_sum(value, scratch);
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+__device__ __forceinline__ float team_max(float value, const RowTeam& team, float* scratch) {
+  if (team.size > 32) return block_max(value, scratch);
+  for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+// This thread's elements of `row` as fp32 (`fill` past the row's end), one 16-byte load per chunk (the host
+// checked that the row length is a multiple of the pack and that every row starts 16-byte aligned).
+template <int E, typename T>
+__device__ __forceinline__ void load_row(const T* __restrict__ row, int cols, const RowTeam& team, float (&out)[E],
+                                         float fill) {
+  constexpr int V = PACK_OF(T);
+#pragma unroll
+  for (int k = 0; k < E / V; ++k) {
+    const int c = team.column<V>(k * V);
+    if (c < cols) {
+      const Pack<T> pack = load_pack(row + c);
+#pragma unroll
+      for (int j = 0; j < V; ++j) out[k * V + j] = to_f32(pack.v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) out[k * V + j] = fill;
+    }
+  }
+}
+
+template <int E, typename T>
+__device__ __forceinline__ void store_row(T* __restrict__ row, int cols, const RowTeam& team, const float (&in)[E]) {
+  constexpr int V = PACK_OF(T);
+#pragma unroll
+  for (int k = 0; k < E / V; ++k) {
+    const int c = team.column<V>(k * V);
+    if (c >= cols) continue;
+    Pack<T> pack;
+#pragma unroll
+    for (int j = 0; j < V; ++j) pack.v[j] = from_f32<T>(in[k * V + j]);
+    store_pack(row + c, pack);
+  }
+}
+
+// Dropout's keep decisions for this thread's elements of row `row` (element index row * cols + column):
+// one Philox call per four contiguous elements (a pack's start is a multiple of 4 in the whole tensor,
+// since the row length is a multiple of the pack).
+template <int E, int V>
+__device__ __forceinline__ void keep_mask(DropoutStream stream, i64 row, int cols, const RowTeam& team, float p_drop,
+                                          bool (&keep)[E]) {
+#pragma unroll
+  for (int k = 0; k < E / V; ++k) {
+    const i64 first = row * cols + team.column<V>(k * V);
+#pragma unroll
+    for (int q = 0; q < V / 4; ++q) {
+      const float4 u = philox_uniform4(stream.seed, stream.offset, first / 4 + q);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) keep[k * V + 4 * q + j] = word_of(u, j) >= p_drop;
+    }
+  }
+}
