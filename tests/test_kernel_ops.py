@@ -41,6 +41,14 @@ def _cases():
         ),
         "dropout_bwd": (LZ.dropout_bwd.default, (randn(3, 5, 8), 0.1, stream(5, 2))),
         "column_sum": (LZ.column_sum.default, (randn(3, 5, 8), torch.float32)),
+        "residual_layer_norm_fwd": (
+            LZ.residual_layer_norm_fwd.default,
+            (x, b, randn(3, 5, 8, grad=True), w, randn(8, grad=True), 0.2, 1e-5, stream(4, 0)),
+        ),
+        "residual_layer_norm_bwd": (
+            LZ.residual_layer_norm_bwd.default,
+            (randn(3, 5, 8), randn(3, 5, 8), x.detach(), w.detach(), mean, rstd, 0.2, stream(4, 0), *(b.dtype,) * 2),
+        ),
     }
 
 

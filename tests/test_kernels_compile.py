@@ -15,6 +15,7 @@ DTYPES = ("f32", "f16", "bf16")
 ROW_KERNELS = {
     "layer_norm.cu": {"layer_norm_fwd_rows": 1024, "layer_norm_bwd_rows": 512},
     "softmax_dropout.cu": {"softmax_dropout_fwd_rows": 1024, "softmax_dropout_bwd_rows": 1024},
+    "residual_layer_norm.cu": {"residual_layer_norm_fwd": 1024, "residual_layer_norm_bwd": 256},
 }
 ENTRY_POINTS = {
     "adamw.cu": [f"adamw_{g}_{low}" for g in DTYPES for low in ("none", "f16", "bf16")]
@@ -27,6 +28,7 @@ ENTRY_POINTS = {
         for d in DTYPES
     ],
     "reduce.cu": [f"column_sum_partial_{d}" for d in DTYPES],
+    "residual_layer_norm.cu": [f"{k}_{d}" for k in ROW_KERNELS["residual_layer_norm.cu"] for d in DTYPES],
     "softmax_dropout.cu": [
         f"{k}_{d}"
         for k in ("softmax_dropout_fwd", "softmax_dropout_bwd", *ROW_KERNELS["softmax_dropout.cu"])

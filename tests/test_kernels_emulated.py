@@ -151,3 +151,52 @@ def test_an_overflow_flag_skips_the_step():
     before = param.clone()
     fused_adamw_(param, grad, m, v, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, found_inf=flag)
     assert torch.equal(param, before) and not m.any()
+
+
+# fused where the rows allow: a warp (64), a block (1504), the largest backward team (4096); forward only (6000);
+# neither (37: the unfused ops)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [37, 64, 1504, 4096, 6000])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_bias_dropout_residual_layer_norm(dtype, cols, p):
+    rows = 5
+    x, r, dn, dh = (_randn(rows, cols, dtype=dtype, seed=s) for s in range(4))
+    b, w, lb = (_randn(cols, seed=s) for s in range(4, 7))
+    stream = reference.stream_tensor(31, 12) if p > 0 else None
+    out = launchers.residual_layer_norm_fwd(x, b, r, w, lb, p, 1e-5, stream)
+    want = reference.residual_layer_norm_fwd(x, b, r, w, lb, p, 1e-5, stream)
+    for got, expected in zip(out, want):
+        _close(got, expected, dtype if got.shape == x.shape else torch.float32)
+    hidden, _, mean, rstd = want
+    args = (dn, dh, hidden, w, mean, rstd, p, stream, torch.float32, torch.bfloat16)
+    grads, expected = launchers.residual_layer_norm_bwd(*args), reference.residual_layer_norm_bwd(*args)
+    fused_fwd, fused_bwd = cols % (16 // x.element_size()) == 0, cols % (16 // x.element_size()) == 0 and cols <= 4096
+    for got, want_grad in zip(grads, expected):
+        if got.shape == x.shape:
+            _close(got, want_grad, dtype)
+        elif fused_bwd or dtype == torch.float32:
+            _close(got, want_grad, torch.float32)
+        else:  # unfused, the bias gradient sums 5 rows of dx rounded to 16 bits (the reference sums it in fp32)
+            torch.testing.assert_close(got.float(), want_grad.float(), rtol=0.05, atol=0.1)
+    launched = [k.rsplit("_", 1)[0] for k in LAUNCHED]
+    assert ("residual_layer_norm_fwd" in launched) == fused_fwd
+    assert ("residual_layer_norm_bwd" in launched) == fused_bwd
+
+
+def test_fused_block_forward_and_backward_on_the_kernels():
+    """The whole FusedBlock GPT, every fused op on the emulated kernels, equals the plain GPT."""
+    from lightning_zero.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=64)
+    plain, fused = GPT(GPTConfig(**cfg)), GPT(GPTConfig(**cfg, fused=True))
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(32, (2, 16))
+    out_plain, out_fused = plain(idx), fused(idx)
+    torch.testing.assert_close(out_fused, out_plain, rtol=1e-5, atol=1e-5)
+    out_plain.square().mean().backward()
+    out_fused.square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    kernels = {k.rsplit("_", 1)[0] for k in LAUNCHED}
+    assert {"layer_norm_fwd_rows", "residual_layer_norm_fwd", "residual_layer_norm_bwd", "bias_gelu_bwd"} <= kernels

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ROWS_COLS = [(1, 1023), (3, 1500), (5, 997), (4, 1024)]  # odd sizes, and one the 16-byte-pack paths take
+# (rows, cols) with 7 or 9 rows each: odd sizes (looping kernels), rows of packs held by a warp over 700 rows
+# (teams' partial sums), by blocks of 128..1024 threads, up to the widest row kernels take
+ROWS_COLS = [(1, 1023), (3, 1500), (5, 997), (4, 1024), (100, 64), (3, 512), (2, 4096), (2, 8192)]
 
 
 def _poison() -> None:
@@ -76,7 +78,7 @@ def test_bias_gelu(dtype, approximate, rows, cols):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal,with_mask", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("q_len,k_len", [(17, 17), (13, 1023), (1, 1500)])
+@pytest.mark.parametrize("q_len,k_len", [(17, 17), (13, 1023), (1, 1500), (64, 64), (9, 1024), (2, 8192)])
 def test_softmax(dtype, causal, with_mask, q_len, k_len):
     scores = torch.randn(2, 3, q_len, k_len, device="cuda", dtype=dtype)
     mask = (torch.rand(2, 1, q_len, k_len, device="cuda") < 0.2).float() * -1e4 if with_mask else None
@@ -256,3 +258,62 @@ def test_dropout_under_a_cuda_graph_draws_a_new_mask_on_every_replay():
     graph.replay()
     assert not torch.equal(first == 0, out == 0)
     assert abs(float((out == 0).float().mean()) - 0.5) < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [37, 64, 1504, 4096, 6000])  # unfused, warp, block, widest fused backward, fwd only
+def test_bias_dropout_residual_layer_norm(dtype, cols):
+    x, r = (torch.randn(5, 7, cols, device="cuda", dtype=dtype) for _ in range(2))
+    b, w, lb = (torch.randn(cols, device="cuda") for _ in range(3))
+    g = torch.randn(2, 5, 7, cols, device="cuda")
+
+    def fused(x, b, r, w, lb):
+        return torch.stack(ops.bias_dropout_residual_layer_norm(x, b, r, w, lb))
+
+    def plain(x, b, r, w, lb):
+        hidden = r + (x + b.to(x.dtype))
+        return torch.stack([hidden, F.layer_norm(hidden, (cols,), w.to(x.dtype), lb.to(x.dtype))])
+
+    inputs = [x, b, r, w, lb]
+    kernel = _run(fused, inputs, g)
+    same = _run(plain, inputs, g)
+    exact = _run(plain, [t.double() for t in inputs], g.double())
+    _flash_rule(kernel, same, exact, f"bias_dropout_residual_layer_norm {dtype} {cols}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_forward_and_backward_equal_the_cpu_reference(dtype):
+    """With dropout on, each fused op's outputs and gradients equal the CPU reference's on the same stream."""
+    cases = {
+        "softmax": (lambda s: ops.softmax_dropout(s, 0.5, causal=True, p=0.2, seed=5), [(2, 3, 16, 64)]),
+        "softmax wide": (lambda s: ops.softmax_dropout(s, 0.5, p=0.2, seed=5), [(1, 2, 3, 3000)]),
+        "bias dropout residual": (
+            lambda x, b, r: ops.bias_dropout_residual(x, b, r, p=0.3, seed=6),
+            [(4, 9, 256), (256,), (4, 9, 256)],
+        ),
+        "bias dropout residual layer norm": (
+            lambda x, b, r, w, lb: torch.stack(ops.bias_dropout_residual_layer_norm(x, b, r, w, lb, p=0.3, seed=7)),
+            [(4, 9, 256), (256,), (4, 9, 256), (256,), (256,)],
+        ),
+    }
+    for name, (fn, shapes) in cases.items():
+        inputs = [torch.randn(s, device="cuda").to(dtype if len(s) > 1 else torch.float32) for s in shapes]
+        g = torch.randn(fn(*inputs).shape, device="cuda")
+        on_gpu = _run(fn, inputs, g)
+        on_cpu = _run(fn, [t.cpu() for t in inputs], g.cpu())
+        for got, want in zip(on_gpu, on_cpu):
+            assert torch.equal(got.cpu() == 0, want == 0) or got.dim() == 1, f"{name}: other elements dropped"
+            tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+            torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tol, atol=tol, msg=name)
+
+
+def test_fused_block_backward_on_gpu():
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=256)
+    plain, fused = GPT(GPTConfig(**cfg)).cuda(), GPT(GPTConfig(**cfg, fused=True)).cuda()
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(64, (4, 128), device="cuda")
+    plain(idx).square().mean().backward()
+    fused(idx).square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)

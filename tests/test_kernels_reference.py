@@ -147,6 +147,26 @@ def test_bias_dropout_residual_reference():
     torch.testing.assert_close(dropped, r + reference.dropout(x + b, 0.25, seed=11, offset=0))
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_bias_dropout_residual_layer_norm_reference(p):
+    """Both outputs (the residual stream and its LayerNorm) and all five gradients, against torch's own ops on
+    the same dropout mask, with gradients arriving at both outputs."""
+    import torch.nn.functional as F
+
+    x, b, r, w, lb = torch.randn(3, 4, 40), torch.randn(40), torch.randn(3, 4, 40), torch.randn(40), torch.randn(40)
+    keep = reference._keep(x.shape, p, 21, 8, x.device).float() / (1 - p) if p > 0 else 1.0
+
+    def fused(x, b, r, w, lb):
+        hidden, normed = ops.bias_dropout_residual_layer_norm(x, b, r, w, lb, p=p, seed=21, offset=8)
+        return torch.cat([hidden, normed * 2])
+
+    def plain(x, b, r, w, lb):
+        hidden = r + (x + b) * keep
+        return torch.cat([hidden, F.layer_norm(hidden, (40,), w, lb) * 2])
+
+    _assert_same(_grads(fused, x, b, r, w, lb), _grads(plain, x, b, r, w, lb), tol=1e-5)
+
+
 def test_fused_adamw_matches_torch_adamw_over_ten_steps():
     torch.manual_seed(0)
     params = [torch.randn(1023), torch.randn(64, 17)]

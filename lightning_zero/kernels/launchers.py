@@ -52,10 +52,9 @@ def _column_sum(data: Tensor, cols: int) -> Tensor:
     return partial.sum(0)
 
 
-# [Note: row teams] in cuda_kernels/rows.cuh: rows of at most ROW_COLS columns, a multiple of the 16-byte pack
+# [Note: row teams] in cuda_kernels/rows.cuh: rows of at most 8192 columns, a multiple of the 16-byte pack
 # and 16-byte aligned stay in registers; forward kernels hold 8 elements a thread in teams of up to 1024
 # threads, backward kernels 16 in teams of up to 512.
-ROW_COLS = 8192
 FWD_ROWS, BWD_ROWS = (8, 1024), (16, 512)  # (elements a thread holds, the largest team)
 
 
@@ -63,9 +62,9 @@ def _row_team(cols: int, kind: tuple[int, int], *tensors: Tensor) -> int | None:
     """The team size of a row kernel for rows of ``cols``, or None when the rows take the looping kernels."""
     elems, largest = kind
     pack = 16 // tensors[0].element_size()
-    if cols > ROW_COLS or cols % pack or any(t.data_ptr() % 16 for t in tensors):
+    if cols > elems * largest or cols % pack or any(t.data_ptr() % 16 for t in tensors):
         return None
-    return min(largest, max(32, 1 << (-(-cols // elems) - 1).bit_length()))
+    return max(32, 1 << (-(-cols // elems) - 1).bit_length())
 
 
 def _row_grid(rows: int, team: int, sms: int, threads_per_sm: int) -> tuple[int, int, int]:
@@ -280,3 +279,92 @@ def dropout_bwd(dy: Tensor, p: float, stream: Tensor) -> Tensor:
 def column_sum(data: Tensor, dtype: torch.dtype) -> Tensor:
     """The gradient of a bias broadcast over ``data``'s rows (its last dimension), in ``dtype``."""
     return _column_sum(data.contiguous(), data.shape[-1]).to(dtype)
+
+
+RESIDUAL_BWD_ROWS = (16, 256)  # its backward keeps three partial sums: 16 elements a thread, teams of up to 256
+
+
+def residual_layer_norm_fwd(
+    x: Tensor, bias: Tensor, residual: Tensor, weight: Tensor, ln_bias: Tensor, p: float, eps: float, stream
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(hidden, normed, mean, rstd): one pass over x and residual where the rows fit the row kernels, else
+    the two ops it fuses."""
+    x, residual = x.contiguous(), residual.contiguous()
+    cols = x.shape[-1]
+    rows = x.numel() // cols
+    hidden, normed = torch.empty_like(x), torch.empty_like(x)
+    team = _row_team(cols, FWD_ROWS, x, residual, hidden, normed)
+    if team is None:
+        hidden = bias_dropout_residual_fwd(x, bias, residual, p, stream)
+        return (hidden, *layer_norm_fwd(hidden, weight, ln_bias, eps))
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    b, w, lb = (t.float().contiguous() for t in (bias, weight, ln_bias))  # (held until the launch)
+    args = (
+        tensor(x, "x", dtypes=FLOATS),
+        tensor(b, "bias", dtypes=(torch.float32,), like=x),
+        tensor(residual, "residual", dtypes=(x.dtype,), like=x),
+        tensor(w, "weight", dtypes=(torch.float32,), like=x),
+        tensor(lb, "ln_bias", dtypes=(torch.float32,), like=x),
+        hidden.data_ptr(),
+        normed.data_ptr(),
+        mean.data_ptr(),
+        rstd.data_ptr(),
+        i64(rows),
+        int(cols),
+        f32(p),
+        _stream(stream, x),
+        f32(eps),
+        int(team),
+    )
+    grid, block, _ = _row_grid(rows, team, _sms(x.device), 2048)
+    launch("residual_layer_norm.cu", f"residual_layer_norm_fwd_{SUFFIX[x.dtype]}", grid, block, args, device=x.device)
+    return hidden, normed, mean, rstd
+
+
+def residual_layer_norm_bwd(
+    dnormed: Tensor,
+    dhidden: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    p: float,
+    stream: Tensor | None,
+    bias_dtype: torch.dtype,
+    ln_bias_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dbias, dresidual, dweight, dln_bias) in one pass over dnormed, dhidden and hidden where the rows
+    fit (at most 4096 columns: three partial sums a thread), else the unfused ops' backward passes."""
+    dnormed, dhidden, w = dnormed.contiguous(), dhidden.contiguous(), weight.float().contiguous()
+    cols = hidden.shape[-1]
+    rows = hidden.numel() // cols
+    dx, dresidual = torch.empty_like(hidden), torch.empty_like(hidden)
+    team = _row_team(cols, RESIDUAL_BWD_ROWS, dnormed, dhidden, hidden, dx, dresidual)
+    if team is None:
+        dh, dweight, dln_bias = layer_norm_bwd(dnormed, hidden, weight, mean, rstd, ln_bias_dtype)
+        dh = dh + dhidden
+        dx = dropout_bwd(dh, p, stream) if p > 0 else dh.clone()  # (outputs of a custom op never alias)
+        return dx, column_sum(dx, bias_dtype), dh, dweight, dln_bias
+    grid, block, teams = _row_grid(rows, team, _sms(hidden.device), 1024)
+    partials = torch.empty(3, teams, cols, dtype=torch.float32, device=hidden.device)
+    args = (
+        tensor(dnormed, "dnormed", dtypes=(hidden.dtype,), like=hidden),
+        tensor(dhidden, "dhidden", dtypes=(hidden.dtype,), like=hidden),
+        tensor(hidden, "hidden", dtypes=FLOATS),
+        w.data_ptr(),
+        mean.data_ptr(),
+        rstd.data_ptr(),
+        dx.data_ptr(),
+        dresidual.data_ptr(),
+        *(partial.data_ptr() for partial in partials),
+        i64(rows),
+        int(cols),
+        f32(p),
+        _stream(stream, hidden),
+        int(team),
+    )
+    kernel = f"residual_layer_norm_bwd_{SUFFIX[hidden.dtype]}"
+    launch("residual_layer_norm.cu", kernel, grid, block, args, device=hidden.device)
+    dweight, dln_bias, dbias = (partial.sum(0) for partial in partials)  # (three tensors: outputs never alias)
+    return dx, dbias.to(bias_dtype), dresidual, dweight.to(weight.dtype), dln_bias.to(ln_bias_dtype)

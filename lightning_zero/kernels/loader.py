@@ -33,7 +33,15 @@ from torch import Tensor
 
 log = logging.getLogger("lightning_zero.kernels")
 
-SOURCES = ("adamw.cu", "bias_dropout_residual.cu", "bias_gelu.cu", "layer_norm.cu", "reduce.cu", "softmax_dropout.cu")
+SOURCES = (
+    "adamw.cu",
+    "bias_dropout_residual.cu",
+    "bias_gelu.cu",
+    "layer_norm.cu",
+    "reduce.cu",
+    "residual_layer_norm.cu",
+    "softmax_dropout.cu",
+)
 SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 BLOCK = 256
 

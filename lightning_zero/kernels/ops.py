@@ -199,6 +199,70 @@ _bias_dropout_residual_fwd.register_autograd(
 )
 
 
+# --- bias + dropout + residual + LayerNorm (a pre-LN block's seam) ---------------------------------------
+@torch.library.custom_op(_LIB + "residual_layer_norm_fwd", mutates_args=())
+def _residual_layer_norm_fwd(
+    x: Tensor,
+    bias: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    ln_bias: Tensor,
+    p: float,
+    eps: float,
+    stream: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _pick(x, "residual_layer_norm_fwd")(x, bias, residual, weight, ln_bias, p, eps, stream)
+
+
+@_residual_layer_norm_fwd.register_fake
+def _(x, bias, residual, weight, ln_bias, p, eps, stream):
+    rows = x.numel() // x.shape[-1]
+    stats = [x.new_empty(rows, dtype=torch.float32) for _ in range(2)]
+    return torch.empty_like(x), torch.empty_like(x), *stats
+
+
+@torch.library.custom_op(_LIB + "residual_layer_norm_bwd", mutates_args=())
+def _residual_layer_norm_bwd(
+    dnormed: Tensor,
+    dhidden: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    p: float,
+    stream: Tensor | None,
+    bias_dtype: torch.dtype,
+    ln_bias_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    pick = _pick(hidden, "residual_layer_norm_bwd")
+    return pick(dnormed, dhidden, hidden, weight, mean, rstd, p, stream, bias_dtype, ln_bias_dtype)
+
+
+@_residual_layer_norm_bwd.register_fake
+def _(dnormed, dhidden, hidden, weight, mean, rstd, p, stream, bias_dtype, ln_bias_dtype):
+    cols = hidden.shape[-1]
+    grads = (torch.empty_like(hidden), hidden.new_empty(cols, dtype=bias_dtype), torch.empty_like(hidden))
+    return (*grads, torch.empty_like(weight), weight.new_empty(cols, dtype=ln_bias_dtype))
+
+
+def _residual_layer_norm_setup(ctx, inputs, output) -> None:
+    _, bias, _, weight, ln_bias, p, _, stream = inputs
+    hidden, _, mean, rstd = output
+    ctx.save_for_backward(hidden, weight, mean, rstd, stream)
+    ctx.params = (p, bias.dtype, ln_bias.dtype)
+
+
+def _residual_layer_norm_backward(ctx, dhidden, dnormed, _mean, _rstd):
+    hidden, weight, mean, rstd, stream = ctx.saved_tensors
+    p, bias_dtype, ln_bias_dtype = ctx.params
+    grads = _residual_layer_norm_bwd(dnormed, dhidden, hidden, weight, mean, rstd, p, stream, bias_dtype, ln_bias_dtype)
+    dx, dbias, dresidual, dweight, dln_bias = grads
+    return dx, dbias, dresidual, dweight, dln_bias, None, None, None
+
+
+_residual_layer_norm_fwd.register_autograd(_residual_layer_norm_backward, setup_context=_residual_layer_norm_setup)
+
+
 def _check_input(x: Tensor, name: str = "x") -> None:
     if x.dtype not in FLOATS or x.dim() == 0:
         raise ValueError(f"{name} must be a float32, float16 or bfloat16 tensor of at least 1 dimension, got {x.dtype}")
@@ -290,6 +354,35 @@ def bias_dropout_residual(
     dtype = torch.promote_types(x.dtype, residual.dtype)
     x, residual = x.to(dtype), residual.to(dtype)
     return _bias_dropout_residual_fwd(x, bias, residual, p, _stream(x, p, seed, offset))
+
+
+def bias_dropout_residual_layer_norm(
+    x: Tensor,
+    bias: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    ln_bias: Tensor,
+    p: float = 0.0,
+    eps: float = 1e-5,
+    seed: int | None = None,
+    offset: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """(hidden, normed): hidden = residual + dropout(x + bias), as ``bias_dropout_residual``, and
+    normed = LayerNorm(hidden) over the last dimension: the seam between a pre-LN block's sublayers, where
+    the residual stream goes on as ``hidden`` and the next sublayer reads ``normed``. One pass on a GPU
+    for rows of up to 8192 columns (a multiple of 16 bytes) forward, 4096 backward."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout p must be in [0, 1), got {p}")
+    _check_input(x)
+    _check_input(residual, "residual")
+    _check_like("residual", residual, x, tuple(x.shape))
+    for name, t in (("bias", bias), ("weight", weight), ("ln_bias", ln_bias)):
+        _check_like(name, t, x, x.shape[-1:])
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    x, residual = x.to(dtype), residual.to(dtype)
+    stream = _stream(x, p, seed, offset)
+    hidden, normed, _, _ = _residual_layer_norm_fwd(x, bias, residual, weight, ln_bias, p, eps, stream)
+    return hidden, normed
 
 
 def _stream(x: Tensor, p: float, seed: int | None, offset: int) -> Tensor | None:

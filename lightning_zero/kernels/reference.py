@@ -88,12 +88,54 @@ def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple
 def layer_norm_bwd(
     dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, bias_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dy_rows, xhat = _layer_norm_grads(dy, x, weight, mean, rstd)
+    return dx.view(x.shape).to(x.dtype), (dy_rows * xhat).sum(0).to(weight.dtype), dy_rows.sum(0).to(bias_dtype)
+
+
+def _layer_norm_grads(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor) -> tuple[Tensor, ...]:
+    """LayerNorm's input gradient in fp32 as [rows, cols], with dy as [rows, cols] and x-hat (for the
+    parameters' gradients)."""
     cols = x.shape[-1]
     dy_rows = dy.float().reshape(-1, cols)
     xhat = (x.float().reshape(-1, cols) - mean[:, None]) * rstd[:, None]
     g = dy_rows * weight.float()
     dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    return dx.view(x.shape).to(x.dtype), (dy_rows * xhat).sum(0).to(weight.dtype), dy_rows.sum(0).to(bias_dtype)
+    return dx, dy_rows, xhat
+
+
+def residual_layer_norm_fwd(
+    x: Tensor, bias: Tensor, residual: Tensor, weight: Tensor, ln_bias: Tensor, p: float, eps: float, stream
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """hidden = residual + dropout(x + bias), and LayerNorm(hidden) with its mean and rstd."""
+    hidden = bias_dropout_residual_fwd(x, bias, residual, p, stream)
+    return (hidden, *layer_norm_fwd(hidden, weight, ln_bias, eps))
+
+
+def residual_layer_norm_bwd(
+    dnormed: Tensor,
+    dhidden: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    p: float,
+    stream: Tensor | None,
+    bias_dtype: torch.dtype,
+    ln_bias_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dbias, dresidual, dweight, dln_bias): hidden's whole gradient (LayerNorm's plus the residual
+    stream's) in fp32, rounded once for dresidual and once, through dropout, for dx."""
+    dh, dn, xhat = _layer_norm_grads(dnormed, hidden, weight, mean, rstd)
+    dh = dh + dhidden.float().reshape(dh.shape)
+    dx = dropout_bwd(dh, p, stream) if p > 0 else dh.clone()  # (outputs of a custom op never alias)
+    to = hidden.dtype
+    return (
+        dx.view(hidden.shape).to(to),
+        dx.sum(0).to(bias_dtype),
+        dh.view(hidden.shape).to(to),
+        (dn * xhat).sum(0).to(weight.dtype),
+        dn.sum(0).to(ln_bias_dtype),
+    )
 
 
 def gelu_derivative(u: Tensor, tanh: bool) -> Tensor:

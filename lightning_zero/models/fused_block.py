@@ -1,10 +1,10 @@
 """FusedBlock: the GPT block computed with lightning_zero's fused ops (matmuls stay in torch/cuBLAS).
 
-It is a ``Block`` (same submodules, parameter names and state dict) whose forward runs LayerNorm,
-bias + dropout + residual and bias + GeLU as fused CUDA kernels on GPUs, and as their pure-torch
-references elsewhere; the attention core is ``scaled_dot_product_attention`` (flash attention on GPUs:
-no T x T scores in memory, where ``ops.softmax_dropout`` would keep three of them per layer). Select it
-with ``GPTConfig(fused=True)``.
+It is a ``Block`` (same submodules, parameter names and state dict) whose forward runs LayerNorm, bias +
+GeLU, bias + dropout + residual, and between the sublayers bias + residual + LayerNorm in one pass, as
+fused CUDA kernels on GPUs and as their pure-torch references elsewhere; the attention core is
+``scaled_dot_product_attention`` (flash attention on GPUs: no T x T scores in memory, where
+``ops.softmax_dropout`` would keep three of them per layer). Select it with ``GPTConfig(fused=True)``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ class FusedBlock(Block):
         # the attention core stays torch's flash / memory-efficient kernel: O(T) memory, no T x T scores
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-        x = ops.bias_dropout_residual(F.linear(y, attn.proj.weight), _bias(attn.proj, C, x), x)
-        h = ops.layer_norm(x, self.ln_2.weight, _bias(self.ln_2, C, x))
+        # the seam between the sublayers in one pass: x goes on as the residual stream, h into the MLP
+        x, h = ops.bias_dropout_residual_layer_norm(
+            F.linear(y, attn.proj.weight), _bias(attn.proj, C, x), x, self.ln_2.weight, _bias(self.ln_2, C, x)
+        )
         fc, out = self.mlp[0], self.mlp[2]
         g = ops.bias_gelu(F.linear(h, fc.weight), _bias(fc, fc.out_features, h), approximate="none")
         p_mlp = self.mlp[3].p if self.training else 0.0

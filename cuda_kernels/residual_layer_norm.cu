@@ -1,0 +1,133 @@
+// The pre-LayerNorm block's seam, fused: hidden = residual + dropout(x + bias), normed = LayerNorm(hidden),
+// x, residual, hidden and normed [rows, cols] in T, bias, weight and ln_bias fp32 [cols]. LayerNorm's
+// statistics are those of the stored (T-rounded) hidden values, as the unfused ops would compute them.
+// Backward: dhidden = LayerNorm's input gradient + the gradient arriving at hidden from the residual
+// stream, in fp32; dresidual = dhidden; dx = dropout's gradient of it; each team's partial sums of
+// dweight (dnormed * xhat), dln_bias (dnormed) and dbias (dx, unrounded). Row kernels only (rows.cuh,
+// [Note: row teams]); the host composes the unfused ops for rows the row kernels do not take.
+#include "rows.cuh"
+
+template <typename T>
+__device__ void residual_layer_norm_fwd(const T* __restrict__ x, const float* __restrict__ bias,
+                                        const T* __restrict__ residual, const float* __restrict__ weight,
+                                        const float* __restrict__ ln_bias, T* __restrict__ hidden,
+                                        T* __restrict__ normed, float* __restrict__ mean_out,
+                                        float* __restrict__ rstd_out, i64 rows, int cols, float p_drop,
+                                        const long long* stream, float eps, int team_size) {
+  __shared__ float scratch[32];
+  constexpr int E = FWD_ELEMS, V = PACK_OF(T);
+  const DropoutStream drop = read_stream(stream);
+  const RowTeam team(team_size);
+  const float keep_scale = 1.f / (1.f - p_drop);
+  for (i64 row = team.first; row < rows; row += team.stride) {
+    float v[E], r[E];
+    bool keep[E];
+    load_row<E>(x + row * cols, cols, team, v, 0.f);
+    load_row<E>(residual + row * cols, cols, team, r, 0.f);
+    if (p_drop > 0.f) keep_mask<E, V>(drop, row, cols, team, p_drop, keep);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int c = team.column<V>(j);
+      float t = c < cols ? v[j] + bias[c] : 0.f;
+      if (p_drop > 0.f) t = keep[j] ? t * keep_scale : 0.f;
+      v[j] = c < cols ? to_f32(from_f32<T>(r[j] + t)) : 0.f;  // what `hidden` stores
+      sum += v[j];
+    }
+    store_row<E>(hidden + row * cols, cols, team, v);
+    const float mean = team_sum(sum, team, scratch) / cols;
+    float squares = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const float d = team.column<V>(j) < cols ? v[j] - mean : 0.f;
+      squares += d * d;
+    }
+    const float rstd = rsqrtf(team_sum(squares, team, scratch) / cols + eps);
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int c = team.column<V>(j);
+      if (c < cols) v[j] = (v[j] - mean) * rstd * weight[c] + ln_bias[c];
+    }
+    store_row<E>(normed + row * cols, cols, team, v);
+    if (team.lane == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+  }
+}
+
+template <typename T>
+__device__ void residual_layer_norm_bwd(const T* __restrict__ dnormed, const T* __restrict__ dhidden_in,
+                                        const T* __restrict__ hidden, const float* __restrict__ weight,
+                                        const float* __restrict__ mean, const float* __restrict__ rstd,
+                                        T* __restrict__ dx, T* __restrict__ dresidual,
+                                        float* __restrict__ partial_dweight, float* __restrict__ partial_dln_bias,
+                                        float* __restrict__ partial_dbias, i64 rows, int cols, float p_drop,
+                                        const long long* stream, int team_size) {
+  __shared__ float scratch[32];
+  constexpr int E = BWD_ELEMS, V = PACK_OF(T);
+  const DropoutStream drop = read_stream(stream);
+  const RowTeam team(team_size);
+  const float keep_scale = 1.f / (1.f - p_drop);
+  float dweight[E] = {}, dln_bias[E] = {}, dbias[E] = {};
+  for (i64 row = team.first; row < rows; row += team.stride) {
+    float h[E], g[E];
+    load_row<E>(hidden + row * cols, cols, team, h, 0.f);
+    load_row<E>(dnormed + row * cols, cols, team, g, 0.f);
+    const float mu = mean[row], rs = rstd[row];
+    float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int c = team.column<V>(j);
+      if (c >= cols) continue;
+      const float xhat = (h[j] - mu) * rs;
+      dweight[j] += g[j] * xhat;
+      dln_bias[j] += g[j];
+      g[j] *= weight[c];
+      h[j] = xhat;
+      sum_g += g[j];
+      sum_gx += g[j] * xhat;
+    }
+    const float mean_g = team_sum(sum_g, team, scratch) / cols, mean_gx = team_sum(sum_gx, team, scratch) / cols;
+    float d[E];
+    load_row<E>(dhidden_in + row * cols, cols, team, d, 0.f);
+#pragma unroll
+    for (int j = 0; j < E; ++j) d[j] += rs * (g[j] - mean_g - h[j] * mean_gx);  // all of hidden's gradient
+    store_row<E>(dresidual + row * cols, cols, team, d);
+    if (p_drop > 0.f) {
+      bool keep[E];
+      keep_mask<E, V>(drop, row, cols, team, p_drop, keep);
+#pragma unroll
+      for (int j = 0; j < E; ++j) d[j] = keep[j] ? d[j] * keep_scale : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) dbias[j] += d[j];  // (past the row's end: 0)
+    store_row<E>(dx + row * cols, cols, team, d);
+  }
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const int c = team.column<V>(j);
+    if (c < cols) {
+      partial_dweight[team.index * cols + c] = dweight[j];
+      partial_dln_bias[team.index * cols + c] = dln_bias[j];
+      partial_dbias[team.index * cols + c] = dbias[j];
+    }
+  }
+}
+
+#define LZ_RESIDUAL_LAYER_NORM(T, N)                                                                               \
+  extern "C" __global__ void __launch_bounds__(1024) residual_layer_norm_fwd_##N(                              \
+      const T* x, const float* bias, const T* residual, const float* weight, const float* ln_bias, T* hidden,     \
+      T* normed, float* mean, float* rstd, i64 rows, int cols, float p_drop, const long long* stream, float eps,  \
+      int team) {                                                                                                 \
+    residual_layer_norm_fwd<T>(x, bias, residual, weight, ln_bias, hidden, normed, mean, rstd, rows, cols, p_drop, \
+                               stream, eps, team);                                                                \
+  }                                                                                                               \
+  extern "C" __global__ void __launch_bounds__(256) residual_layer_norm_bwd_##N(                               \
+      const T* dnormed, const T* dhidden, const T* hidden, const float* weight, const float* mean,               \
+      const float* rstd, T* dx, T* dresidual, float* partial_dweight, float* partial_dln_bias,                    \
+      float* partial_dbias, i64 rows, int cols, float p_drop, const long long* stream, int team) {               \
+    residual_layer_norm_bwd<T>(dnormed, dhidden, hidden, weight, mean, rstd, dx, dresidual, partial_dweight,      \
+                               partial_dln_bias, partial_dbias, rows, cols, p_drop, stream, team);                \
+  }
+LZ_EXPORT_FLOATING(LZ_RESIDUAL_LAYER_NORM)
