@@ -123,29 +123,39 @@ inline long long max(long long a, long long b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
-// Runs `kernel` (a callback that calls the kernel with its arguments) over the grid, a block at a time.
+// Runs `kernel` (a callback that calls the kernel with its arguments) over the grid, a block at a time, on one
+// OS thread per CUDA thread of a block, made once per launch: between blocks the launching thread sets up the
+// next block's barriers while the team waits at `gate`.
 extern "C" void emulated_launch(void (*kernel)(), unsigned gx, unsigned gy, unsigned bx, unsigned by) {
   gridDim = {gx, gy, 1};
   blockDim = {bx, by, 1};
-  const unsigned threads = bx * by;
-  for (unsigned y = 0; y < gy; ++y) {
-    for (unsigned x = 0; x < gx; ++x) {
-      emulated_block.block = std::make_unique<std::barrier<>>(threads);
-      emulated_block.warps.clear();
-      for (unsigned w = 0; w < threads; w += 32)
-        emulated_block.warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - w)));
-      emulated_block.lanes.assign(threads + 32, 0);
-      std::vector<std::thread> team;
-      for (unsigned t = 0; t < threads; ++t) {
-        team.emplace_back([=] {
-          threadIdx = {t % bx, t / bx, 0};
-          blockIdx = {x, y, 0};
-          kernel();
-          emulated_block.warps[t / 32]->arrive_and_drop();  // an exited thread no longer holds others up
-          emulated_block.block->arrive_and_drop();
-        });
+  const unsigned threads = bx * by, blocks = gx * gy;
+  std::barrier<> gate(threads + 1);
+  auto set_up_block = [&] {
+    emulated_block.block = std::make_unique<std::barrier<>>(threads);
+    emulated_block.warps.clear();
+    for (unsigned w = 0; w < threads; w += 32)
+      emulated_block.warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - w)));
+    emulated_block.lanes.assign(threads + 32, 0);
+  };
+  std::vector<std::thread> team;
+  for (unsigned t = 0; t < threads; ++t) {
+    team.emplace_back([&, t] {
+      threadIdx = {t % bx, t / bx, 0};
+      for (unsigned b = 0; b < blocks; ++b) {
+        gate.arrive_and_wait();  // the block's barriers are set up
+        blockIdx = {b % gx, b / gx, 0};
+        kernel();
+        emulated_block.warps[t / 32]->arrive_and_drop();  // an exited thread no longer holds others up
+        emulated_block.block->arrive_and_drop();
+        gate.arrive_and_wait();  // the whole block is done
       }
-      for (auto& thread : team) thread.join();
-    }
+    });
   }
+  for (unsigned b = 0; b < blocks; ++b) {
+    set_up_block();
+    gate.arrive_and_wait();
+    gate.arrive_and_wait();
+  }
+  for (auto& thread : team) thread.join();
 }
