@@ -106,7 +106,19 @@ def cases(device: str, dtype: torch.dtype, scale: int) -> list[tuple[str, Callab
             [x, b, res],
             x.numel() * e * 6,
         ),
+        (  # the sum of both outputs costs the same in both columns; it is not counted in the bytes
+            "bias_dropout_residual_layer_norm",
+            lambda x, b, r, w, lb: sum(ops.bias_dropout_residual_layer_norm(x, b, r, w, lb, p=0.1)),
+            lambda x, b, r, w, lb: _residual_layer_norm_eager(x, b, r, w, lb, c),
+            [x, b, res, w, b.detach().clone().requires_grad_()],
+            x.numel() * e * 9,
+        ),  # fwd: x, res -> hidden, normed; bwd: dnormed, dhidden, hidden -> dx, dresidual
     ]
+
+
+def _residual_layer_norm_eager(x, b, r, w, lb, c: int) -> torch.Tensor:
+    hidden = r + F.dropout(x + b.to(x.dtype), 0.1)
+    return hidden + F.layer_norm(hidden, (c,), w.to(x.dtype), lb.to(x.dtype))
 
 
 def main() -> None:
