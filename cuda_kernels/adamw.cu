@@ -1,9 +1,10 @@
-// Fused AdamW over flat buffers: one pass reads the gradient (any dtype), unscales it, updates the
-// fp32 weights and both moments, and optionally writes the fp16/bf16 copy of the updated weights that
-// ZeRO all-gathers. Same arithmetic as torch.optim.AdamW (decoupled weight decay, bias corrections
-// computed on the host). `found_inf` (nullable) is a device flag: the step does nothing while it is
-// set, so an overflow found on the device skips the step without a host sync. `multiplier` (nullable)
-// is a device scalar the gradient is also multiplied by (ZeRO's clip coefficient: no host sync).
+// Fused AdamW over flat buffers, one tensor per launch or many (adamw_multi): one pass reads the gradient
+// (any dtype), unscales it, updates the fp32 weights and both moments, and optionally writes the
+// fp16/bf16 copy of the updated weights that ZeRO all-gathers. Same arithmetic as torch.optim.AdamW
+// (decoupled weight decay, bias corrections computed on the host). `found_inf` (nullable) is a device
+// flag: the step does nothing while it is set, so an overflow found on the device skips the step without
+// a host sync. `multiplier` (nullable) is a device scalar the gradient is also multiplied by (ZeRO's clip
+// coefficient: no host sync).
 #include "common.cuh"
 
 __device__ __forceinline__ void adamw_update(float& p, float& m, float& v, float g, float lr, float beta1, float beta2,
@@ -14,15 +15,26 @@ __device__ __forceinline__ void adamw_update(float& p, float& m, float& v, float
   p -= step_size * m / (sqrtf(v) / bias2_sqrt + eps);
 }
 
+// One AdamW step over a flat buffer: the addresses, size and hyper-parameters of a tensor's update. The
+// multi-tensor kernel reads an array of them (laid out by kernels/adamw.py's TASK); 64-bit fields first.
+struct AdamWTask {
+  long long param, grad, exp_avg, exp_avg_sq, lowp;  // device addresses; lowp 0: no 16-bit copy
+  long long n, head;  // head: elements before the buffers' common 16-byte boundary, or -1 (unequally misaligned)
+  float lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt, unused;
+};
+
+// Elements [lo, hi) of `task`, thread `first` of `stride`. With head >= 0 the three fp32 buffers are equally
+// misaligned: elements before `head` one at a time, then 16-byte loads of four elements (a span that
+// starts at or after head starts on a group: the host cuts spans there), then the tail.
 template <typename G, typename L>
-__device__ void adamw(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
-                      float* __restrict__ exp_avg_sq, L* __restrict__ lowp, i64 n, float lr, float beta1, float beta2,
-                      float eps, float weight_decay, float bias1, float bias2_sqrt, float inv_scale,
-                      const float* __restrict__ multiplier, const int* __restrict__ found_inf, i64 head) {
-  if (found_inf != nullptr && *found_inf != 0) return;
-  if (multiplier != nullptr) inv_scale *= *multiplier;
-  const float decay = 1.f - lr * weight_decay, step_size = lr / bias1;
-  const i64 stride = (i64)gridDim.x * blockDim.x, first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+__device__ void adamw_span(const AdamWTask& task, i64 lo, i64 hi, i64 first, i64 stride, float inv_scale) {
+  float* const param = reinterpret_cast<float*>(task.param);
+  const G* const grad = reinterpret_cast<const G*>(task.grad);
+  float* const exp_avg = reinterpret_cast<float*>(task.exp_avg);
+  float* const exp_avg_sq = reinterpret_cast<float*>(task.exp_avg_sq);
+  L* const lowp = reinterpret_cast<L*>(task.lowp);
+  const float lr = task.lr, beta1 = task.beta1, beta2 = task.beta2, eps = task.eps, bias2_sqrt = task.bias2_sqrt;
+  const float decay = 1.f - lr * task.weight_decay, step_size = lr / task.bias1;
   auto one = [&](i64 i) {
     float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
     adamw_update(p, m, v, to_f32(grad[i]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
@@ -31,20 +43,18 @@ __device__ void adamw(float* __restrict__ param, const G* __restrict__ grad, flo
     exp_avg_sq[i] = v;
     if (lowp != nullptr) lowp[i] = from_f32<L>(p);
   };
-  if (head < 0) {  // param, exp_avg and exp_avg_sq misaligned differently: one element at a time
-    for (i64 i = first; i < n; i += stride) one(i);
+  if (task.head < 0) {  // param, exp_avg and exp_avg_sq misaligned differently: one element at a time
+    for (i64 i = lo + first; i < hi; i += stride) one(i);
     return;
   }
-  // The host checked that the three fp32 buffers are equally misaligned: the first `head` elements (< 4) one
-  // at a time, then 16-byte loads of four elements from a common aligned start, then the tail.
-  const i64 groups = (n - head) / 4;
-  float4* const P = reinterpret_cast<float4*>(param + head);
-  float4* const M = reinterpret_cast<float4*>(exp_avg + head);
-  float4* const V = reinterpret_cast<float4*>(exp_avg_sq + head);
-  for (i64 i = first; i < head; i += stride) one(i);
+  const i64 vec_lo = max(lo, min(hi, task.head)), groups = (hi - vec_lo) / 4;
+  for (i64 i = lo + first; i < vec_lo; i += stride) one(i);
+  float4* const P = reinterpret_cast<float4*>(param + vec_lo);
+  float4* const M = reinterpret_cast<float4*>(exp_avg + vec_lo);
+  float4* const V = reinterpret_cast<float4*>(exp_avg_sq + vec_lo);
   for (i64 k = first; k < groups; k += stride) {
     float4 p = P[k], m = M[k], v = V[k];
-    const i64 i = head + 4 * k;
+    const i64 i = vec_lo + 4 * k;
     adamw_update(p.x, m.x, v.x, to_f32(grad[i + 0]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
     adamw_update(p.y, m.y, v.y, to_f32(grad[i + 1]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
     adamw_update(p.z, m.z, v.z, to_f32(grad[i + 2]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
@@ -59,7 +69,36 @@ __device__ void adamw(float* __restrict__ param, const G* __restrict__ grad, flo
       lowp[i + 3] = from_f32<L>(p.w);
     }
   }
-  for (i64 i = head + 4 * groups + first; i < n; i += stride) one(i);
+  for (i64 i = vec_lo + 4 * groups + first; i < hi; i += stride) one(i);
+}
+
+// The pending gradient factor (unscale and clip, read on the device), or false when a device overflow
+// flag says to skip the step.
+__device__ __forceinline__ bool step_factor(float& inv_scale, const float* multiplier, const int* found_inf) {
+  if (found_inf != nullptr && *found_inf != 0) return false;
+  if (multiplier != nullptr) inv_scale *= *multiplier;
+  return true;
+}
+
+template <typename G, typename L>
+__device__ void adamw(float* param, const G* grad, float* exp_avg, float* exp_avg_sq, L* lowp, i64 n, float lr,
+                      float beta1, float beta2, float eps, float weight_decay, float bias1, float bias2_sqrt,
+                      float inv_scale, const float* __restrict__ multiplier, const int* __restrict__ found_inf,
+                      i64 head) {
+  if (!step_factor(inv_scale, multiplier, found_inf)) return;
+  const AdamWTask task{(long long)param, (long long)grad, (long long)exp_avg, (long long)exp_avg_sq, (long long)lowp,
+                       n, head, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt, 0.f};
+  adamw_span<G, L>(task, 0, n, (i64)blockIdx.x * blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x, inv_scale);
+}
+
+// Many tensors in one launch: block b steps span (task, lo, hi) = spans[3b .. 3b + 2] (host-cut, at most a
+// few hundred thousand elements each), its threads striding through it.
+template <typename G, typename L>
+__device__ void adamw_multi(const AdamWTask* __restrict__ tasks, const long long* __restrict__ spans, float inv_scale,
+                            const float* __restrict__ multiplier, const int* __restrict__ found_inf) {
+  if (!step_factor(inv_scale, multiplier, found_inf)) return;
+  const long long* span = spans + 3 * (i64)blockIdx.x;
+  adamw_span<G, L>(tasks[span[0]], span[1], span[2], threadIdx.x, blockDim.x, inv_scale);
 }
 
 // Sets *found_inf to 1 if any gradient element is inf or nan.
@@ -79,6 +118,11 @@ __device__ void check_finite(const G* __restrict__ grad, i64 n, int* __restrict_
                                                 i64 head) {                                                    \
     adamw<G, L>(param, grad, exp_avg, exp_avg_sq, lowp, n, lr, beta1, beta2, eps, weight_decay, bias1,         \
                 bias2_sqrt, inv_scale, multiplier, found_inf, head);                                            \
+  }                                                                                                            \
+  extern "C" __global__ void adamw_multi_##GN##_##LN(const AdamWTask* tasks, const long long* spans,            \
+                                                      float inv_scale, const float* multiplier,                 \
+                                                      const int* found_inf) {                                   \
+    adamw_multi<G, L>(tasks, spans, inv_scale, multiplier, found_inf);                                           \
   }
 #define LZ_ADAMW_FOR_GRAD(G, GN) LZ_ADAMW(G, GN, float, none) LZ_ADAMW(G, GN, __half, f16) LZ_ADAMW(G, GN, __nv_bfloat16, bf16)
 LZ_EXPORT_FLOATING(LZ_ADAMW_FOR_GRAD)

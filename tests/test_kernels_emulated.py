@@ -10,6 +10,7 @@ import pytest
 import torch
 from cuda_emulator import LAUNCHED, emulated_gpu  # noqa: F401 (a fixture)
 
+from lightning_zero.kernels import adamw as adamw_module
 from lightning_zero.kernels import launchers, reference
 from lightning_zero.kernels.adamw import check_finite_, fused_adamw_
 
@@ -200,3 +201,50 @@ def test_fused_block_forward_and_backward_on_the_kernels():
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
     kernels = {k.rsplit("_", 1)[0] for k in LAUNCHED}
     assert {"layer_norm_fwd_rows", "residual_layer_norm_fwd", "residual_layer_norm_bwd", "bias_gelu_bwd"} <= kernels
+
+
+def test_multi_tensor_adamw_steps_every_run_in_one_launch(monkeypatch):
+    """Runs of other sizes, alignments, hyper-parameters and output dtypes; spans cut every 64 elements from
+    each run's 16-byte boundary (SPAN shrunk so small tensors take several); one launch per output dtype."""
+    monkeypatch.setattr(adamw_module, "SPAN", 64)
+    layouts = [
+        (203, (1, 1, 1), None),
+        (1001, (1, 2, 3), torch.bfloat16),
+        (300, (3, 3, 3), torch.bfloat16),
+        (5, (0, 0, 0), None),
+    ]
+    runs, expected = [], []
+    for k, (n, starts, lowp) in enumerate(layouts):
+        param, m, v = (_randn(n + 4, seed=10 * k + s)[o : o + n] for s, o in enumerate(starts))
+        v.abs_()
+        hyper = dict(lr=1e-2 * (k + 1), beta1=0.9, beta2=0.99 - 0.01 * k, eps=1e-8, weight_decay=0.1 * k, step=k + 1)
+        grad = _randn(n, dtype=torch.bfloat16, seed=10 * k + 9)
+        out = None if lowp is None else torch.empty(n, dtype=lowp)
+        expected.append([t.clone() for t in (param, m, v)])
+        reference.adamw_(
+            expected[-1][0], grad, *expected[-1][1:], multiplier=torch.tensor(0.25), inv_scale=0.5, **hyper
+        )
+        runs.append(adamw_module.AdamWRun(param, grad, m, v, lowp_out=out, **hyper))
+    adamw_module.multi_adamw_(runs, inv_scale=0.5, multiplier=torch.tensor(0.25))
+    assert LAUNCHED == ["adamw_multi_bf16_none", "adamw_multi_bf16_bf16"]
+    for run, want in zip(runs, expected):
+        for got, w in zip((run.param, run.exp_avg, run.exp_avg_sq), want):
+            _close(got, w)
+        if run.lowp_out is not None:
+            assert torch.equal(run.lowp_out, run.param.to(run.lowp_out.dtype))
+
+
+def test_fused_adamw_optimizer_takes_one_launch():
+    model = torch.nn.Sequential(torch.nn.Linear(17, 9), torch.nn.Linear(9, 3))
+    twin = torch.nn.Sequential(torch.nn.Linear(17, 9), torch.nn.Linear(9, 3))
+    twin.load_state_dict(model.state_dict())
+    mine, theirs = adamw_module.FusedAdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for step in range(3):
+        x = _randn(5, 17, seed=step)
+        for net, opt in ((model, mine), (twin, theirs)):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+    assert LAUNCHED == ["adamw_multi_f32_none"] * 3
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -80,11 +82,7 @@ def fused_adamw_(
         tensor(exp_avg, "exp_avg", dtypes=f32_only, like=param),
         tensor(exp_avg_sq, "exp_avg_sq", dtypes=f32_only, like=param),
     ]
-    # ZeRO's piece views start anywhere: when the three fp32 buffers are equally misaligned, the kernel peels
-    # the first elements up to a 16-byte boundary and loads four at a time after it (head < 0: one at a time)
-    misaligned = {p % 16 for p in pointers}
-    equal = len(misaligned) == 1 and all(p % 4 == 0 for p in pointers)
-    head = min(n, (16 - misaligned.pop()) % 16 // 4) if equal else -1
+    head = _head(n, *pointers)
     lowp = 0 if lowp_out is None else tensor(lowp_out, "lowp_out", dtypes=(torch.float16, torch.bfloat16), like=param)
     flag = 0 if found_inf is None else tensor(found_inf, "found_inf", dtypes=(torch.int32,), like=param)
     scalar = 0 if multiplier is None else tensor(multiplier, "multiplier", dtypes=(torch.float32,), like=param)
@@ -111,9 +109,131 @@ def fused_adamw_(
     launch("adamw.cu", kernel, grid_for(n, 1 if head < 0 else 4), 256, args, device=param.device)
 
 
+def _head(n: int, *pointers: int) -> int:
+    """ZeRO's piece views start anywhere: when the fp32 buffers are equally misaligned, the kernel peels the
+    first ``head`` elements up to a 16-byte boundary and loads four at a time after it (-1: one at a time)."""
+    misaligned = {p % 16 for p in pointers}
+    equal = len(misaligned) == 1 and all(p % 4 == 0 for p in pointers)
+    return min(n, (16 - misaligned.pop()) % 16 // 4) if equal else -1
+
+
+@dataclass
+class AdamWRun:
+    """One tensor's AdamW step in a multi-tensor launch (``multi_adamw_``); fields as ``fused_adamw_``'s."""
+
+    param: Tensor
+    grad: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+    lowp_out: Tensor | None = None
+
+
+# AdamWTask in cuda_kernels/adamw.cu, field for field
+TASK = np.dtype(
+    [(name, "<i8") for name in ("param", "grad", "exp_avg", "exp_avg_sq", "lowp", "n", "head")]
+    + [(name, "<f4") for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "bias1", "bias2_sqrt", "unused")]
+)
+SPAN = 2**18  # elements a block steps in a multi-tensor launch
+
+
+@torch.no_grad()
+def multi_adamw_(
+    runs: list[AdamWRun],
+    *,
+    inv_scale: float = 1.0,
+    multiplier: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """``fused_adamw_`` on every run: on CUDA one launch per (device, gradient dtype, 16-bit output dtype),
+    its tasks and their spans of at most SPAN elements sent in one pinned asynchronous copy (no host sync),
+    each block stepping one span; elsewhere the reference, run by run."""
+    scale = dict(inv_scale=inv_scale, multiplier=multiplier, found_inf=found_inf)
+    groups: dict[tuple, list[AdamWRun]] = {}
+    for run in runs:
+        if use_kernels(run.param) and run.param.numel() > 0:
+            key = (run.param.device, run.grad.dtype, None if run.lowp_out is None else run.lowp_out.dtype)
+            groups.setdefault(key, []).append(run)
+        else:
+            fused_adamw_(*_tensors(run), **_hyper(run), lowp_out=run.lowp_out, **scale)
+    for (device, grad_dtype, lowp_dtype), group in groups.items():
+        tasks, spans = _task_table(group)
+        table = _to_device(np.concatenate([tasks.view(np.uint8), spans.view(np.uint8).ravel()]), device)
+        like = group[0].param
+        flag = 0 if found_inf is None else tensor(found_inf, "found_inf", dtypes=(torch.int32,), like=like)
+        scalar = 0 if multiplier is None else tensor(multiplier, "multiplier", dtypes=(torch.float32,), like=like)
+        args = (table.data_ptr(), table.data_ptr() + tasks.nbytes, f32(inv_scale), scalar, flag)
+        kernel = f"adamw_multi_{SUFFIX[grad_dtype]}_{LOWP[lowp_dtype]}"
+        launch("adamw.cu", kernel, len(spans), 256, args, device=device)
+
+
+def _tensors(run: AdamWRun) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return run.param, run.grad, run.exp_avg, run.exp_avg_sq
+
+
+def _hyper(run: AdamWRun) -> dict:
+    keys = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
+    return {key: getattr(run, key) for key in keys}
+
+
+def _task_table(runs: list[AdamWRun]) -> tuple[np.ndarray, np.ndarray]:
+    """The runs as AdamWTasks (checked as ``fused_adamw_`` checks them) and their spans (task, lo, hi): cut
+    every SPAN elements from the task's 16-byte boundary, so a span after it starts on a group of four."""
+    tasks, spans = np.zeros(len(runs), dtype=TASK), []
+    for index, run in enumerate(runs):
+        n, like, f32_only = run.param.numel(), run.param, (torch.float32,)
+        for name, t in (("grad", run.grad), ("exp_avg", run.exp_avg), ("exp_avg_sq", run.exp_avg_sq)):
+            if t.numel() != n:
+                raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
+        if run.lowp_out is not None and run.lowp_out.numel() != n:
+            raise ValueError(f"lowp_out has {run.lowp_out.numel()} elements, param has {n}")
+        param = tensor(run.param, "param", dtypes=f32_only)
+        moments = [
+            tensor(t, name, dtypes=f32_only, like=like)
+            for t, name in ((run.exp_avg, "exp_avg"), (run.exp_avg_sq, "exp_avg_sq"))
+        ]
+        grad = tensor(run.grad, "grad", dtypes=tuple(SUFFIX), like=like)
+        lowp = 0 if run.lowp_out is None else tensor(run.lowp_out, "lowp_out", dtypes=tuple(LOWP)[1:], like=like)
+        head = _head(n, param, *moments)
+        bias = (1.0 - run.beta1**run.step, math.sqrt(1.0 - run.beta2**run.step))
+        tasks[index] = (
+            param,
+            grad,
+            *moments,
+            lowp,
+            n,
+            head,
+            run.lr,
+            run.beta1,
+            run.beta2,
+            run.eps,
+            run.weight_decay,
+            *bias,
+            0.0,
+        )
+        bounds = [0, *range(max(head, 0) + SPAN, n, SPAN), n]
+        spans += [(index, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    return tasks, np.asarray(spans, dtype="<i8")
+
+
+def _to_device(blob: np.ndarray, device: torch.device) -> Tensor:
+    """``blob``'s bytes on ``device``: through pinned memory and an asynchronous copy on CUDA (the caching
+    host allocator keeps the pinned block until the copy is done), a copy elsewhere."""
+    if device.type != "cuda":
+        return torch.from_numpy(blob.copy())
+    pinned = torch.empty(blob.nbytes, dtype=torch.uint8, pin_memory=True)
+    pinned.numpy()[:] = blob
+    return pinned.to(device, non_blocking=True)
+
+
 class FusedAdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW's arithmetic (decoupled weight decay, no amsgrad) with one fused kernel per
-    parameter on CUDA, the pure-torch reference elsewhere. Parameters must be fp32 (ZeRO's masters
+    """torch.optim.AdamW's arithmetic (decoupled weight decay, no amsgrad) with one multi-tensor kernel launch
+    for all parameters on CUDA, the pure-torch reference elsewhere. Parameters must be fp32 (ZeRO's masters
     are); the state has AdamW's keys, so it also works as the optimizer the ZeRO strategies wrap."""
 
     def __init__(
@@ -136,6 +256,7 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        runs = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -149,16 +270,19 @@ class FusedAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["step"] += 1
-                fused_adamw_(
-                    p,
-                    p.grad.contiguous(),
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=int(state["step"]),
+                hyper = dict(lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"])
+                grad = p.grad.contiguous()
+                runs.append(
+                    AdamWRun(
+                        p,
+                        grad,
+                        state["exp_avg"],
+                        state["exp_avg_sq"],
+                        beta1=beta1,
+                        beta2=beta2,
+                        step=int(state["step"]),
+                        **hyper,
+                    )
                 )
+        multi_adamw_(runs)  # one launch for all parameters on CUDA
         return loss

@@ -1,26 +1,27 @@
-"""The fused AdamW step inside ZeRO: one kernel pass per bucket chunk of a unit's partition.
+"""The fused AdamW step inside ZeRO: one kernel pass over every bucket chunk of the units' partitions.
 
 [Note: the fused ZeRO step]
-With ``ZeroConfig.fused_step`` on ("auto": where a kernel runs, the CUDA kernels for device masters and
-the host kernel for offloaded ones; "always": everywhere, CPU masters taking the host kernel, or the
-CUDA kernels' pure-torch reference where no C compiler is found, which is how the CPU tests check this
-code; "never") and a wrapped ``torch.optim.AdamW`` (no amsgrad, maximize, capturable, differentiable or
-tensor lr) or ``FusedAdamW``, a unit whose pieces all got a gradient on some rank and share one step
-count is stepped by ``fused_adamw_`` (host: ``kernels.host``) on each run of adjacent pieces in one
-bucket and one param group (stages 1 and 2: one run per bucket; stage 3: a module's matrices and
-vectors may sit in two groups). One pass reads the fp32 gradient the optimizer would read
+With ``ZeroConfig.fused_step`` on ("auto": where a kernel runs, the CUDA kernels for device masters and the
+host kernel for offloaded ones; "always": everywhere, CPU masters taking the host kernel, or the CUDA
+kernels' pure-torch reference where no C compiler is found, which is how the CPU tests check this code;
+"never") and a wrapped ``torch.optim.AdamW`` (no amsgrad, maximize, capturable, differentiable or tensor lr)
+or ``FusedAdamW``, a unit whose pieces all got a gradient on some rank and share one step count is stepped
+by the fused AdamW kernel (host: ``kernels.host``) on each run of adjacent pieces in one bucket and one
+param group (stages 1 and 2: one run per bucket; stage 3: a module's matrices and vectors may sit in two
+groups), all of a step's device runs in one multi-tensor launch (``multi_adamw_``: a table of runs and their
+spans, sent with one asynchronous copy). One pass reads the fp32 gradient the optimizer would read
 (``step_grad``, as unscaling or clipping by value left it), applies the still pending unscale and clip
-factor (a device scalar: no host sync on the device path), updates the fp32 master and both moments,
-and writes the parameters' 16-bit copy straight into the buffer the all-gather sends (stages 1 and 2:
-the chunk of the flat buffer; stage 3: the shard), so the post-step copy is skipped. Offloaded units
-write it into a host staging buffer instead (``FlatUnit.staged_params``, pinned on CUDA), which the
-post-step copy sends as it is: 2 bytes per element over the bus, and no second pass over the master.
-All host runs of a step go to the host kernel in one call, threaded over the whole of them. Any other
-unit takes the optimizer's own step, as before. Adam's moments live in one flat fp32 buffer per unit;
-each piece's optimizer state holds views of them (and its own ``step``), so checkpoints save and load
-the usual per-parameter state; state that arrives otherwise (a checkpoint, a step taken by the
-optimizer itself) is copied into the flat buffers on the next fused step. The fp16 overflow decision
-stays the host's one read (zero_optimizer.py's [Note: host syncs]): a skipped step never reaches this code.
+factor (a device scalar: no host sync on the device path), updates the fp32 master and both moments, and
+writes the parameters' 16-bit copy straight into the buffer the all-gather sends (stages 1 and 2: the chunk
+of the flat buffer; stage 3: the shard), so the post-step copy is skipped. Offloaded units write it into a
+host staging buffer instead (``FlatUnit.staged_params``, pinned on CUDA), which the post-step copy sends as
+it is: 2 bytes per element over the bus, and no second pass over the master. All host runs of a step go to
+the host kernel in one call, threaded over the whole of them. Any other unit takes the optimizer's own step,
+as before. Adam's moments live in one flat fp32 buffer per unit; each piece's optimizer state holds views of
+them (and its own ``step``), so checkpoints save and load the usual per-parameter state; state that arrives
+otherwise (a checkpoint, a step taken by the optimizer itself) is copied into the flat buffers on the next
+fused step. The fp16 overflow decision stays the host's one read (zero_optimizer.py's [Note: host syncs]): a
+skipped step never reaches this code.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.kernels import host
-from lightning_zero.kernels.adamw import FusedAdamW, fused_adamw_
+from lightning_zero.kernels.adamw import AdamWRun, FusedAdamW, multi_adamw_
 from lightning_zero.kernels.loader import use_kernels
 from lightning_zero.sharding.flat_unit import FlatUnit
 
@@ -87,6 +88,7 @@ class FusedAdamWStep:
         done = set()
         group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}  # once per step
         host_runs: list[host.HostRun] = []
+        device_runs: list[AdamWRun] = []  # the CUDA kernels' (or, on CPU masters, their reference's)
         # the pending factor, once per step: a device scalar for the kernels (no sync), a number for the host
         # kernel (one read, made only when some unit steps on the host)
         scale = {"inv_scale": multiplier} if isinstance(multiplier, float) else {"multiplier": multiplier.float()}
@@ -116,9 +118,10 @@ class FusedAdamWStep:
                     host_mul = float(multiplier) if host_mul is None else host_mul
                     host_runs.append(host.HostRun(*tensors, grad_mul=host_mul, lowp_out=lowp, **hyper))
                 else:
-                    fused_adamw_(*tensors, lowp_out=lowp, **scale, **hyper)
+                    device_runs.append(AdamWRun(*tensors, lowp_out=lowp, **hyper))
             stepped.append((unit, states, step, all(lowp is not None for *_, lowp in runs)))
         host.adamw_step(host_runs)  # (checks its inputs first: on an error nothing below has changed)
+        multi_adamw_(device_runs, **scale)  # one launch for every CUDA run of the step
         for unit, states, step, params_written in stepped:
             for state, tensor in zip(states, unit.piece_tensors):
                 state["step"].fill_(step)
