@@ -24,9 +24,12 @@ ROWS_COLS = [(1, 1023), (3, 1500), (5, 997), (4, 1024), (100, 64), (3, 512), (2,
 
 
 def _poison() -> None:
-    """Fills free allocator memory with NaN, so an output element a kernel forgets to write shows."""
-    block = torch.full((64 * 2**20,), float("nan"), device="cuda")
-    del block
+    """Fills free allocator memory with NaN, so an output element a kernel forgets to write shows: a large
+    block for the large pool, and blocks of every size up to 1 MiB for the small pool, where small outputs
+    (a bias gradient, a row's mean) come from."""
+    blocks = [torch.full((64 * 2**20,), float("nan"), device="cuda")]
+    blocks += [torch.full((2**k,), float("nan"), device="cuda") for k in range(7, 19) for _ in range(8)]
+    del blocks
 
 
 def _run(fn, inputs, grad_out):
