@@ -12,7 +12,8 @@
 // either way (columns are ints there); wider rows take the looping kernels. Teams walk the
 // rows with a grid stride (the grid is one wave of the device), so per-team partial sums of parameter
 // gradients stay few. A team is either one warp (shuffles only) or the whole block (every thread walks the
-// same rows, so the block's barriers are reached by all); never anything in between.
+// same rows, so the block's barriers are reached by all); never anything in between (the host's
+// launchers._row_team never gives a team of 64: a row that needs 33-127 threads takes a 128-thread block).
 #pragma once
 #include "common.cuh"
 

@@ -83,6 +83,13 @@ def launch(source: str, kernel: str, grid, block: int, args: tuple, *, device: t
     assert len(args) == len(types), f"{kernel} takes {len(types)} arguments, the launcher passed {len(args)}"
     function = getattr(_library(source), kernel)
     function.argtypes, function.restype = types, None
+    for index, (arg, kind) in enumerate(zip(args, types)):  # what CuPy would pass as other bytes than meant
+        if kind is ctypes.c_float and not isinstance(arg, np.float32):
+            raise TypeError(f"{kernel} argument {index}: a float parameter needs np.float32, got {type(arg)}")
+        if kind is not ctypes.c_float and not isinstance(arg, (int, np.int64, np.uint64)):
+            raise TypeError(f"{kernel} argument {index}: an integer parameter got {type(arg)}")
+        if kind in (ctypes.c_uint32, ctypes.c_int32) and not -(2**31) <= int(arg) < 2**31:
+            raise TypeError(f"{kernel} argument {index}: {arg} does not fit the 32-bit parameter")
     values = [int(a) if isinstance(a, (int, np.integer)) else float(a) for a in args]
     if any(v < 0 for v, t in zip(values, types) if t is ctypes.c_uint64):  # an i64 such as AdamW's head = -1
         values = [v & (2**64 - 1) if t is ctypes.c_uint64 else v for v, t in zip(values, types)]

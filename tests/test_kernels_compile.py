@@ -18,7 +18,7 @@ ROW_KERNELS = {
     "residual_layer_norm.cu": {"residual_layer_norm_fwd": 1024, "residual_layer_norm_bwd": 256},
 }
 ENTRY_POINTS = {
-    "adamw.cu": [f"adamw_{g}_{low}" for g in DTYPES for low in ("none", "f16", "bf16")]
+    "adamw.cu": [f"{k}_{g}_{low}" for k in ("adamw", "adamw_multi") for g in DTYPES for low in ("none", "f16", "bf16")]
     + [f"check_finite_{d}" for d in DTYPES],
     "bias_dropout_residual.cu": [f"{k}_{d}" for k in ("bias_dropout_residual_fwd", "dropout_bwd") for d in DTYPES],
     "bias_gelu.cu": [f"{k}_{d}" for k in ("bias_gelu_fwd", "bias_gelu_bwd") for d in DTYPES],

@@ -153,23 +153,50 @@ def multi_adamw_(
     """``fused_adamw_`` on every run: on CUDA one launch per (device, gradient dtype, 16-bit output dtype),
     its tasks and their spans of at most SPAN elements sent in one pinned asynchronous copy (no host sync),
     each block stepping one span; elsewhere the reference, run by run."""
+    plan_multi_adamw(runs, inv_scale=inv_scale, multiplier=multiplier, found_inf=found_inf)()
+
+
+def plan_multi_adamw(
+    runs: list[AdamWRun],
+    *,
+    inv_scale: float = 1.0,
+    multiplier: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> Callable[[], None]:
+    """``multi_adamw_`` in two halves: every input is checked and every task table built now (an error leaves
+    everything as it was), the steps run when the returned function is called."""
     scale = dict(inv_scale=inv_scale, multiplier=multiplier, found_inf=found_inf)
     groups: dict[tuple, list[AdamWRun]] = {}
+    on_reference = []
     for run in runs:
         if use_kernels(run.param) and run.param.numel() > 0:
             key = (run.param.device, run.grad.dtype, None if run.lowp_out is None else run.lowp_out.dtype)
             groups.setdefault(key, []).append(run)
         else:
-            fused_adamw_(*_tensors(run), **_hyper(run), lowp_out=run.lowp_out, **scale)
+            on_reference.append(run)
+    if any(device.type == "cuda" for device, *_ in groups) and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the multi-tensor AdamW step cannot be captured in a CUDA graph: its task table (addresses, learning"
+            " rates, step counts) is built on the host at every step"
+        )
+    launches = []
     for (device, grad_dtype, lowp_dtype), group in groups.items():
         tasks, spans = _task_table(group)
-        table = _to_device(np.concatenate([tasks.view(np.uint8), spans.view(np.uint8).ravel()]), device)
         like = group[0].param
         flag = 0 if found_inf is None else tensor(found_inf, "found_inf", dtypes=(torch.int32,), like=like)
         scalar = 0 if multiplier is None else tensor(multiplier, "multiplier", dtypes=(torch.float32,), like=like)
-        args = (table.data_ptr(), table.data_ptr() + tasks.nbytes, f32(inv_scale), scalar, flag)
         kernel = f"adamw_multi_{SUFFIX[grad_dtype]}_{LOWP[lowp_dtype]}"
-        launch("adamw.cu", kernel, len(spans), 256, args, device=device)
+        launches.append((device, kernel, tasks, spans, flag, scalar))
+
+    def step() -> None:
+        for run in on_reference:
+            fused_adamw_(*_tensors(run), **_hyper(run), lowp_out=run.lowp_out, **scale)
+        for device, kernel, tasks, spans, flag, scalar in launches:
+            table = _to_device(np.concatenate([tasks.view(np.uint8), spans.view(np.uint8).ravel()]), device)
+            args = (table.data_ptr(), table.data_ptr() + tasks.nbytes, f32(inv_scale), scalar, flag)
+            launch("adamw.cu", kernel, len(spans), 256, args, device=device)
+
+    return step
 
 
 def _tensors(run: AdamWRun) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -64,11 +64,13 @@ def _row_team(cols: int, kind: tuple[int, int], *tensors: Tensor) -> int | None:
     pack = 16 // tensors[0].element_size()
     if cols > elems * largest or cols % pack or any(t.data_ptr() % 16 for t in tensors):
         return None
-    return max(32, 1 << (-(-cols // elems) - 1).bit_length())
+    need = -(-cols // elems)  # threads the row needs
+    return 32 if need <= 32 else max(128, 1 << (need - 1).bit_length())  # a warp, or a whole block (>= 128)
 
 
 def _row_grid(rows: int, team: int, sms: int, threads_per_sm: int) -> tuple[int, int, int]:
-    """(blocks, threads a block, teams): a warp team shares a 128-thread block with three others; teams walk
+    """(blocks, threads a block, teams): a warp team shares a 128-thread block with three others, a larger team
+    is its block (never two teams of more than a warp in a block: their reductions span the block); teams walk
     the rows with a stride, the grid at most ``threads_per_sm`` threads an SM (each team's partial sums
     of parameter gradients are a row of the backward's partial buffers)."""
     block = max(team, 128)
@@ -341,11 +343,12 @@ def residual_layer_norm_bwd(
     rows = hidden.numel() // cols
     dx, dresidual = torch.empty_like(hidden), torch.empty_like(hidden)
     team = _row_team(cols, RESIDUAL_BWD_ROWS, dnormed, dhidden, hidden, dx, dresidual)
-    if team is None:
-        dh, dweight, dln_bias = layer_norm_bwd(dnormed, hidden, weight, mean, rstd, ln_bias_dtype)
-        dh = dh + dhidden
-        dx = dropout_bwd(dh, p, stream) if p > 0 else dh.clone()  # (outputs of a custom op never alias)
-        return dx, column_sum(dx, bias_dtype), dh, dweight, dln_bias
+    if team is None:  # the unfused kernels, in fp32 as the fused pass computes: one rounding per output
+        dh, dweight, dln_bias = layer_norm_bwd(dnormed.float(), hidden.float(), weight, mean, rstd, ln_bias_dtype)
+        dh += dhidden
+        dx = dropout_bwd(dh, p, stream) if p > 0 else dh
+        dx_out = dx.to(hidden.dtype, copy=True)  # (a copy: outputs of a custom op never alias)
+        return dx_out, column_sum(dx, bias_dtype), dh.to(hidden.dtype), dweight, dln_bias
     grid, block, teams = _row_grid(rows, team, _sms(hidden.device), 1024)
     partials = torch.empty(3, teams, cols, dtype=torch.float32, device=hidden.device)
     args = (

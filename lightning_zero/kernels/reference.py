@@ -59,7 +59,9 @@ def stream_tensor(seed: int, offset: int, device: torch.device | str = "cpu") ->
     more keeps its bits (as the int64 of the same bits); the offset counts elements and must be >= 0."""
     if not 0 <= offset < 2**63:
         raise ValueError(f"the dropout offset must be in [0, 2^63), got {offset}")
-    return torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset], dtype=torch.int64, device=device)
+    stream = torch.empty(2, dtype=torch.int64, device=device)
+    stream[0], stream[1] = seed - 2**64 if seed >= 2**63 else seed, offset  # fills, no host copy: graph-capturable
+    return stream
 
 
 def _seed_offset(stream: Tensor | None) -> tuple[int, int]:

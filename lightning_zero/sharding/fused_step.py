@@ -8,7 +8,7 @@ kernels' pure-torch reference where no C compiler is found, which is how the CPU
 or ``FusedAdamW``, a unit whose pieces all got a gradient on some rank and share one step count is stepped
 by the fused AdamW kernel (host: ``kernels.host``) on each run of adjacent pieces in one bucket and one
 param group (stages 1 and 2: one run per bucket; stage 3: a module's matrices and vectors may sit in two
-groups), all of a step's device runs in one multi-tensor launch (``multi_adamw_``: a table of runs and their
+groups), all of a step's device runs in one multi-tensor launch (``plan_multi_adamw``: a table of runs and their
 spans, sent with one asynchronous copy). One pass reads the fp32 gradient the optimizer would read
 (``step_grad``, as unscaling or clipping by value left it), applies the still pending unscale and clip
 factor (a device scalar: no host sync on the device path), updates the fp32 master and both moments, and
@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.kernels import host
-from lightning_zero.kernels.adamw import AdamWRun, FusedAdamW, multi_adamw_
+from lightning_zero.kernels.adamw import AdamWRun, FusedAdamW, plan_multi_adamw
 from lightning_zero.kernels.loader import use_kernels
 from lightning_zero.sharding.flat_unit import FlatUnit
 
@@ -120,8 +120,10 @@ class FusedAdamWStep:
                 else:
                     device_runs.append(AdamWRun(*tensors, lowp_out=lowp, **hyper))
             stepped.append((unit, states, step, all(lowp is not None for *_, lowp in runs)))
-        host.adamw_step(host_runs)  # (checks its inputs first: on an error nothing below has changed)
-        multi_adamw_(device_runs, **scale)  # one launch for every CUDA run of the step
+        # both check their inputs before either steps anything: on an error nothing below has changed
+        step_devices = plan_multi_adamw(device_runs, **scale)  # one launch for every CUDA run of the step
+        host.adamw_step(host_runs)
+        step_devices()
         for unit, states, step, params_written in stepped:
             for state, tensor in zip(states, unit.piece_tensors):
                 state["step"].fill_(step)
