@@ -109,16 +109,24 @@ def _tensor(t: torch.Tensor, name: str, *, dtypes, like=None) -> int:
     return t.data_ptr()
 
 
+def emulate(monkeypatch) -> None:
+    """From here on the kernels run on the emulator for CPU tensors: through the launchers, the ops, the fused
+    AdamW and the fused ZeRO step (whose "cuda" backend then takes CPU masters)."""
+    from lightning_zero.sharding import fused_step
+
+    for module in (launchers, adamw):
+        monkeypatch.setattr(module, "launch", launch)
+        monkeypatch.setattr(module, "tensor", _tensor)
+    for module in (ops, adamw, fused_step):
+        monkeypatch.setattr(module, "use_kernels", lambda t: True)
+    monkeypatch.setattr(launchers, "_sms", lambda device: 4)  # a small device: the row chunks are exercised
+    LAUNCHED.clear()
+
+
 @pytest.fixture
 def emulated_gpu(monkeypatch):
     """The kernels run on the emulator for CPU tensors, through the launchers and the ops."""
     reason = available()
     if reason:
         pytest.skip(reason)
-    for module in (launchers, adamw):
-        monkeypatch.setattr(module, "launch", launch)
-        monkeypatch.setattr(module, "tensor", _tensor)
-    for module in (ops, adamw):
-        monkeypatch.setattr(module, "use_kernels", lambda t: True)
-    monkeypatch.setattr(launchers, "_sms", lambda device: 4)  # a small device: the row chunks are exercised
-    LAUNCHED.clear()
+    emulate(monkeypatch)
