@@ -173,6 +173,7 @@ def plan_multi_adamw(
             key = (run.param.device, run.grad.dtype, None if run.lowp_out is None else run.lowp_out.dtype)
             groups.setdefault(key, []).append(run)
         else:
+            _check_sizes(run)
             on_reference.append(run)
     if any(device.type == "cuda" for device, *_ in groups) and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -214,11 +215,7 @@ def _task_table(runs: list[AdamWRun]) -> tuple[np.ndarray, np.ndarray]:
     tasks, spans = np.zeros(len(runs), dtype=TASK), []
     for index, run in enumerate(runs):
         n, like, f32_only = run.param.numel(), run.param, (torch.float32,)
-        for name, t in (("grad", run.grad), ("exp_avg", run.exp_avg), ("exp_avg_sq", run.exp_avg_sq)):
-            if t.numel() != n:
-                raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
-        if run.lowp_out is not None and run.lowp_out.numel() != n:
-            raise ValueError(f"lowp_out has {run.lowp_out.numel()} elements, param has {n}")
+        _check_sizes(run)
         param = tensor(run.param, "param", dtypes=f32_only)
         moments = [
             tensor(t, name, dtypes=f32_only, like=like)
@@ -246,6 +243,18 @@ def _task_table(runs: list[AdamWRun]) -> tuple[np.ndarray, np.ndarray]:
         bounds = [0, *range(max(head, 0) + SPAN, n, SPAN), n]
         spans += [(index, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
     return tasks, np.asarray(spans, dtype="<i8")
+
+
+def _check_sizes(run: AdamWRun) -> None:
+    n = run.param.numel()
+    for name, t in (
+        ("grad", run.grad),
+        ("exp_avg", run.exp_avg),
+        ("exp_avg_sq", run.exp_avg_sq),
+        ("lowp_out", run.lowp_out),
+    ):
+        if t is not None and t.numel() != n:
+            raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
 
 
 def _to_device(blob: np.ndarray, device: torch.device) -> Tensor:
@@ -283,7 +292,7 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        runs = []
+        runs, states = [], []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -296,7 +305,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["step"] += 1
+                states.append(state)
                 hyper = dict(lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"])
                 grad = p.grad.contiguous()
                 runs.append(
@@ -307,9 +316,12 @@ class FusedAdamW(torch.optim.Optimizer):
                         state["exp_avg_sq"],
                         beta1=beta1,
                         beta2=beta2,
-                        step=int(state["step"]),
+                        step=int(state["step"]) + 1,  # the count after this step
                         **hyper,
                     )
                 )
-        multi_adamw_(runs)  # one launch for all parameters on CUDA
+        step = plan_multi_adamw(runs)  # (checks everything first: on an error no step count has moved)
+        for state in states:
+            state["step"] += 1
+        step()  # one launch for all parameters on CUDA
         return loss

@@ -60,7 +60,8 @@ def stream_tensor(seed: int, offset: int, device: torch.device | str = "cpu") ->
     if not 0 <= offset < 2**63:
         raise ValueError(f"the dropout offset must be in [0, 2^63), got {offset}")
     stream = torch.empty(2, dtype=torch.int64, device=device)
-    stream[0], stream[1] = seed - 2**64 if seed >= 2**63 else seed, offset  # fills, no host copy: graph-capturable
+    stream[:1].fill_(seed - 2**64 if seed >= 2**63 else seed)  # fill kernels (an item assignment would copy
+    stream[1:].fill_(offset)  # from the host and sync): capturable in a CUDA graph
     return stream
 
 
