@@ -61,8 +61,9 @@ class _HostAdamW:
 
     def __init__(self, params: list[torch.Tensor], lr: float, weight_decay: float, lowp: list | None) -> None:
         from lightning_zero.kernels import host
+        from lightning_zero.kernels.adamw import AdamWRun
 
-        self.host, self.params, self.lowp, self.step_count = host, params, lowp, 0
+        self.host, self.run, self.params, self.lowp, self.step_count = host, AdamWRun, params, lowp, 0
         self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
         self.hyper = {"lr": lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": weight_decay}
 
@@ -70,7 +71,7 @@ class _HostAdamW:
         self.step_count += 1
         lowp = self.lowp or [None] * len(self.params)
         runs = [
-            self.host.HostRun(p.detach(), p.grad, m, v, step=self.step_count, lowp_out=out, **self.hyper)
+            self.run(p.detach(), p.grad, m, v, step=self.step_count, lowp_out=out, **self.hyper)
             for p, (m, v), out in zip(self.params, self.moments, lowp)
         ]
         self.host.adamw_step(runs)

@@ -20,7 +20,7 @@ __device__ __forceinline__ void adamw_update(float& p, float& m, float& v, float
 struct AdamWTask {
   long long param, grad, exp_avg, exp_avg_sq, lowp;  // device addresses; lowp 0: no 16-bit copy
   long long n, head;  // head: elements before the buffers' common 16-byte boundary, or -1 (unequally misaligned)
-  float lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt, unused;
+  float lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt, grad_mul;  // grad_mul: this tensor's own factor
 };
 
 // Elements [lo, hi) of `task`, thread `first` of `stride`. With head >= 0 the three fp32 buffers are equally
@@ -35,6 +35,7 @@ __device__ void adamw_span(const AdamWTask& task, i64 lo, i64 hi, i64 first, i64
   L* const lowp = reinterpret_cast<L*>(task.lowp);
   const float lr = task.lr, beta1 = task.beta1, beta2 = task.beta2, eps = task.eps, bias2_sqrt = task.bias2_sqrt;
   const float decay = 1.f - lr * task.weight_decay, step_size = lr / task.bias1;
+  inv_scale *= task.grad_mul;
   auto one = [&](i64 i) {
     float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
     adamw_update(p, m, v, to_f32(grad[i]) * inv_scale, lr, beta1, beta2, eps, decay, step_size, bias2_sqrt);
@@ -87,7 +88,7 @@ __device__ void adamw(float* param, const G* grad, float* exp_avg, float* exp_av
                       i64 head) {
   if (!step_factor(inv_scale, multiplier, found_inf)) return;
   const AdamWTask task{(long long)param, (long long)grad, (long long)exp_avg, (long long)exp_avg_sq, (long long)lowp,
-                       n, head, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt, 0.f};
+                       n, head, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt, 1.f};
   adamw_span<G, L>(task, 0, n, (i64)blockIdx.x * blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x, inv_scale);
 }
 

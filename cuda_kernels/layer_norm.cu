@@ -75,32 +75,16 @@ __device__ void layer_norm_fwd_rows(const T* __restrict__ x, const float* __rest
                                     const float* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
                                     float* __restrict__ rstd_out, i64 rows, int cols, int team_size, float eps) {
   __shared__ float scratch[32];
-  constexpr int V = PACK_OF(T);
+  constexpr int E = FWD_ELEMS, V = PACK_OF(T);
   const RowTeam team(team_size);
   for (i64 row = team.first; row < rows; row += team.stride) {
-    constexpr int E = FWD_ELEMS;
     float v[E];
     load_row<E>(x + row * cols, cols, team, v, 0.f);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < E; ++j) sum += v[j];  // (past the row's end: 0)
-    const float mean = team_sum(sum, team, scratch) / cols;
-    float squares = 0.f;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const float d = team.column<V>(j) < cols ? v[j] - mean : 0.f;
-      squares += d * d;
-    }
-    const float rstd = rsqrtf(team_sum(squares, team, scratch) / cols + eps);
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int c = team.column<V>(j);
-      if (c < cols) v[j] = (v[j] - mean) * rstd * weight[c] + bias[c];
-    }
+    const float2 stats = layer_norm_row<E, V>(v, cols, weight, bias, eps, team, scratch);
     store_row<E>(y + row * cols, cols, team, v);
     if (team.lane == 0) {
-      mean_out[row] = mean;
-      rstd_out[row] = rstd;
+      mean_out[row] = stats.x;
+      rstd_out[row] = stats.y;
     }
   }
 }
@@ -120,33 +104,11 @@ __device__ void layer_norm_bwd_rows(const T* __restrict__ dy, const T* __restric
     float xv[E], g[E];
     load_row<E>(x + row * cols, cols, team, xv, 0.f);
     load_row<E>(dy + row * cols, cols, team, g, 0.f);
-    const float mu = mean[row], rs = rstd[row];
-    float sum_g = 0.f, sum_gx = 0.f;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int c = team.column<V>(j);
-      if (c >= cols) continue;
-      const float xhat = (xv[j] - mu) * rs;
-      dweight[j] += g[j] * xhat;
-      dbias[j] += g[j];
-      g[j] *= weight[c];
-      xv[j] = xhat;
-      sum_g += g[j];
-      sum_gx += g[j] * xhat;
-    }
-    const float mean_g = team_sum(sum_g, team, scratch) / cols, mean_gx = team_sum(sum_gx, team, scratch) / cols;
-#pragma unroll
-    for (int j = 0; j < E; ++j) xv[j] = rs * (g[j] - mean_g - xv[j] * mean_gx);
-    store_row<E>(dx + row * cols, cols, team, xv);
+    layer_norm_row_grad<E, V>(xv, g, mean[row], rstd[row], cols, weight, team, scratch, dweight, dbias);
+    store_row<E>(dx + row * cols, cols, team, g);
   }
-#pragma unroll
-  for (int j = 0; j < E; ++j) {
-    const int c = team.column<V>(j);
-    if (c < cols) {
-      partial_dweight[team.index * cols + c] = dweight[j];
-      partial_dbias[team.index * cols + c] = dbias[j];
-    }
-  }
+  write_team_sums<E, V>(team, cols, dweight, partial_dweight);
+  write_team_sums<E, V>(team, cols, dbias, partial_dbias);
 }
 
 #define LZ_LAYER_NORM(T, N)                                                                                          \

@@ -18,40 +18,24 @@ __device__ void residual_layer_norm_fwd(const T* __restrict__ x, const float* __
   constexpr int E = FWD_ELEMS, V = PACK_OF(T);
   const DropoutStream drop = read_stream(stream);
   const RowTeam team(team_size);
-  const float keep_scale = 1.f / (1.f - p_drop);
   for (i64 row = team.first; row < rows; row += team.stride) {
     float v[E], r[E];
-    bool keep[E];
     load_row<E>(x + row * cols, cols, team, v, 0.f);
     load_row<E>(residual + row * cols, cols, team, r, 0.f);
-    if (p_drop > 0.f) keep_mask<E, V>(drop, row, cols, team, p_drop, keep);
-    float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       const int c = team.column<V>(j);
-      float t = c < cols ? v[j] + bias[c] : 0.f;
-      if (p_drop > 0.f) t = keep[j] ? t * keep_scale : 0.f;
-      v[j] = c < cols ? to_f32(from_f32<T>(r[j] + t)) : 0.f;  // what `hidden` stores
-      sum += v[j];
+      v[j] = c < cols ? v[j] + bias[c] : 0.f;
     }
+    dropout_row<E, V>(v, drop, row, cols, team, p_drop);
+#pragma unroll
+    for (int j = 0; j < E; ++j) v[j] = to_f32(from_f32<T>(r[j] + v[j]));  // what `hidden` stores (0 past the end)
     store_row<E>(hidden + row * cols, cols, team, v);
-    const float mean = team_sum(sum, team, scratch) / cols;
-    float squares = 0.f;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const float d = team.column<V>(j) < cols ? v[j] - mean : 0.f;
-      squares += d * d;
-    }
-    const float rstd = rsqrtf(team_sum(squares, team, scratch) / cols + eps);
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int c = team.column<V>(j);
-      if (c < cols) v[j] = (v[j] - mean) * rstd * weight[c] + ln_bias[c];
-    }
+    const float2 stats = layer_norm_row<E, V>(v, cols, weight, ln_bias, eps, team, scratch);
     store_row<E>(normed + row * cols, cols, team, v);
     if (team.lane == 0) {
-      mean_out[row] = mean;
-      rstd_out[row] = rstd;
+      mean_out[row] = stats.x;
+      rstd_out[row] = stats.y;
     }
   }
 }
@@ -68,51 +52,24 @@ __device__ void residual_layer_norm_bwd(const T* __restrict__ dnormed, const T* 
   constexpr int E = BWD_ELEMS, V = PACK_OF(T);
   const DropoutStream drop = read_stream(stream);
   const RowTeam team(team_size);
-  const float keep_scale = 1.f / (1.f - p_drop);
   float dweight[E] = {}, dln_bias[E] = {}, dbias[E] = {};
   for (i64 row = team.first; row < rows; row += team.stride) {
-    float h[E], g[E];
+    float h[E], g[E], d[E];
     load_row<E>(hidden + row * cols, cols, team, h, 0.f);
     load_row<E>(dnormed + row * cols, cols, team, g, 0.f);
-    const float mu = mean[row], rs = rstd[row];
-    float sum_g = 0.f, sum_gx = 0.f;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int c = team.column<V>(j);
-      if (c >= cols) continue;
-      const float xhat = (h[j] - mu) * rs;
-      dweight[j] += g[j] * xhat;
-      dln_bias[j] += g[j];
-      g[j] *= weight[c];
-      h[j] = xhat;
-      sum_g += g[j];
-      sum_gx += g[j] * xhat;
-    }
-    const float mean_g = team_sum(sum_g, team, scratch) / cols, mean_gx = team_sum(sum_gx, team, scratch) / cols;
-    float d[E];
+    layer_norm_row_grad<E, V>(h, g, mean[row], rstd[row], cols, weight, team, scratch, dweight, dln_bias);
     load_row<E>(dhidden_in + row * cols, cols, team, d, 0.f);
 #pragma unroll
-    for (int j = 0; j < E; ++j) d[j] += rs * (g[j] - mean_g - h[j] * mean_gx);  // all of hidden's gradient
+    for (int j = 0; j < E; ++j) d[j] += g[j];  // all of hidden's gradient
     store_row<E>(dresidual + row * cols, cols, team, d);
-    if (p_drop > 0.f) {
-      bool keep[E];
-      keep_mask<E, V>(drop, row, cols, team, p_drop, keep);
-#pragma unroll
-      for (int j = 0; j < E; ++j) d[j] = keep[j] ? d[j] * keep_scale : 0.f;
-    }
+    dropout_row<E, V>(d, drop, row, cols, team, p_drop);
 #pragma unroll
     for (int j = 0; j < E; ++j) dbias[j] += d[j];  // (past the row's end: 0)
     store_row<E>(dx + row * cols, cols, team, d);
   }
-#pragma unroll
-  for (int j = 0; j < E; ++j) {
-    const int c = team.column<V>(j);
-    if (c < cols) {
-      partial_dweight[team.index * cols + c] = dweight[j];
-      partial_dln_bias[team.index * cols + c] = dln_bias[j];
-      partial_dbias[team.index * cols + c] = dbias[j];
-    }
-  }
+  write_team_sums<E, V>(team, cols, dweight, partial_dweight);
+  write_team_sums<E, V>(team, cols, dln_bias, partial_dln_bias);
+  write_team_sums<E, V>(team, cols, dbias, partial_dbias);
 }
 
 #define LZ_RESIDUAL_LAYER_NORM(T, N)                                                                               \

@@ -81,12 +81,14 @@ __device__ __forceinline__ void store_row(T* __restrict__ row, int cols, const R
   }
 }
 
-// Dropout's keep decisions for this thread's elements of row `row` (element index row * cols + column):
-// one Philox call per four contiguous elements (a pack's start is a multiple of 4 in the whole tensor,
-// since the row length is a multiple of the pack).
+// Dropout in place on this thread's elements of row `row` (element index row * cols + column; kept ones scaled
+// by 1 / (1 - p)): one Philox call per four contiguous elements (a pack's start is a multiple of 4 in the
+// whole tensor, since the row length is a multiple of the pack). Nothing without dropout.
 template <int E, int V>
-__device__ __forceinline__ void keep_mask(DropoutStream stream, i64 row, int cols, const RowTeam& team, float p_drop,
-                                          bool (&keep)[E]) {
+__device__ __forceinline__ void dropout_row(float (&v)[E], DropoutStream stream, i64 row, int cols,
+                                            const RowTeam& team, float p_drop) {
+  if (p_drop <= 0.f) return;
+  const float keep_scale = 1.f / (1.f - p_drop);
 #pragma unroll
   for (int k = 0; k < E / V; ++k) {
     const i64 first = row * cols + team.column<V>(k * V);
@@ -94,7 +96,72 @@ __device__ __forceinline__ void keep_mask(DropoutStream stream, i64 row, int col
     for (int q = 0; q < V / 4; ++q) {
       const float4 u = philox_uniform4(stream.seed, stream.offset, first / 4 + q);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) keep[k * V + 4 * q + j] = word_of(u, j) >= p_drop;
+      for (int j = 0; j < 4; ++j) {
+        float& x = v[k * V + 4 * q + j];
+        x = word_of(u, j) >= p_drop ? x * keep_scale : 0.f;
+      }
     }
+  }
+}
+
+// LayerNorm in place on this thread's elements of a row (0 past the row's end): the row's mean, then the mean
+// of its squared deviations, each reduced over the team; v becomes (v - mean) * rstd * weight + bias.
+// Returns (mean, rstd), which backward needs.
+template <int E, int V>
+__device__ __forceinline__ float2 layer_norm_row(float (&v)[E], int cols, const float* __restrict__ weight,
+                                                 const float* __restrict__ bias, float eps, const RowTeam& team,
+                                                 float* scratch) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < E; ++j) sum += v[j];
+  const float mean = team_sum(sum, team, scratch) / cols;
+  float squares = 0.f;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const float d = team.column<V>(j) < cols ? v[j] - mean : 0.f;
+    squares += d * d;
+  }
+  const float rstd = rsqrtf(team_sum(squares, team, scratch) / cols + eps);
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const int c = team.column<V>(j);
+    if (c < cols) v[j] = (v[j] - mean) * rstd * weight[c] + bias[c];
+  }
+  return make_float2(mean, rstd);
+}
+
+// LayerNorm's backward on a row: x (the input, overwritten) and g (dy in, the input's gradient out, 0 past the
+// row's end), with dy * xhat and dy added to this thread's per-column sums dweight and dbias.
+template <int E, int V>
+__device__ __forceinline__ void layer_norm_row_grad(float (&x)[E], float (&g)[E], float mean, float rstd, int cols,
+                                                    const float* __restrict__ weight, const RowTeam& team,
+                                                    float* scratch, float (&dweight)[E], float (&dbias)[E]) {
+  float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const int c = team.column<V>(j);
+    if (c >= cols) continue;
+    const float xhat = (x[j] - mean) * rstd;
+    dweight[j] += g[j] * xhat;
+    dbias[j] += g[j];
+    g[j] *= weight[c];
+    x[j] = xhat;
+    sum_g += g[j];
+    sum_gx += g[j] * xhat;
+  }
+  const float mean_g = team_sum(sum_g, team, scratch) / cols, mean_gx = team_sum(sum_gx, team, scratch) / cols;
+#pragma unroll
+  for (int j = 0; j < E; ++j)
+    g[j] = team.column<V>(j) < cols ? rstd * (g[j] - mean_g - x[j] * mean_gx) : 0.f;
+}
+
+// This team's per-column sums into row `team.index` of a [teams, cols] partial buffer (the host sums the rows).
+template <int E, int V>
+__device__ __forceinline__ void write_team_sums(const RowTeam& team, int cols, const float (&sums)[E],
+                                                float* __restrict__ partial) {
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const int c = team.column<V>(j);
+    if (c < cols) partial[team.index * cols + c] = sums[j];
   }
 }

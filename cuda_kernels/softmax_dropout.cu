@@ -73,7 +73,6 @@ __device__ void softmax_dropout_fwd_rows(const T* scores, const float* __restric
   constexpr int E = FWD_ELEMS, V = PACK_OF(T);
   const DropoutStream drop = read_stream(stream);
   const RowTeam team(team_size);
-  const float keep_scale = 1.f / (1.f - p_drop);
   for (i64 row = team.first; row < rows; row += team.stride) {
     const i64 q = row % q_len, head = (row / q_len) % heads, batch = row / (heads * q_len);
     const i64 visible = causal ? min((i64)cols, q + (cols - q_len) + 1) : cols;
@@ -100,10 +99,7 @@ __device__ void softmax_dropout_fwd_rows(const T* scores, const float* __restric
     for (int j = 0; j < E; ++j) v[j] *= inv_sum;
     store_row<E>(probs + row * cols, cols, team, v);  // (without dropout, `out` is `probs`)
     if (p_drop > 0.f) {
-      bool keep[E];
-      keep_mask<E, V>(drop, row, cols, team, p_drop, keep);
-#pragma unroll
-      for (int j = 0; j < E; ++j) v[j] = keep[j] ? v[j] * keep_scale : 0.f;
+      dropout_row<E, V>(v, drop, row, cols, team, p_drop);
       store_row<E>(out + row * cols, cols, team, v);
     }
   }
@@ -117,17 +113,11 @@ __device__ void softmax_dropout_bwd_rows(const T* __restrict__ dout, const T* __
   constexpr int E = FWD_ELEMS, V = PACK_OF(T);
   const DropoutStream drop = read_stream(stream);
   const RowTeam team(team_size);
-  const float keep_scale = 1.f / (1.f - p_drop);
   for (i64 row = team.first; row < rows; row += team.stride) {
     float d[E], pr[E];
     load_row<E>(dout + row * cols, cols, team, d, 0.f);
     load_row<E>(probs + row * cols, cols, team, pr, 0.f);
-    if (p_drop > 0.f) {
-      bool keep[E];
-      keep_mask<E, V>(drop, row, cols, team, p_drop, keep);
-#pragma unroll
-      for (int j = 0; j < E; ++j) d[j] = keep[j] ? d[j] * keep_scale : 0.f;
-    }
+    dropout_row<E, V>(d, drop, row, cols, team, p_drop);  // the mask, made once
     float dot = 0.f;
 #pragma unroll
     for (int j = 0; j < E; ++j) dot += d[j] * pr[j];  // (past the row's end: 0)

@@ -258,6 +258,22 @@ def zero_strategy(stage: int, **config) -> lightning_zero.ZeroStrategy:
     return lightning_zero.ZeroStrategy(lightning_zero.ZeroConfig(stage=stage, **config))
 
 
+def check_fused_gpt(cfg: dict, batch: int, device: str = "cpu", *, out_tol: float, rtol: float, atol: float) -> None:
+    """GPTConfig(fused=True) against the plain GPT with the same weights: the logits (within ``out_tol``), then
+    every parameter's gradient (``rtol``/``atol``)."""
+    torch.manual_seed(0)
+    plain, fused = GPT(GPTConfig(**cfg)).to(device), GPT(GPTConfig(**cfg, fused=True)).to(device)
+    fused.load_state_dict(plain.state_dict())
+    assert type(fused.blocks[0]).__name__ == "FusedBlock"
+    idx = torch.randint(cfg["vocab_size"], (batch, cfg["block_size"]), device=device)
+    out_plain, out_fused = plain(idx), fused(idx)
+    torch.testing.assert_close(out_fused, out_plain, rtol=out_tol, atol=out_tol)
+    out_plain.square().mean().backward()
+    out_fused.square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=rtol, atol=atol, msg=name)
+
+
 # --- checkpoints ---------------------------------------------------------------------------------
 def verify_checkpoint(ckpt: Path) -> int:
     """Checks every file of a sharded checkpoint (complete, sizes, sha256); returns its global step."""

@@ -139,6 +139,7 @@ def test_fused_step_on_the_emulated_cuda_kernels(tmp_path):
     own step."""
     import cuda_emulator
 
-    if cuda_emulator.available():
-        pytest.skip(cuda_emulator.available())
+    reason = cuda_emulator.available()
+    if reason:
+        pytest.skip(reason)
     spawn_ranks(_emulated_worker, 2, tmp_path)

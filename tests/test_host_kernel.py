@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lightning_zero.kernels import host, reference
+from lightning_zero.kernels.adamw import AdamWRun
 
 pytestmark = pytest.mark.skipif(not host.available(), reason="no C compiler to build the host kernel")
 
@@ -38,7 +39,7 @@ def test_one_step_equals_the_reference(beta1):
     param, grad, exp_avg, exp_avg_sq = _state(100_003)
     expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
     kwargs = {**HYPER, "beta1": beta1, "step": 7}
-    host.adamw_step([host.HostRun(param, grad, exp_avg, exp_avg_sq, grad_mul=0.25, **kwargs)])
+    host.adamw_step([AdamWRun(param, grad, exp_avg, exp_avg_sq, grad_mul=0.25, **kwargs)])
     reference.adamw_(*expected[:1], grad, *expected[1:], inv_scale=0.25, **kwargs)
     for got, want in zip((param, exp_avg, exp_avg_sq), expected):
         # rounding of the operands (torch's lerp may fuse a multiply-add; ours never does): near-zero moments
@@ -55,7 +56,7 @@ def test_steps_equal_torch_adamw():
         g = torch.sin(grad * step)
         theirs.grad = g
         optimizer.step()
-        run = host.HostRun(param, g, exp_avg, exp_avg_sq, lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6,
+        run = AdamWRun(param, g, exp_avg, exp_avg_sq, lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6,
                            weight_decay=0.1, step=step)  # fmt: skip
         host.adamw_step([run])
     torch.testing.assert_close(param, theirs.detach(), rtol=1e-6, atol=1e-7)
@@ -70,7 +71,7 @@ def test_the_16_bit_copy_is_torch_s_cast_of_the_update(dtype):
     )
     param[: len(specials)] = specials
     out = torch.empty(param.shape, dtype=dtype)
-    run = host.HostRun(param, grad, exp_avg, exp_avg_sq, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
+    run = AdamWRun(param, grad, exp_avg, exp_avg_sq, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
                        weight_decay=0.0, step=1, lowp_out=out)  # fmt: skip
     host.adamw_step([run])
     assert torch.equal(param[: len(specials)].nan_to_num(0.5), specials.nan_to_num(0.5))
@@ -93,10 +94,10 @@ def test_views_runs_and_threads_give_the_same_bits():
     expected = [t.clone() for t in flat]
     for lo, hi in bounds:  # one run at a time on one thread
         p, g, m, v = (t[lo:hi] for t in expected)
-        host.adamw_step([host.HostRun(p, g, m, v, beta1=0.9, step=3, **HYPER)], threads=1)
+        host.adamw_step([AdamWRun(p, g, m, v, beta1=0.9, step=3, **HYPER)], threads=1)
     for threads in (2, 3, 7):
         state = [t.clone() for t in flat]
-        runs = [host.HostRun(*(t[lo:hi] for t in state), beta1=0.9, step=3, **HYPER) for lo, hi in bounds]
+        runs = [AdamWRun(*(t[lo:hi] for t in state), beta1=0.9, step=3, **HYPER) for lo, hi in bounds]
         host.adamw_step(runs, threads=threads)
         assert all(torch.equal(a, b) for a, b in zip(state, expected)), threads
 
@@ -104,14 +105,14 @@ def test_views_runs_and_threads_give_the_same_bits():
 def test_bad_inputs_name_the_tensor():
     param, grad, exp_avg, exp_avg_sq = _state(64)
     with pytest.raises(ValueError, match="grad must be a contiguous CPU tensor of 64 elements"):
-        host.HostRun(param, grad[:32], exp_avg, exp_avg_sq, beta1=0.9, step=1, **HYPER).task()
+        host.task(AdamWRun(param, grad[:32], exp_avg, exp_avg_sq, beta1=0.9, step=1, **HYPER))
     with pytest.raises(ValueError, match="exp_avg_sq must be .* in torch.float32, got .* torch.float64"):
-        host.HostRun(param, grad, exp_avg, exp_avg_sq.double(), beta1=0.9, step=1, **HYPER).task()
+        host.task(AdamWRun(param, grad, exp_avg, exp_avg_sq.double(), beta1=0.9, step=1, **HYPER))
     with pytest.raises(ValueError, match="param must be a contiguous"):
-        host.HostRun(param.view(8, 8).t(), grad, exp_avg, exp_avg_sq, beta1=0.9, step=1, **HYPER).task()
+        host.task(AdamWRun(param.view(8, 8).t(), grad, exp_avg, exp_avg_sq, beta1=0.9, step=1, **HYPER))
     lowp = torch.empty(64, dtype=torch.float32)
     with pytest.raises(ValueError, match="lowp_out must be .* torch.float16 or torch.bfloat16"):
-        host.HostRun(param, grad, exp_avg, exp_avg_sq, beta1=0.9, step=1, lowp_out=lowp, **HYPER).task()
+        host.task(AdamWRun(param, grad, exp_avg, exp_avg_sq, beta1=0.9, step=1, lowp_out=lowp, **HYPER))
 
 
 def test_the_build_is_cached_and_can_be_turned_off(tmp_path):

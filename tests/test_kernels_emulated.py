@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cuda_emulator import LAUNCHED, emulated_gpu  # noqa: F401 (a fixture)
+from helpers import check_fused_gpt
 
 from lightning_zero.kernels import adamw as adamw_module
 from lightning_zero.kernels import launchers, reference
@@ -185,26 +186,16 @@ def test_bias_dropout_residual_layer_norm(dtype, cols, p):
 
 def test_fused_block_forward_and_backward_on_the_kernels():
     """The whole FusedBlock GPT, every fused op on the emulated kernels, equals the plain GPT."""
-    from lightning_zero.models.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
     cfg = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=64)
-    plain, fused = GPT(GPTConfig(**cfg)), GPT(GPTConfig(**cfg, fused=True))
-    fused.load_state_dict(plain.state_dict())
-    idx = torch.randint(32, (2, 16))
-    out_plain, out_fused = plain(idx), fused(idx)
-    torch.testing.assert_close(out_fused, out_plain, rtol=1e-5, atol=1e-5)
-    out_plain.square().mean().backward()
-    out_fused.square().mean().backward()
-    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    check_fused_gpt(cfg, 2, out_tol=1e-5, rtol=1e-5, atol=1e-6)
     kernels = {k.rsplit("_", 1)[0] for k in LAUNCHED}
     assert {"layer_norm_fwd_rows", "residual_layer_norm_fwd", "residual_layer_norm_bwd", "bias_gelu_bwd"} <= kernels
 
 
 def test_multi_tensor_adamw_steps_every_run_in_one_launch(monkeypatch):
-    """Runs of other sizes, alignments, hyper-parameters and output dtypes; spans cut every 64 elements from
-    each run's 16-byte boundary (SPAN shrunk so small tensors take several); one launch per output dtype."""
+    """Runs of other sizes, alignments, hyper-parameters, gradient factors and output dtypes; spans cut every
+    64 elements from each run's 16-byte boundary (SPAN shrunk so small tensors take several); one launch per
+    output dtype."""
     monkeypatch.setattr(adamw_module, "SPAN", 64)
     layouts = [
         (203, (1, 1, 1), None),
@@ -221,9 +212,9 @@ def test_multi_tensor_adamw_steps_every_run_in_one_launch(monkeypatch):
         out = None if lowp is None else torch.empty(n, dtype=lowp)
         expected.append([t.clone() for t in (param, m, v)])
         reference.adamw_(
-            expected[-1][0], grad, *expected[-1][1:], multiplier=torch.tensor(0.25), inv_scale=0.5, **hyper
+            expected[-1][0], grad, *expected[-1][1:], multiplier=torch.tensor(0.25), inv_scale=0.5 / (k + 1), **hyper
         )
-        runs.append(adamw_module.AdamWRun(param, grad, m, v, lowp_out=out, **hyper))
+        runs.append(adamw_module.AdamWRun(param, grad, m, v, grad_mul=1 / (k + 1), lowp_out=out, **hyper))
     adamw_module.multi_adamw_(runs, inv_scale=0.5, multiplier=torch.tensor(0.25))
     assert LAUNCHED == ["adamw_multi_bf16_none", "adamw_multi_bf16_bf16"]
     for run, want in zip(runs, expected):

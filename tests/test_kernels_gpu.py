@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import check_fused_gpt
 
 from lightning_zero.kernels import loader, ops, reference
 from lightning_zero.kernels.adamw import FusedAdamW, check_finite_, fused_adamw_
@@ -311,12 +312,5 @@ def test_dropout_forward_and_backward_equal_the_cpu_reference(dtype):
 
 
 def test_fused_block_backward_on_gpu():
-    torch.manual_seed(0)
     cfg = dict(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=256)
-    plain, fused = GPT(GPTConfig(**cfg)).cuda(), GPT(GPTConfig(**cfg, fused=True)).cuda()
-    fused.load_state_dict(plain.state_dict())
-    idx = torch.randint(64, (4, 128), device="cuda")
-    plain(idx).square().mean().backward()
-    fused(idx).square().mean().backward()
-    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    check_fused_gpt(cfg, 4, "cuda", out_tol=1e-4, rtol=1e-4, atol=1e-5)

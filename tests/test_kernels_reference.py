@@ -8,11 +8,11 @@ import logging
 
 import pytest
 import torch
+from helpers import check_fused_gpt
 
 from lightning_zero.kernels import adamw as fused_adamw_module
 from lightning_zero.kernels import loader, ops, reference
 from lightning_zero.kernels.adamw import FusedAdamW, check_finite_, fused_adamw_
-from lightning_zero.models.gpt import GPT, GPTConfig
 
 
 def _words(*values):
@@ -224,18 +224,8 @@ def test_fused_adamw_unscales_skips_on_overflow_and_writes_low_precision():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_fused_block_equals_block(bias):
-    torch.manual_seed(0)
-    plain = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=64, bias=bias))
-    fused = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=64, bias=bias, fused=True))
-    fused.load_state_dict(plain.state_dict())
-    assert type(fused.blocks[0]).__name__ == "FusedBlock"
-    idx = torch.randint(32, (3, 16))
-    out_plain, out_fused = plain(idx), fused(idx)
-    torch.testing.assert_close(out_fused, out_plain, rtol=1e-5, atol=1e-5)
-    out_plain.square().mean().backward()
-    out_fused.square().mean().backward()
-    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    cfg = dict(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=64, bias=bias)
+    check_fused_gpt(cfg, 3, out_tol=1e-5, rtol=1e-5, atol=1e-6)
 
 
 def test_without_a_gpu_the_ops_fall_back_and_say_so_once(caplog):

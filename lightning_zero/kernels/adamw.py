@@ -119,7 +119,9 @@ def _head(n: int, *pointers: int) -> int:
 
 @dataclass
 class AdamWRun:
-    """One tensor's AdamW step in a multi-tensor launch (``multi_adamw_``); fields as ``fused_adamw_``'s."""
+    """One tensor's AdamW step for the fused kernels (CUDA: ``multi_adamw_``; host: ``kernels.host``): ``param``
+    and the moments (fp32) in place, from ``grad`` multiplied by ``grad_mul`` (and by a launch's common scale);
+    ``lowp_out`` (fp16/bf16, optional) receives the updated values."""
 
     param: Tensor
     grad: Tensor
@@ -131,13 +133,14 @@ class AdamWRun:
     eps: float
     weight_decay: float
     step: int
+    grad_mul: float = 1.0
     lowp_out: Tensor | None = None
 
 
 # AdamWTask in cuda_kernels/adamw.cu, field for field
 TASK = np.dtype(
     [(name, "<i8") for name in ("param", "grad", "exp_avg", "exp_avg_sq", "lowp", "n", "head")]
-    + [(name, "<f4") for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "bias1", "bias2_sqrt", "unused")]
+    + [(name, "<f4") for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "bias1", "bias2_sqrt", "grad_mul")]
 )
 SPAN = 2**18  # elements a block steps in a multi-tensor launch
 
@@ -165,7 +168,7 @@ def plan_multi_adamw(
 ) -> Callable[[], None]:
     """``multi_adamw_`` in two halves: every input is checked and every task table built now (an error leaves
     everything as it was), the steps run when the returned function is called."""
-    scale = dict(inv_scale=inv_scale, multiplier=multiplier, found_inf=found_inf)
+    scale = dict(multiplier=multiplier, found_inf=found_inf)
     groups: dict[tuple, list[AdamWRun]] = {}
     on_reference = []
     for run in runs:
@@ -191,7 +194,9 @@ def plan_multi_adamw(
 
     def step() -> None:
         for run in on_reference:
-            fused_adamw_(*_tensors(run), **_hyper(run), lowp_out=run.lowp_out, **scale)
+            fused_adamw_(
+                *_tensors(run), **_hyper(run), lowp_out=run.lowp_out, **scale, inv_scale=inv_scale * run.grad_mul
+            )
         for device, kernel, tasks, spans, flag, scalar in launches:
             table = _to_device(np.concatenate([tasks.view(np.uint8), spans.view(np.uint8).ravel()]), device)
             args = (table.data_ptr(), table.data_ptr() + tasks.nbytes, f32(inv_scale), scalar, flag)
@@ -238,7 +243,7 @@ def _task_table(runs: list[AdamWRun]) -> tuple[np.ndarray, np.ndarray]:
             run.eps,
             run.weight_decay,
             *bias,
-            0.0,
+            run.grad_mul,
         )
         bounds = [0, *range(max(head, 0) + SPAN, n, SPAN), n]
         spans += [(index, lo, hi) for lo, hi in zip(bounds, bounds[1:])]

@@ -26,11 +26,12 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from lightning_zero.kernels.adamw import AdamWRun
 
 log = logging.getLogger("lightning_zero.kernels")
 
@@ -54,60 +55,44 @@ class _Task(ctypes.Structure):  # lz_adamw_task in adamw.c
     ]
 
 
-@dataclass
-class HostRun:
-    """One AdamW update of fp32 host tensors: ``param`` and the moments in place, from ``grad``
-    multiplied by ``grad_mul``; ``lowp_out`` (fp16/bf16, optional) receives the updated values."""
+def task(run: AdamWRun) -> _Task:
+    """The run as the kernel's task, after checking its tensors (a ValueError names the bad one)."""
+    n = run.param.numel()
+    fp32 = (run.param, run.grad, run.exp_avg, run.exp_avg_sq)
+    lowp = run.lowp_out
+    good = all(t.dtype == torch.float32 and _flat_host(t, n) for t in fp32)
+    if not good or (lowp is not None and not (lowp.dtype in LOWP_DTYPES and _flat_host(lowp, n))):
+        _refuse(run, n)  # raises, naming the bad tensor
+    weight = 1.0 - run.beta1
+    return _Task(
+        run.param.data_ptr(),
+        run.grad.data_ptr(),
+        run.exp_avg.data_ptr(),
+        run.exp_avg_sq.data_ptr(),
+        None if lowp is None else lowp.data_ptr(),
+        n,
+        LOWP_KIND[None if lowp is None else lowp.dtype],
+        int(weight < 0.5),
+        run.grad_mul,
+        1.0 - run.lr * run.weight_decay,
+        run.beta2,
+        weight,
+        1.0 - run.beta2,
+        math.sqrt(1.0 - run.beta2**run.step),
+        run.eps,
+        -run.lr / (1.0 - run.beta1**run.step),
+    )
 
-    param: Tensor
-    grad: Tensor
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    step: int
-    grad_mul: float = 1.0
-    lowp_out: Tensor | None = None
 
-    def task(self) -> _Task:
-        n = self.param.numel()
-        fp32 = (self.param, self.grad, self.exp_avg, self.exp_avg_sq)
-        lowp = self.lowp_out
-        good = all(t.dtype == torch.float32 and _flat_host(t, n) for t in fp32)
-        if not good or (lowp is not None and not (lowp.dtype in LOWP_DTYPES and _flat_host(lowp, n))):
-            self._refuse(n)  # raises, naming the bad tensor
-        weight = 1.0 - self.beta1
-        return _Task(
-            self.param.data_ptr(),
-            self.grad.data_ptr(),
-            self.exp_avg.data_ptr(),
-            self.exp_avg_sq.data_ptr(),
-            None if lowp is None else lowp.data_ptr(),
-            n,
-            LOWP_KIND[None if lowp is None else lowp.dtype],
-            int(weight < 0.5),
-            self.grad_mul,
-            1.0 - self.lr * self.weight_decay,
-            self.beta2,
-            weight,
-            1.0 - self.beta2,
-            math.sqrt(1.0 - self.beta2**self.step),
-            self.eps,
-            -self.lr / (1.0 - self.beta1**self.step),
-        )
-
-    def _refuse(self, n: int) -> None:
-        for name in ("param", "grad", "exp_avg", "exp_avg_sq", "lowp_out"):
-            t = getattr(self, name)
-            wanted = LOWP_DTYPES if name == "lowp_out" else (torch.float32,)
-            if t is not None and not (t.dtype in wanted and _flat_host(t, n)):
-                raise ValueError(
-                    f"{name} must be a contiguous CPU tensor of {n} elements in {' or '.join(map(str, wanted))},"
-                    f" got {tuple(t.shape)} {t.dtype} on {t.device}"
-                )
+def _refuse(run: AdamWRun, n: int) -> None:
+    for name in ("param", "grad", "exp_avg", "exp_avg_sq", "lowp_out"):
+        t = getattr(run, name)
+        wanted = LOWP_DTYPES if name == "lowp_out" else (torch.float32,)
+        if t is not None and not (t.dtype in wanted and _flat_host(t, n)):
+            raise ValueError(
+                f"{name} must be a contiguous CPU tensor of {n} elements in {' or '.join(map(str, wanted))},"
+                f" got {tuple(t.shape)} {t.dtype} on {t.device}"
+            )
 
 
 def _flat_host(t: Tensor, n: int) -> bool:
@@ -173,12 +158,12 @@ def available() -> bool:
     return _library() is not None
 
 
-def adamw_step(runs: Sequence[HostRun], threads: int | None = None) -> None:
+def adamw_step(runs: Sequence[AdamWRun], threads: int | None = None) -> None:
     """Steps every run in one call, over ``threads`` threads (default: ``torch.get_num_threads()``)."""
     if not runs:
         return
     library = _library()
     if library is None:
         raise RuntimeError("the host AdamW kernel is not available here (see lightning_zero.kernels.host)")
-    tasks = (_Task * len(runs))(*(run.task() for run in runs))
+    tasks = (_Task * len(runs))(*(task(run) for run in runs))
     library.lz_adamw_step(tasks, len(runs), threads or torch.get_num_threads())

@@ -87,7 +87,7 @@ class FusedAdamWStep:
         them); returns their ids."""
         done = set()
         group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}  # once per step
-        host_runs: list[host.HostRun] = []
+        host_runs: list[AdamWRun] = []
         device_runs: list[AdamWRun] = []  # the CUDA kernels' (or, on CPU masters, their reference's)
         # the pending factor, once per step: a device scalar for the kernels (no sync), a number for the host
         # kernel (one read, made only when some unit steps on the host)
@@ -116,7 +116,7 @@ class FusedAdamWStep:
                 tensors = (unit.master_view(lo, hi - lo), unit.step_grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi])
                 if backend == "host":
                     host_mul = float(multiplier) if host_mul is None else host_mul
-                    host_runs.append(host.HostRun(*tensors, grad_mul=host_mul, lowp_out=lowp, **hyper))
+                    host_runs.append(AdamWRun(*tensors, grad_mul=host_mul, lowp_out=lowp, **hyper))
                 else:
                     device_runs.append(AdamWRun(*tensors, lowp_out=lowp, **hyper))
             stepped.append((unit, states, step, all(lowp is not None for *_, lowp in runs)))
