@@ -67,7 +67,7 @@ __device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
 // words, in order), from counter (offset / 4 + g, subsequence 0), torch's own layout (counter words 0-1:
 // offset / 4 plus the calls made so far, words 2-3: the subsequence). A call that reserved its range of
 // torch's CUDA generator offset (loader.dropout_stream) so shares no counter with torch's dropout. Each
-// word's top 24 bits make a uniform float in [0, 1). Kernels that walk in fours call philox_uniform4.
+// word's top 24 bits make a uniform float in [0, 1). Every kernel walks the stream in these groups of four.
 __device__ __forceinline__ float4 philox_uniform4(unsigned long long seed, unsigned long long offset, i64 group) {
   const unsigned long long c = (offset >> 2) + (unsigned long long)group;
   const uint4 bits = philox4x32(make_uint4((unsigned)c, (unsigned)(c >> 32), 0u, 0u),
@@ -85,13 +85,6 @@ struct DropoutStream {
 __device__ __forceinline__ DropoutStream read_stream(const long long* stream) {
   if (stream == nullptr) return {0ull, 0ull};
   return {(unsigned long long)stream[0], (unsigned long long)stream[1]};
-}
-
-// Element `index` of the same stream, alone (for kernels that cannot walk in fours).
-__device__ __forceinline__ float philox_uniform(unsigned long long seed, unsigned long long offset, i64 index) {
-  const float4 u = philox_uniform4(seed, offset, index >> 2);
-  const int word = (int)(index & 3);
-  return word == 0 ? u.x : word == 1 ? u.y : word == 2 ? u.z : u.w;
 }
 
 __device__ __forceinline__ float word_of(float4 u, int j) { return j == 0 ? u.x : j == 1 ? u.y : j == 2 ? u.z : u.w; }

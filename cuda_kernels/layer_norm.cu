@@ -73,10 +73,10 @@ __device__ void layer_norm_bwd_params(const T* __restrict__ dy, const T* __restr
 template <typename T>
 __device__ void layer_norm_fwd_rows(const T* __restrict__ x, const float* __restrict__ weight,
                                     const float* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
-                                    float* __restrict__ rstd_out, i64 rows, int cols, int team_size, float eps) {
+                                    float* __restrict__ rstd_out, i64 rows, int cols, int team_size, int vec, float eps) {
   __shared__ float scratch[32];
   constexpr int E = FWD_ELEMS, V = PACK_OF(T);
-  const RowTeam team(team_size);
+  const RowTeam team(team_size, vec);
   for (i64 row = team.first; row < rows; row += team.stride) {
     float v[E];
     load_row<E>(x + row * cols, cols, team, v, 0.f);
@@ -95,10 +95,10 @@ template <typename T>
 __device__ void layer_norm_bwd_rows(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
                                     const float* __restrict__ mean, const float* __restrict__ rstd,
                                     T* __restrict__ dx, float* __restrict__ partial_dweight,
-                                    float* __restrict__ partial_dbias, i64 rows, int cols, int team_size) {
+                                    float* __restrict__ partial_dbias, i64 rows, int cols, int team_size, int vec) {
   __shared__ float scratch[32];
   constexpr int E = BWD_ELEMS, V = PACK_OF(T);
-  const RowTeam team(team_size);
+  const RowTeam team(team_size, vec);
   float dweight[E] = {}, dbias[E] = {};
   for (i64 row = team.first; row < rows; row += team.stride) {
     float xv[E], g[E];
@@ -127,12 +127,12 @@ __device__ void layer_norm_bwd_rows(const T* __restrict__ dy, const T* __restric
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(1024)                                                              \
       layer_norm_fwd_rows_##N(const T* x, const float* weight, const float* bias, T* y, float* mean, float* rstd,  \
-                              i64 rows, int cols, int team, float eps) {                                           \
-    layer_norm_fwd_rows<T>(x, weight, bias, y, mean, rstd, rows, cols, team, eps);                                   \
+                              i64 rows, int cols, int team, int vec, float eps) {                                           \
+    layer_norm_fwd_rows<T>(x, weight, bias, y, mean, rstd, rows, cols, team, vec, eps);                                   \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512)                                                               \
       layer_norm_bwd_rows_##N(const T* dy, const T* x, const float* weight, const float* mean, const float* rstd,  \
-                              T* dx, float* partial_dweight, float* partial_dbias, i64 rows, int cols, int team) { \
-    layer_norm_bwd_rows<T>(dy, x, weight, mean, rstd, dx, partial_dweight, partial_dbias, rows, cols, team);        \
+                              T* dx, float* partial_dweight, float* partial_dbias, i64 rows, int cols, int team, int vec) { \
+    layer_norm_bwd_rows<T>(dy, x, weight, mean, rstd, dx, partial_dweight, partial_dbias, rows, cols, team, vec);        \
   }
 LZ_EXPORT_FLOATING(LZ_LAYER_NORM)

@@ -13,21 +13,21 @@ __device__ void residual_layer_norm_fwd(const T* __restrict__ x, const float* __
                                         const float* __restrict__ ln_bias, T* __restrict__ hidden,
                                         T* __restrict__ normed, float* __restrict__ mean_out,
                                         float* __restrict__ rstd_out, i64 rows, int cols, float p_drop,
-                                        const long long* stream, float eps, int team_size) {
+                                        const long long* stream, float eps, int team_size, int vec) {
   __shared__ float scratch[32];
   constexpr int E = FWD_ELEMS, V = PACK_OF(T);
   const DropoutStream drop = read_stream(stream);
-  const RowTeam team(team_size);
+  const RowTeam team(team_size, vec);
   for (i64 row = team.first; row < rows; row += team.stride) {
     float v[E], r[E];
     load_row<E>(x + row * cols, cols, team, v, 0.f);
-    load_row<E>(residual + row * cols, cols, team, r, 0.f);
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       const int c = team.column<V>(j);
       v[j] = c < cols ? v[j] + bias[c] : 0.f;
     }
     dropout_row<E, V>(v, drop, row, cols, team, p_drop);
+    load_row<E>(residual + row * cols, cols, team, r, 0.f);  // after dropout, whose Philox rounds need registers
 #pragma unroll
     for (int j = 0; j < E; ++j) v[j] = to_f32(from_f32<T>(r[j] + v[j]));  // what `hidden` stores (0 past the end)
     store_row<E>(hidden + row * cols, cols, team, v);
@@ -47,11 +47,11 @@ __device__ void residual_layer_norm_bwd(const T* __restrict__ dnormed, const T* 
                                         T* __restrict__ dx, T* __restrict__ dresidual,
                                         float* __restrict__ partial_dweight, float* __restrict__ partial_dln_bias,
                                         float* __restrict__ partial_dbias, i64 rows, int cols, float p_drop,
-                                        const long long* stream, int team_size) {
+                                        const long long* stream, int team_size, int vec) {
   __shared__ float scratch[32];
   constexpr int E = BWD_ELEMS, V = PACK_OF(T);
   const DropoutStream drop = read_stream(stream);
-  const RowTeam team(team_size);
+  const RowTeam team(team_size, vec);
   float dweight[E] = {}, dln_bias[E] = {}, dbias[E] = {};
   for (i64 row = team.first; row < rows; row += team.stride) {
     float h[E], g[E], d[E];
@@ -76,15 +76,15 @@ __device__ void residual_layer_norm_bwd(const T* __restrict__ dnormed, const T* 
   extern "C" __global__ void __launch_bounds__(1024) residual_layer_norm_fwd_##N(                              \
       const T* x, const float* bias, const T* residual, const float* weight, const float* ln_bias, T* hidden,     \
       T* normed, float* mean, float* rstd, i64 rows, int cols, float p_drop, const long long* stream, float eps,  \
-      int team) {                                                                                                 \
+      int team, int vec) {                                                                                                 \
     residual_layer_norm_fwd<T>(x, bias, residual, weight, ln_bias, hidden, normed, mean, rstd, rows, cols, p_drop, \
-                               stream, eps, team);                                                                \
+                               stream, eps, team, vec);                                                                \
   }                                                                                                               \
   extern "C" __global__ void __launch_bounds__(256) residual_layer_norm_bwd_##N(                               \
       const T* dnormed, const T* dhidden, const T* hidden, const float* weight, const float* mean,               \
       const float* rstd, T* dx, T* dresidual, float* partial_dweight, float* partial_dln_bias,                    \
-      float* partial_dbias, i64 rows, int cols, float p_drop, const long long* stream, int team) {               \
+      float* partial_dbias, i64 rows, int cols, float p_drop, const long long* stream, int team, int vec) {               \
     residual_layer_norm_bwd<T>(dnormed, dhidden, hidden, weight, mean, rstd, dx, dresidual, partial_dweight,      \
-                               partial_dln_bias, partial_dbias, rows, cols, p_drop, stream, team);                \
+                               partial_dln_bias, partial_dbias, rows, cols, p_drop, stream, team, vec);                \
   }
 LZ_EXPORT_FLOATING(LZ_RESIDUAL_LAYER_NORM)

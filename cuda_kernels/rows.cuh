@@ -4,9 +4,10 @@
 // [Note: row teams]
 // A team of threads owns a row: a warp (team = 32; a block holds blockDim.x / 32 teams, one row each) for
 // short rows, else the whole block (team = blockDim.x). Each thread holds E elements in registers: chunk k
-// of V contiguous elements (a 16-byte pack: rows whose length is not a multiple of it, or that do not start
-// 16-byte aligned, take the looping kernels) starts at column (k * team + lane) * V, so a row of up to
-// E * team columns stays in registers. Forward
+// of V contiguous elements (a 16-byte pack) starts at column (k * team + lane) * V, so a row of up to
+// E * team columns stays in registers. A chunk moves with one 16-byte load or store when every row is a
+// whole number of packs and the tensors are 16-byte aligned (`vec`, the host's check); otherwise (odd key
+// counts, views that start mid-pack) element by element in the same layout: still one read of the row. Forward
 // kernels hold E = 8 with teams of up to 1024 threads (64 registers a thread), backward kernels, which
 // keep two rows and two partial sums, E = 16 with teams of up to 512 (128 registers): 8192 columns
 // either way (columns are ints there); wider rows take the looping kernels. Teams walk the
@@ -22,9 +23,11 @@ constexpr int FWD_ELEMS = 8, BWD_ELEMS = 16;  // E of the forward and backward r
 
 struct RowTeam {
   int lane, size;  // this thread's place in its team, the team's size
+  bool vec;        // whether rows move in 16-byte packs (else element by element)
   i64 first, stride, index;
-  __device__ RowTeam(int team) {
+  __device__ RowTeam(int team, int packed) {
     size = team;
+    vec = packed != 0;
     lane = threadIdx.x % team;
     const i64 per_block = blockDim.x / team;
     index = (i64)blockIdx.x * per_block + threadIdx.x / team;
@@ -47,8 +50,9 @@ __device__ __forceinline__ float team_max(float value, const RowTeam& team, floa
   return value;
 }
 
-// This thread's elements of `row` as fp32 (`fill` past the row's end), one 16-byte load per chunk (the host
-// checked that the row length is a multiple of the pack and that every row starts 16-byte aligned).
+// This thread's elements of `row` as fp32 (`fill` past the row's end): one 16-byte load per chunk with
+// `team.vec` (the host checked that the row length is a multiple of the pack and that every row starts
+// 16-byte aligned), else one load per element.
 template <int E, typename T>
 __device__ __forceinline__ void load_row(const T* __restrict__ row, int cols, const RowTeam& team, float (&out)[E],
                                          float fill) {
@@ -56,13 +60,13 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, int cols, co
 #pragma unroll
   for (int k = 0; k < E / V; ++k) {
     const int c = team.column<V>(k * V);
-    if (c < cols) {
+    if (team.vec && c < cols) {
       const Pack<T> pack = load_pack(row + c);
 #pragma unroll
       for (int j = 0; j < V; ++j) out[k * V + j] = to_f32(pack.v[j]);
     } else {
 #pragma unroll
-      for (int j = 0; j < V; ++j) out[k * V + j] = fill;
+      for (int j = 0; j < V; ++j) out[k * V + j] = c + j < cols ? to_f32(row[c + j]) : fill;
     }
   }
 }
@@ -74,16 +78,24 @@ __device__ __forceinline__ void store_row(T* __restrict__ row, int cols, const R
   for (int k = 0; k < E / V; ++k) {
     const int c = team.column<V>(k * V);
     if (c >= cols) continue;
-    Pack<T> pack;
+    if (team.vec) {
+      Pack<T> pack;
 #pragma unroll
-    for (int j = 0; j < V; ++j) pack.v[j] = from_f32<T>(in[k * V + j]);
-    store_pack(row + c, pack);
+      for (int j = 0; j < V; ++j) pack.v[j] = from_f32<T>(in[k * V + j]);
+      store_pack(row + c, pack);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j)
+        if (c + j < cols) row[c + j] = from_f32<T>(in[k * V + j]);
+    }
   }
 }
 
 // Dropout in place on this thread's elements of row `row` (element index row * cols + column; kept ones scaled
-// by 1 / (1 - p)): one Philox call per four contiguous elements (a pack's start is a multiple of 4 in the
-// whole tensor, since the row length is a multiple of the pack). Nothing without dropout.
+// by 1 / (1 - p)): one Philox call per four elements of the stream. A chunk whose first element starts a
+// group of four (always, when the row length is a multiple of 4) takes V / 4 calls; one that does not
+// straddles groups and takes V / 4 + 1, each call's words reused while the group lasts. Elements past the
+// row's end get words too (they are 0 and never stored). Nothing without dropout.
 template <int E, int V>
 __device__ __forceinline__ void dropout_row(float (&v)[E], DropoutStream stream, i64 row, int cols,
                                             const RowTeam& team, float p_drop) {
@@ -92,13 +104,25 @@ __device__ __forceinline__ void dropout_row(float (&v)[E], DropoutStream stream,
 #pragma unroll
   for (int k = 0; k < E / V; ++k) {
     const i64 first = row * cols + team.column<V>(k * V);
+    if ((first & 3) == 0) {
 #pragma unroll
-    for (int q = 0; q < V / 4; ++q) {
-      const float4 u = philox_uniform4(stream.seed, stream.offset, first / 4 + q);
+      for (int q = 0; q < V / 4; ++q) {
+        const float4 u = philox_uniform4(stream.seed, stream.offset, first / 4 + q);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float& x = v[k * V + 4 * q + j];
-        x = word_of(u, j) >= p_drop ? x * keep_scale : 0.f;
+        for (int j = 0; j < 4; ++j) {
+          float& x = v[k * V + 4 * q + j];
+          x = word_of(u, j) >= p_drop ? x * keep_scale : 0.f;
+        }
+      }
+    } else {
+      i64 group = first >> 2;
+      float4 u = philox_uniform4(stream.seed, stream.offset, group);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const i64 index = first + j;
+        if ((index >> 2) != group) u = philox_uniform4(stream.seed, stream.offset, group = index >> 2);
+        float& x = v[k * V + j];
+        x = word_of(u, (int)(index & 3)) >= p_drop ? x * keep_scale : 0.f;
       }
     }
   }

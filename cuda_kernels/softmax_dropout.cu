@@ -6,10 +6,16 @@
 // backward) and, with dropout, the dropped-out output; backward regenerates the mask from the stream and
 // row * cols + col.
 //
-// Rows of up to 8192 keys, a multiple of the 16-byte pack, take the row kernels (rows.cuh, [Note: row
-// teams]): each row read once into registers, the mask made once per element in backward. Other rows take
-// the looping kernels, which read a row three times forward and twice backward (making the mask twice).
+// Rows of up to 8192 keys take the row kernels (rows.cuh, [Note: row teams]): each row read once into
+// registers, the mask made once per element in backward. Wider rows take the looping kernels, which read a
+// row three times forward and twice backward; their dropout passes walk the row in the stream's groups of
+// four elements (one Philox call each, as the row kernels), and backward makes the mask twice.
 #include "rows.cuh"
+
+// The stream's groups of four that row [base, base + cols) touches, one a thread in turn: group g holds
+// elements 4g .. 4g + 3, columns 4g - base + j of the row (those in [0, cols) are the row's).
+#define LZ_FOR_EACH_GROUP(g, base, cols) \
+  for (i64 g = ((base) >> 2) + threadIdx.x; g <= ((base) + (cols) - 1) >> 2; g += blockDim.x)
 
 template <typename T>
 __device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* __restrict__ mask, i64 mask_sb,
@@ -31,14 +37,17 @@ __device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* _
       sum += expf(to_f32(scores[row * cols + c]) * scale + (mask_row ? mask_row[c] : 0.f) - row_max);
   sum = block_sum(sum, scratch);
   const float inv_sum = sum > 0.f ? 1.f / sum : 0.f, keep_scale = 1.f / (1.f - p_drop);
-  for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
-    float p = 0.f;
-    if (c < visible && row_max != -LZ_INF)
-      p = expf(to_f32(scores[row * cols + c]) * scale + (mask_row ? mask_row[c] : 0.f) - row_max) * inv_sum;
-    probs[row * cols + c] = from_f32<T>(p);
-    if (p_drop > 0.f) {
-      const bool keep = philox_uniform(seed, offset, row * cols + c) >= p_drop;
-      out[row * cols + c] = from_f32<T>(keep ? p * keep_scale : 0.f);
+  const i64 base = row * cols;
+  LZ_FOR_EACH_GROUP(g, base, cols) {
+    const float4 u = p_drop > 0.f ? philox_uniform4(seed, offset, g) : make_float4(1.f, 1.f, 1.f, 1.f);
+    for (int j = 0; j < 4; ++j) {
+      const i64 c = 4 * g + j - base;
+      if (c < 0 || c >= cols) continue;
+      float p = 0.f;
+      if (c < visible && row_max != -LZ_INF)
+        p = expf(to_f32(scores[base + c]) * scale + (mask_row ? mask_row[c] : 0.f) - row_max) * inv_sum;
+      probs[base + c] = from_f32<T>(p);
+      if (p_drop > 0.f) out[base + c] = from_f32<T>(word_of(u, j) >= p_drop ? p * keep_scale : 0.f);
     }
   }
 }
@@ -50,17 +59,25 @@ __device__ void softmax_dropout_bwd(const T* __restrict__ dout, const T* __restr
   const auto [seed, offset] = read_stream(stream);
   const i64 row = blockIdx.x;
   const float keep_scale = 1.f / (1.f - p_drop);
+  const i64 base = row * cols;
   float dot = 0.f;
-  for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
-    float d = to_f32(dout[row * cols + c]);
-    if (p_drop > 0.f) d = philox_uniform(seed, offset, row * cols + c) >= p_drop ? d * keep_scale : 0.f;
-    dot += d * to_f32(probs[row * cols + c]);
+  LZ_FOR_EACH_GROUP(g, base, cols) {
+    const float4 u = p_drop > 0.f ? philox_uniform4(seed, offset, g) : make_float4(1.f, 1.f, 1.f, 1.f);
+    for (int j = 0; j < 4; ++j) {
+      const i64 c = 4 * g + j - base;
+      if (c >= 0 && c < cols) dot += (word_of(u, j) >= p_drop ? to_f32(dout[base + c]) * keep_scale : 0.f) *
+                                     to_f32(probs[base + c]);
+    }
   }
   dot = block_sum(dot, scratch);
-  for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
-    float d = to_f32(dout[row * cols + c]);
-    if (p_drop > 0.f) d = philox_uniform(seed, offset, row * cols + c) >= p_drop ? d * keep_scale : 0.f;
-    dscores[row * cols + c] = from_f32<T>(scale * to_f32(probs[row * cols + c]) * (d - dot));
+  LZ_FOR_EACH_GROUP(g, base, cols) {  // the mask again (the row does not fit in registers)
+    const float4 u = p_drop > 0.f ? philox_uniform4(seed, offset, g) : make_float4(1.f, 1.f, 1.f, 1.f);
+    for (int j = 0; j < 4; ++j) {
+      const i64 c = 4 * g + j - base;
+      if (c < 0 || c >= cols) continue;
+      const float d = word_of(u, j) >= p_drop ? to_f32(dout[base + c]) * keep_scale : 0.f;
+      dscores[base + c] = from_f32<T>(scale * to_f32(probs[base + c]) * (d - dot));
+    }
   }
 }
 
@@ -68,11 +85,11 @@ template <typename T>
 __device__ void softmax_dropout_fwd_rows(const T* scores, const float* __restrict__ mask, i64 mask_sb, i64 mask_sh,
                                          i64 mask_sq, T* probs, T* out, i64 rows, int cols, i64 heads, i64 q_len,
                                          float scale, int causal, float p_drop, const long long* stream,
-                                         int team_size) {
+                                         int team_size, int vec) {
   __shared__ float scratch[32];
   constexpr int E = FWD_ELEMS, V = PACK_OF(T);
   const DropoutStream drop = read_stream(stream);
-  const RowTeam team(team_size);
+  const RowTeam team(team_size, vec);
   for (i64 row = team.first; row < rows; row += team.stride) {
     const i64 q = row % q_len, head = (row / q_len) % heads, batch = row / (heads * q_len);
     const i64 visible = causal ? min((i64)cols, q + (cols - q_len) + 1) : cols;
@@ -108,11 +125,11 @@ __device__ void softmax_dropout_fwd_rows(const T* scores, const float* __restric
 template <typename T>
 __device__ void softmax_dropout_bwd_rows(const T* __restrict__ dout, const T* __restrict__ probs,
                                          T* __restrict__ dscores, i64 rows, int cols, float scale, float p_drop,
-                                         const long long* stream, int team_size) {
+                                         const long long* stream, int team_size, int vec) {
   __shared__ float scratch[32];
   constexpr int E = FWD_ELEMS, V = PACK_OF(T);
   const DropoutStream drop = read_stream(stream);
-  const RowTeam team(team_size);
+  const RowTeam team(team_size, vec);
   for (i64 row = team.first; row < rows; row += team.stride) {
     float d[E], pr[E];
     load_row<E>(dout + row * cols, cols, team, d, 0.f);
@@ -142,13 +159,13 @@ __device__ void softmax_dropout_bwd_rows(const T* __restrict__ dout, const T* __
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(1024) softmax_dropout_fwd_rows_##N(                              \
       const T* scores, const float* mask, i64 mask_sb, i64 mask_sh, i64 mask_sq, T* probs, T* out, i64 rows,     \
-      int cols, i64 heads, i64 q_len, float scale, int causal, float p_drop, const long long* stream, int team) { \
+      int cols, i64 heads, i64 q_len, float scale, int causal, float p_drop, const long long* stream, int team, int vec) { \
     softmax_dropout_fwd_rows<T>(scores, mask, mask_sb, mask_sh, mask_sq, probs, out, rows, cols, heads, q_len,     \
-                                scale, causal, p_drop, stream, team);                                            \
+                                scale, causal, p_drop, stream, team, vec);                                            \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(1024) softmax_dropout_bwd_rows_##N(                              \
       const T* dout, const T* probs, T* dscores, i64 rows, int cols, float scale, float p_drop,                  \
-      const long long* stream, int team) {                                                                       \
-    softmax_dropout_bwd_rows<T>(dout, probs, dscores, rows, cols, scale, p_drop, stream, team);                    \
+      const long long* stream, int team, int vec) {                                                                       \
+    softmax_dropout_bwd_rows<T>(dout, probs, dscores, rows, cols, scale, p_drop, stream, team, vec);                    \
   }
 LZ_EXPORT_FLOATING(LZ_SOFTMAX_DROPOUT)

@@ -127,15 +127,21 @@ def test_dropout_without_a_seed_traces_and_follows_torch_manual_seed():
 @pytest.mark.parametrize("kind", [launchers.FWD_ROWS, launchers.BWD_ROWS, launchers.RESIDUAL_BWD_ROWS])
 def test_row_teams_are_a_warp_or_their_whole_block(kind):
     """[Note: row teams]: a team of more than a warp reduces over its block, so it must be the block (a team
-    of 64 in a 128-thread block would mix two rows); the team covers the row; odd, misaligned or too wide
+    of 64 in a 128-thread block would mix two rows); the team covers the row, whatever its length; too wide
     rows get no team."""
     elems, largest = kind
-    x = torch.empty(2 * elems * largest + 8, dtype=torch.bfloat16)
-    for cols in range(8, elems * largest + 1, 8):
-        team = launchers._row_team(cols, kind, x)
+    for cols in range(1, elems * largest + 1):
+        team = launchers._row_team(cols, kind)
         blocks, block, teams = launchers._row_grid(1000, team, 132, 2048)
         assert team == 32 or (team == block and team >= 128 and team & (team - 1) == 0), (cols, team, block)
         assert team * elems >= cols and team <= largest and teams == blocks * (block // team)
-    assert launchers._row_team(elems * largest + 8, kind, x) is None
-    assert launchers._row_team(36, kind, x) is None  # not a multiple of the 8-element pack
-    assert launchers._row_team(64, kind, x[1:]) is None  # not 16-byte aligned
+    assert launchers._row_team(elems * largest + 1, kind) is None
+
+
+def test_rows_move_in_packs_only_when_whole_and_aligned():
+    """The row kernels' ``vec`` flag: 16-byte packs only for rows of whole packs in 16-byte aligned tensors."""
+    x = torch.empty(4096, dtype=torch.bfloat16)
+    assert launchers._pack(64, x, x[8:]) == 8
+    assert launchers._pack(36, x) == 1  # not a multiple of the 8-element pack
+    assert launchers._pack(64, x, x[1:]) == 1  # one tensor not 16-byte aligned
+    assert launchers._pack(36, x.float()) == 4  # fp32: 4-element packs

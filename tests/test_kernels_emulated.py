@@ -31,10 +31,10 @@ def _randn(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-# (rows, cols, misaligned start) -> the kernels' layout: odd widths and misaligned rows loop; a row of packs
-# is held by a warp (64 columns), by a block of 128 threads (512 forward, 1024 backward: a row that needs 64
-# threads takes the whole block, odd row counts included), 256 (1504), or 1024 forward and 512 backward
-# (8192); wider ones loop
+# (rows, cols, misaligned start) -> the kernels' layout: a row is held by a warp (37, 64 columns), by a block
+# of 128 threads (512 forward, 1024 backward: a row that needs 64 threads takes the whole block, odd row
+# counts included), 256 (1504, 1501), or 1024 forward and 512 backward (8192); odd widths and misaligned
+# rows element by element, the others in 16-byte packs; wider ones loop
 LAYER_NORM_CASES = [
     (3, 37, False),
     (300, 64, False),
@@ -42,6 +42,7 @@ LAYER_NORM_CASES = [
     (3, 512, False),
     (3, 1024, False),
     (2, 1504, False),
+    (2, 1501, True),
     (2, 8192, False),
     (2, 8200, False),
 ]
@@ -62,7 +63,7 @@ def test_layer_norm(dtype, rows, cols, misaligned):
     grads = launchers.layer_norm_bwd(dy, x, w, mean, rstd, torch.bfloat16)
     for got, want in zip(grads, reference.layer_norm_bwd(dy, x, w, mean_ref, rstd_ref, torch.bfloat16)):
         _close(got, want, dtype if got.shape == x.shape else torch.float32 if got.dtype == torch.float32 else None)
-    rows_path = cols % (16 // x.element_size()) == 0 and cols <= 8192 and not misaligned
+    rows_path = cols <= 8192
     expected = (
         ["layer_norm_fwd_rows", "layer_norm_bwd_rows"] if rows_path else ["layer_norm_fwd", "layer_norm_bwd_input"]
     )
@@ -81,8 +82,9 @@ def test_bias_gelu(dtype, tanh, cols):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal,masked,p", [(True, False, 0.0), (False, True, 0.3), (True, True, 0.5)])
-# odd widths loop; rows of packs: a warp (16, 64), a block (512: 128 threads, 1504); wider than 8192 keys loop
-@pytest.mark.parametrize("q_len,k_len", [(5, 5), (3, 40), (5, 16), (3, 64), (3, 512), (2, 1504), (1, 8200)])
+# a warp (5, 40 keys: element by element, groups of four straddling rows; 16, 64: packs), a block (512: 128
+# threads, 1504 in packs, 1501 not); wider than 8192 keys loop (8201: groups of four straddle rows)
+@pytest.mark.parametrize("q_len,k_len", [(5, 5), (3, 40), (5, 16), (3, 64), (3, 512), (2, 1504), (2, 1501), (1, 8201)])
 def test_softmax_dropout(dtype, causal, masked, p, q_len, k_len):
     scores = _randn(2, 2, q_len, k_len, dtype=dtype)
     mask = None
@@ -100,7 +102,7 @@ def test_softmax_dropout(dtype, causal, masked, p, q_len, k_len):
         launchers.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM),
         reference.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM),
     )
-    rows_path = k_len % (16 // scores.element_size()) == 0 and k_len <= 8192
+    rows_path = k_len <= 8192
     suffix = "_rows" if rows_path else ""
     assert [k.rsplit("_", 1)[0] for k in LAUNCHED] == [
         f"softmax_dropout_fwd{suffix}",
@@ -159,10 +161,10 @@ def test_an_overflow_flag_skips_the_step():
     assert torch.equal(param, before) and not m.any()
 
 
-# fused where the rows allow: a warp (64), a block (512, 1024: 128 threads, 1504), the largest backward team
-# (4096); forward only (6000); neither (37: the unfused ops)
+# fused up to 8192 columns forward, 4096 backward: a warp (37: element by element, 64), a block (512, 1024:
+# 128 threads, 1504), the largest backward team (4096); forward only (6000); neither (8200: the unfused ops)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cols", [37, 64, 512, 1024, 1504, 4096, 6000])
+@pytest.mark.parametrize("cols", [37, 64, 512, 1024, 1504, 4096, 6000, 8200])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_bias_dropout_residual_layer_norm(dtype, cols, p):
     rows = 5
@@ -176,7 +178,7 @@ def test_bias_dropout_residual_layer_norm(dtype, cols, p):
     hidden, _, mean, rstd = want
     args = (dn, dh, hidden, w, mean, rstd, p, stream, torch.float32, torch.bfloat16)
     grads, expected = launchers.residual_layer_norm_bwd(*args), reference.residual_layer_norm_bwd(*args)
-    fused_fwd, fused_bwd = cols % (16 // x.element_size()) == 0, cols % (16 // x.element_size()) == 0 and cols <= 4096
+    fused_fwd, fused_bwd = cols <= 8192, cols <= 4096
     for got, want_grad in zip(grads, expected):
         _close(got, want_grad, dtype if got.shape == x.shape else torch.float32)
     launched = [k.rsplit("_", 1)[0] for k in LAUNCHED]

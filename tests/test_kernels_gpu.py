@@ -19,9 +19,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (rows, cols) with 7 or 9 rows each: odd sizes (looping kernels), rows of packs held by a warp over 700 rows
-# (teams' partial sums), by blocks of 128..1024 threads, up to the widest row kernels take
-ROWS_COLS = [(1, 1023), (3, 1500), (5, 997), (4, 1024), (100, 64), (3, 512), (2, 4096), (2, 8192)]
+# (rows, cols) with 7 or 9 rows each: odd sizes (row kernels element by element), rows of packs held by a warp
+# over 700 rows (teams' partial sums), by blocks of 128..1024 threads, up to the widest row kernels take, and
+# wider (looping kernels)
+ROWS_COLS = [(1, 1023), (3, 1500), (5, 997), (4, 1024), (100, 64), (3, 512), (2, 4096), (2, 8192), (1, 9001)]
 
 
 def _poison() -> None:
@@ -82,7 +83,9 @@ def test_bias_gelu(dtype, approximate, rows, cols):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal,with_mask", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("q_len,k_len", [(17, 17), (13, 1023), (1, 1500), (64, 64), (9, 1024), (2, 8192)])
+@pytest.mark.parametrize(
+    "q_len,k_len", [(17, 17), (13, 1023), (1, 1500), (64, 64), (9, 1024), (2, 8192), (3, 197), (1, 9001)]
+)
 def test_softmax(dtype, causal, with_mask, q_len, k_len):
     scores = torch.randn(2, 3, q_len, k_len, device="cuda", dtype=dtype)
     mask = (torch.rand(2, 1, q_len, k_len, device="cuda") < 0.2).float() * -1e4 if with_mask else None

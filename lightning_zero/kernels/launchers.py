@@ -52,17 +52,16 @@ def _column_sum(data: Tensor, cols: int) -> Tensor:
     return partial.sum(0)
 
 
-# [Note: row teams] in cuda_kernels/rows.cuh: rows of at most 8192 columns, a multiple of the 16-byte pack
-# and 16-byte aligned stay in registers; forward kernels hold 8 elements a thread in teams of up to 1024
-# threads, backward kernels 16 in teams of up to 512.
+# [Note: row teams] in cuda_kernels/rows.cuh: rows of at most 8192 columns stay in registers (moved in
+# 16-byte packs when every row is whole packs and 16-byte aligned, else element by element); forward
+# kernels hold 8 elements a thread in teams of up to 1024 threads, backward kernels 16 in teams of up to 512.
 FWD_ROWS, BWD_ROWS = (8, 1024), (16, 512)  # (elements a thread holds, the largest team)
 
 
-def _row_team(cols: int, kind: tuple[int, int], *tensors: Tensor) -> int | None:
+def _row_team(cols: int, kind: tuple[int, int]) -> int | None:
     """The team size of a row kernel for rows of ``cols``, or None when the rows take the looping kernels."""
     elems, largest = kind
-    pack = 16 // tensors[0].element_size()
-    if cols > elems * largest or cols % pack or any(t.data_ptr() % 16 for t in tensors):
+    if cols > elems * largest:
         return None
     need = -(-cols // elems)  # threads the row needs
     return 32 if need <= 32 else max(128, 1 << (need - 1).bit_length())  # a warp, or a whole block (>= 128)
@@ -96,12 +95,13 @@ def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple
         mean.data_ptr(),
         rstd.data_ptr(),
     )
-    team = _row_team(cols, FWD_ROWS, x, y)
+    team = _row_team(cols, FWD_ROWS)
     if team is None:
         kernel, grid, block, args = "layer_norm_fwd", rows, _row_block(cols), (*args, i64(cols), f32(eps))
     else:
         grid, block, _ = _row_grid(rows, team, _sms(x.device), 2048)
-        kernel, args = "layer_norm_fwd_rows", (*args, i64(rows), int(cols), int(team), f32(eps))
+        vec = int(_pack(cols, x, y) > 1)
+        kernel, args = "layer_norm_fwd_rows", (*args, i64(rows), int(cols), int(team), vec, f32(eps))
     launch("layer_norm.cu", f"{kernel}_{SUFFIX[x.dtype]}", grid, block, args, device=x.device)
     return y, mean, rstd
 
@@ -115,7 +115,7 @@ def layer_norm_bwd(
     name = SUFFIX[x.dtype]
     dx = torch.empty_like(x)
     checked = (tensor(dy, "dy", dtypes=(x.dtype,), like=x), x.data_ptr(), w.data_ptr(), mean.data_ptr())
-    team = _row_team(cols, BWD_ROWS, dy, x, dx)
+    team = _row_team(cols, BWD_ROWS)
     if team is not None:  # one pass: dx, and each team's partial sums of dweight and dbias
         grid, block, teams = _row_grid(rows, team, _sms(x.device), 1024)
         partial_dw = torch.empty(teams, cols, dtype=torch.float32, device=x.device)
@@ -126,7 +126,7 @@ def layer_norm_bwd(
             f"layer_norm_bwd_rows_{name}",
             grid,
             block,
-            (*args, i64(rows), int(cols), int(team)),
+            (*args, i64(rows), int(cols), int(team), int(_pack(cols, dy, x, dx) > 1)),
             device=x.device,
         )
         return dx, partial_dw.sum(0).to(weight.dtype), partial_db.sum(0).to(bias_dtype)
@@ -152,8 +152,8 @@ def layer_norm_bwd(
 
 
 def _pack(n: int, *tensors: Tensor) -> int:
-    """Elements per thread step: a 16-byte pack when ``n`` splits into packs and every tensor is 16-byte
-    aligned (the kernels' ``vec`` path), else 1."""
+    """Elements per thread step: a 16-byte pack when ``n`` (the elements, or a row's) splits into packs and
+    every tensor is 16-byte aligned (the kernels' ``vec`` path), else 1."""
     per_pack = 16 // tensors[0].element_size()
     return per_pack if n % per_pack == 0 and all(t.data_ptr() % 16 == 0 for t in tensors) else 1
 
@@ -214,12 +214,13 @@ def softmax_dropout_fwd(
         mask_ptr, strides = mask.data_ptr(), mask.stride()[:3]
     head = (tensor(scores, "scores", dtypes=FLOATS), mask_ptr, *map(i64, strides), probs.data_ptr(), out.data_ptr())
     tail = (i64(heads), i64(q_len), f32(scale), int(causal), f32(p), _stream(stream, scores))
-    rows, team = batch * heads * q_len, _row_team(k_len, FWD_ROWS, scores, probs, out)
+    rows, team = batch * heads * q_len, _row_team(k_len, FWD_ROWS)
     if team is None:
         kernel, grid, block, args = "softmax_dropout_fwd", rows, _row_block(k_len), (*head, i64(k_len), *tail)
     else:
         grid, block, _ = _row_grid(rows, team, _sms(scores.device), 2048)
-        kernel, args = "softmax_dropout_fwd_rows", (*head, i64(rows), int(k_len), *tail, int(team))
+        vec = int(_pack(k_len, scores, probs, out) > 1)
+        kernel, args = "softmax_dropout_fwd_rows", (*head, i64(rows), int(k_len), *tail, int(team), vec)
     launch("softmax_dropout.cu", f"{kernel}_{SUFFIX[scores.dtype]}", grid, block, args, device=scores.device)
     return out, (probs if p > 0 else probs.new_empty(0))
 
@@ -230,12 +231,13 @@ def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, str
     k_len = probs.shape[-1]
     head = (tensor(dout, "dout", dtypes=(probs.dtype,), like=probs), probs.data_ptr(), dscores.data_ptr())
     tail = (f32(scale), f32(p), _stream(stream, probs))
-    rows, team = probs.numel() // k_len, _row_team(k_len, FWD_ROWS, dout, probs, dscores)
+    rows, team = probs.numel() // k_len, _row_team(k_len, FWD_ROWS)
     if team is None:
         kernel, grid, block, args = "softmax_dropout_bwd", rows, _row_block(k_len), (*head, i64(k_len), *tail)
     else:
         grid, block, _ = _row_grid(rows, team, _sms(probs.device), 2048)
-        kernel, args = "softmax_dropout_bwd_rows", (*head, i64(rows), int(k_len), *tail, int(team))
+        vec = int(_pack(k_len, dout, probs, dscores) > 1)
+        kernel, args = "softmax_dropout_bwd_rows", (*head, i64(rows), int(k_len), *tail, int(team), vec)
     launch("softmax_dropout.cu", f"{kernel}_{SUFFIX[probs.dtype]}", grid, block, args, device=probs.device)
     return dscores
 
@@ -295,7 +297,7 @@ def residual_layer_norm_fwd(
     cols = x.shape[-1]
     rows = x.numel() // cols
     hidden, normed = torch.empty_like(x), torch.empty_like(x)
-    team = _row_team(cols, FWD_ROWS, x, residual, hidden, normed)
+    team = _row_team(cols, FWD_ROWS)
     if team is None:
         hidden = bias_dropout_residual_fwd(x, bias, residual, p, stream)
         return (hidden, *layer_norm_fwd(hidden, weight, ln_bias, eps))
@@ -318,6 +320,7 @@ def residual_layer_norm_fwd(
         _stream(stream, x),
         f32(eps),
         int(team),
+        int(_pack(cols, x, residual, hidden, normed) > 1),
     )
     grid, block, _ = _row_grid(rows, team, _sms(x.device), 2048)
     launch("residual_layer_norm.cu", f"residual_layer_norm_fwd_{SUFFIX[x.dtype]}", grid, block, args, device=x.device)
@@ -342,7 +345,7 @@ def residual_layer_norm_bwd(
     cols = hidden.shape[-1]
     rows = hidden.numel() // cols
     dx, dresidual = torch.empty_like(hidden), torch.empty_like(hidden)
-    team = _row_team(cols, RESIDUAL_BWD_ROWS, dnormed, dhidden, hidden, dx, dresidual)
+    team = _row_team(cols, RESIDUAL_BWD_ROWS)
     if team is None:  # the unfused kernels, in fp32 as the fused pass computes: one rounding per output
         dh, dweight, dln_bias = layer_norm_bwd(dnormed.float(), hidden.float(), weight, mean, rstd, ln_bias_dtype)
         dh += dhidden
@@ -366,6 +369,7 @@ def residual_layer_norm_bwd(
         f32(p),
         _stream(stream, hidden),
         int(team),
+        int(_pack(cols, dnormed, dhidden, hidden, dx, dresidual) > 1),
     )
     kernel = f"residual_layer_norm_bwd_{SUFFIX[hidden.dtype]}"
     launch("residual_layer_norm.cu", kernel, grid, block, args, device=hidden.device)

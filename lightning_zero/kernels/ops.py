@@ -370,7 +370,7 @@ def bias_dropout_residual_layer_norm(
     """(hidden, normed): hidden = residual + dropout(x + bias), as ``bias_dropout_residual``, and
     normed = LayerNorm(hidden) over the last dimension: the seam between a pre-LN block's sublayers, where
     the residual stream goes on as ``hidden`` and the next sublayer reads ``normed``. One pass on a GPU
-    for rows of up to 8192 columns (a multiple of 16 bytes) forward, 4096 backward."""
+    for rows of up to 8192 columns forward, 4096 backward."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     _check_input(x)

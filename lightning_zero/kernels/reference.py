@@ -39,7 +39,7 @@ def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[int, i
 
 
 def philox_uniform(seed: int, offset: int, index: Tensor) -> Tensor:
-    """Uniform floats in [0, 1) for int64 ``index``; bit for bit what common.cuh's philox_uniform gives:
+    """Uniform floats in [0, 1) for int64 ``index``; bit for bit what common.cuh's philox_uniform4 gives:
     element i is word i % 4 of the Philox call at counter (offset // 4 + i // 4, subsequence 0)."""
     count = (index >> 2) + (offset >> 2)
     zero = torch.zeros_like(index)
