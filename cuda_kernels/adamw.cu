@@ -1,9 +1,10 @@
 // Fused AdamW over flat buffers, one tensor per launch or many (adamw_multi): one pass reads the gradient
 // (any dtype), unscales it, updates the fp32 weights and both moments, and optionally writes the
 // fp16/bf16 copy of the updated weights that ZeRO all-gathers. Same arithmetic as torch.optim.AdamW
-// (decoupled weight decay, bias corrections computed on the host). `found_inf` (nullable) is a device
+// (decoupled weight decay; bias corrections computed on the host from a host step count, or, for a
+// multi-tensor task with a device step count, here in fp64 from it). `found_inf` (nullable) is a device
 // flag: the step does nothing while it is set, so an overflow found on the device skips the step without
-// a host sync. `multiplier` (nullable) is a device scalar the gradient is also multiplied by (ZeRO's clip
+// a host sync (a device step count is then left as it was by the caller: FusedAdamW adds 1 - found_inf). `multiplier` (nullable) is a device scalar the gradient is also multiplied by (ZeRO's clip
 // coefficient: no host sync).
 #include "common.cuh"
 
@@ -19,9 +20,19 @@ __device__ __forceinline__ void adamw_update(float& p, float& m, float& v, float
 // multi-tensor kernel reads an array of them (laid out by kernels/adamw.py's TASK); 64-bit fields first.
 struct AdamWTask {
   long long param, grad, exp_avg, exp_avg_sq, lowp;  // device addresses; lowp 0: no 16-bit copy
+  long long step;     // 0, or the address of an fp32 step count (this step's, from 1) on the device
   long long n, head;  // head: elements before the buffers' common 16-byte boundary, or -1 (unequally misaligned)
+  double beta1_exact, beta2_exact;  // the betas as the host holds them, for bias corrections from `step`
   float lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt, grad_mul;  // grad_mul: this tensor's own factor
 };
+
+// The bias corrections (1 - beta1^t, sqrt(1 - beta2^t)): the host's, or from the device step count in fp64,
+// as the host computes them.
+__device__ __forceinline__ float2 bias_corrections(const AdamWTask& task) {
+  if (task.step == 0) return make_float2(task.bias1, task.bias2_sqrt);
+  const double t = *reinterpret_cast<const float*>(task.step);
+  return make_float2((float)(1.0 - pow(task.beta1_exact, t)), (float)sqrt(1.0 - pow(task.beta2_exact, t)));
+}
 
 // Elements [lo, hi) of `task`, thread `first` of `stride`. With head >= 0 the three fp32 buffers are equally
 // misaligned: elements before `head` one at a time, then 16-byte loads of four elements (a span that
@@ -33,8 +44,9 @@ __device__ void adamw_span(const AdamWTask& task, i64 lo, i64 hi, i64 first, i64
   float* const exp_avg = reinterpret_cast<float*>(task.exp_avg);
   float* const exp_avg_sq = reinterpret_cast<float*>(task.exp_avg_sq);
   L* const lowp = reinterpret_cast<L*>(task.lowp);
-  const float lr = task.lr, beta1 = task.beta1, beta2 = task.beta2, eps = task.eps, bias2_sqrt = task.bias2_sqrt;
-  const float decay = 1.f - lr * task.weight_decay, step_size = lr / task.bias1;
+  const float2 bias = bias_corrections(task);
+  const float lr = task.lr, beta1 = task.beta1, beta2 = task.beta2, eps = task.eps, bias2_sqrt = bias.y;
+  const float decay = 1.f - lr * task.weight_decay, step_size = lr / bias.x;
   inv_scale *= task.grad_mul;
   auto one = [&](i64 i) {
     float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
@@ -88,7 +100,7 @@ __device__ void adamw(float* param, const G* grad, float* exp_avg, float* exp_av
                       i64 head) {
   if (!step_factor(inv_scale, multiplier, found_inf)) return;
   const AdamWTask task{(long long)param, (long long)grad, (long long)exp_avg, (long long)exp_avg_sq, (long long)lowp,
-                       n, head, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt, 1.f};
+                       0, n, head, 0.0, 0.0, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt, 1.f};
   adamw_span<G, L>(task, 0, n, (i64)blockIdx.x * blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x, inv_scale);
 }
 

@@ -7,6 +7,7 @@ group, whose timeout turns a hang into an error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -307,3 +308,33 @@ def poison_checkpoint(ckpt: Path, marker: Path) -> None:
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def check_fused_adamw_under_grad_scaler(device: str = "cpu", guard=contextlib.nullcontext) -> None:
+    """FusedAdamW and torch.optim.AdamW, each under its own GradScaler, on the same scaled losses; step 2's
+    gradients hold an inf, so both skip it and back their scale off. FusedAdamW's step (inside ``guard``,
+    e.g. a CUDA sync check) must land on torch's parameters, with its step counts on the device, 4 of 5."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(17, 9), nn.Linear(9, 3)).to(device)
+    twin = nn.Sequential(nn.Linear(17, 9), nn.Linear(9, 3)).to(device)
+    twin.load_state_dict(model.state_dict())
+    mine = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    scalers = [torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+    for step in range(5):
+        x = torch.randn(5, 17, device=device)
+        for net, opt, scaler, context in ((model, mine, scalers[0], guard), (twin, theirs, scalers[1], None)):
+            opt.zero_grad()
+            scaler.scale(net(x).square().mean()).backward()
+            if step == 2:
+                net[0].weight.grad[0, 0] = float("inf")
+            with context() if context else contextlib.nullcontext():
+                scaler.step(opt)
+                scaler.update()
+    # grown after steps 0-1, backed off at step 2, grown after steps 3-4
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**11, [s.get_scale() for s in scalers]
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for p in model.parameters():
+        count = mine.state[p]["step"]
+        assert count.device == p.device and count.item() == 4.0, count

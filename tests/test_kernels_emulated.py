@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cuda_emulator import LAUNCHED, emulated_gpu  # noqa: F401 (a fixture)
-from helpers import check_fused_gpt
+from helpers import check_fused_adamw_under_grad_scaler, check_fused_gpt
 
 from lightning_zero.kernels import adamw as adamw_module
 from lightning_zero.kernels import launchers, reference
@@ -224,6 +224,13 @@ def test_multi_tensor_adamw_steps_every_run_in_one_launch(monkeypatch):
             _close(got, w)
         if run.lowp_out is not None:
             assert torch.equal(run.lowp_out, run.param.to(run.lowp_out.dtype))
+
+
+def test_fused_adamw_under_a_grad_scaler_on_the_kernel():
+    """The kernel unscales by the scaler's device scale, skips on its flag and takes its bias corrections from
+    the device step counts (a kernel that used the host's would land elsewhere after the skipped step)."""
+    check_fused_adamw_under_grad_scaler("cpu")
+    assert LAUNCHED == ["adamw_multi_f32_none"] * 5
 
 
 def test_fused_adamw_optimizer_takes_one_launch():

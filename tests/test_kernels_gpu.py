@@ -5,10 +5,12 @@ against torch.optim.AdamW over 10 steps; dropout bit for bit the CPU reference's
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check_fused_gpt
+from helpers import check_fused_adamw_under_grad_scaler, check_fused_gpt
 
 from lightning_zero.kernels import loader, ops, reference
 from lightning_zero.kernels.adamw import FusedAdamW, check_finite_, fused_adamw_
@@ -209,6 +211,22 @@ def test_fused_adamw_optimizer_on_gpu():
             opt.step()
     for a, b in zip(model.parameters(), reference_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@contextlib.contextmanager
+def _no_host_sync():
+    """CUDA raises on any operation that waits for the device (``.item()``, a blocking copy) inside."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_fused_adamw_under_a_grad_scaler_never_waits_for_the_gpu():
+    """GradScaler's step and update with FusedAdamW, an overflowed step included, without one host sync."""
+    check_fused_adamw_under_grad_scaler("cuda", guard=_no_host_sync)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])

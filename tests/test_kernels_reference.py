@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from helpers import check_fused_gpt
+from helpers import check_fused_adamw_under_grad_scaler, check_fused_gpt
 
 from lightning_zero.kernels import adamw as fused_adamw_module
 from lightning_zero.kernels import loader, ops, reference
@@ -184,6 +184,10 @@ def test_fused_adamw_matches_torch_adamw_over_ten_steps():
     for a, b in zip(mine, theirs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert set(opt_mine.state[mine[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_fused_adamw_under_a_grad_scaler_skips_overflowed_steps_with_device_step_counts():
+    check_fused_adamw_under_grad_scaler("cpu")
 
 
 def test_fused_adamw_unscales_skips_on_overflow_and_writes_low_precision():

@@ -121,7 +121,10 @@ def _head(n: int, *pointers: int) -> int:
 class AdamWRun:
     """One tensor's AdamW step for the fused kernels (CUDA: ``multi_adamw_``; host: ``kernels.host``): ``param``
     and the moments (fp32) in place, from ``grad`` multiplied by ``grad_mul`` (and by a launch's common scale);
-    ``lowp_out`` (fp16/bf16, optional) receives the updated values."""
+    ``lowp_out`` (fp16/bf16, optional) receives the updated values. ``step`` is this step's count (from 1): a
+    number, or an fp32 tensor on the parameters' device that the CUDA kernel reads (FusedAdamW under a
+    GradScaler: counts that a device overflow flag holds back without a host sync; the host kernel takes
+    numbers only)."""
 
     param: Tensor
     grad: Tensor
@@ -132,14 +135,15 @@ class AdamWRun:
     beta2: float
     eps: float
     weight_decay: float
-    step: int
+    step: int | Tensor
     grad_mul: float = 1.0
     lowp_out: Tensor | None = None
 
 
 # AdamWTask in cuda_kernels/adamw.cu, field for field
 TASK = np.dtype(
-    [(name, "<i8") for name in ("param", "grad", "exp_avg", "exp_avg_sq", "lowp", "n", "head")]
+    [(name, "<i8") for name in ("param", "grad", "exp_avg", "exp_avg_sq", "lowp", "step", "n", "head")]
+    + [("beta1_exact", "<f8"), ("beta2_exact", "<f8")]
     + [(name, "<f4") for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "bias1", "bias2_sqrt", "grad_mul")]
 )
 SPAN = 2**18  # elements a block steps in a multi-tensor launch
@@ -210,8 +214,9 @@ def _tensors(run: AdamWRun) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def _hyper(run: AdamWRun) -> dict:
-    keys = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
-    return {key: getattr(run, key) for key in keys}
+    """The run's hyper-parameters for ``fused_adamw_`` (a device step count read: the reference path only)."""
+    keys = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    return {key: getattr(run, key) for key in keys} | {"step": int(run.step)}
 
 
 def _task_table(runs: list[AdamWRun]) -> tuple[np.ndarray, np.ndarray]:
@@ -229,14 +234,20 @@ def _task_table(runs: list[AdamWRun]) -> tuple[np.ndarray, np.ndarray]:
         grad = tensor(run.grad, "grad", dtypes=tuple(SUFFIX), like=like)
         lowp = 0 if run.lowp_out is None else tensor(run.lowp_out, "lowp_out", dtypes=tuple(LOWP)[1:], like=like)
         head = _head(n, param, *moments)
-        bias = (1.0 - run.beta1**run.step, math.sqrt(1.0 - run.beta2**run.step))
+        if torch.is_tensor(run.step):  # the kernel computes the bias corrections from the device count
+            step, bias = tensor(run.step, "step", dtypes=f32_only, like=like), (1.0, 1.0)
+        else:
+            step, bias = 0, (1.0 - run.beta1**run.step, math.sqrt(1.0 - run.beta2**run.step))
         tasks[index] = (
             param,
             grad,
             *moments,
             lowp,
+            step,
             n,
             head,
+            run.beta1,
+            run.beta2,
             run.lr,
             run.beta1,
             run.beta2,
@@ -275,7 +286,15 @@ def _to_device(blob: np.ndarray, device: torch.device) -> Tensor:
 class FusedAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's arithmetic (decoupled weight decay, no amsgrad) with one multi-tensor kernel launch
     for all parameters on CUDA, the pure-torch reference elsewhere. Parameters must be fp32 (ZeRO's masters
-    are); the state has AdamW's keys, so it also works as the optimizer the ZeRO strategies wrap."""
+    are); the state has AdamW's keys, so it also works as the optimizer the ZeRO strategies wrap.
+
+    Under torch's ``GradScaler`` (Lightning's ``precision="16-mixed"`` outside ZeRO) it takes the scaler's
+    ``grad_scale`` and ``found_inf`` device tensors, as torch's fused optimizers do: the kernel unscales the
+    gradients and skips on the overflow flag, and the step counts move to the parameters' device, where
+    they advance by ``1 - found_inf``: no host sync. (Lightning then refuses gradient clipping, as for
+    torch's fused optimizers, since the gradients are never unscaled outside the step.)"""
+
+    _step_supports_amp_scaling = True  # GradScaler.step sets grad_scale and found_inf instead of unscaling
 
     def __init__(
         self,
@@ -297,7 +316,8 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        runs, states = [], []
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)  # GradScaler's
+        runs, host_counts, device_counts = [], [], []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -306,27 +326,33 @@ class FusedAdamW(torch.optim.Optimizer):
                 if p.dtype != torch.float32:
                     raise ValueError(f"FusedAdamW updates fp32 parameters, got one of dtype {p.dtype}")
                 state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
+                if not state:  # (under a GradScaler the count starts on the device: no blocking copy)
+                    state["step"] = torch.zeros((), device=p.device if found_inf is not None else "cpu")
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                states.append(state)
+                if found_inf is not None and state["step"].device != p.device:  # stepped before without a scaler
+                    state["step"] = state["step"].to(p.device)  # counted on the device from now on
+                on_device = found_inf is not None or state["step"].device.type != "cpu"
+                (device_counts if on_device else host_counts).append(state["step"])
                 hyper = dict(lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"])
-                grad = p.grad.contiguous()
                 runs.append(
                     AdamWRun(
                         p,
-                        grad,
+                        p.grad.contiguous(),
                         state["exp_avg"],
                         state["exp_avg_sq"],
                         beta1=beta1,
                         beta2=beta2,
-                        step=int(state["step"]) + 1,  # the count after this step
+                        step=state["step"] if on_device else int(state["step"]) + 1,  # the count after this step
                         **hyper,
                     )
                 )
-        step = plan_multi_adamw(runs)  # (checks everything first: on an error no step count has moved)
-        for state in states:
-            state["step"] += 1
+        flag = None if found_inf is None else (found_inf > 0).to(torch.int32)
+        multiplier = None if grad_scale is None else grad_scale.float().reciprocal()
+        step = plan_multi_adamw(runs, multiplier=multiplier, found_inf=flag)  # (checks all first: nothing moved yet)
+        if host_counts:
+            torch._foreach_add_(host_counts, 1.0)
+        if device_counts:  # read by the kernel as this step's count
+            torch._foreach_add_(device_counts, 1.0 if flag is None else (1 - flag).float())
         step()  # one launch for all parameters on CUDA
         return loss

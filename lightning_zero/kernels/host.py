@@ -63,7 +63,7 @@ def task(run: AdamWRun) -> _Task:
     good = all(t.dtype == torch.float32 and _flat_host(t, n) for t in fp32)
     if not good or (lowp is not None and not (lowp.dtype in LOWP_DTYPES and _flat_host(lowp, n))):
         _refuse(run, n)  # raises, naming the bad tensor
-    weight = 1.0 - run.beta1
+    weight, step = 1.0 - run.beta1, int(run.step)  # (a step count held in a CPU tensor: read here)
     return _Task(
         run.param.data_ptr(),
         run.grad.data_ptr(),
@@ -78,9 +78,9 @@ def task(run: AdamWRun) -> _Task:
         run.beta2,
         weight,
         1.0 - run.beta2,
-        math.sqrt(1.0 - run.beta2**run.step),
+        math.sqrt(1.0 - run.beta2**step),
         run.eps,
-        -run.lr / (1.0 - run.beta1**run.step),
+        -run.lr / (1.0 - run.beta1**step),
     )
 
 
