@@ -6,8 +6,8 @@
 - Both train zero1, zero2, zero3 and zero2 with ``shard_group_size="node"`` (hybrid: each node shards,
   the nodes replicate) on BlocksNet (data-dependent blocks; accumulation, clipping) to within 1e-5 of a
   single-process run, with ranks 0-1 on node 0 and 2-3 on node 1.
-- The checkpoints the 2 x 2 run wrote mid-run resume on 1 node x 2 ranks and on 1 node x 4 ranks, to
-  within 1e-5 of the uninterrupted single-process run.
+- The checkpoints the 2 x 2 run wrote mid-run resume on 1 node x 2 ranks, to within 1e-5 of the
+  uninterrupted single-process run (resuming at the same world size is covered in test_checkpoint.py).
 Every launch runs under a timeout; a node that fails or hangs fails the test with its output.
 """
 
@@ -94,7 +94,6 @@ def test_two_nodes_by_lightning_and_by_torchrun_and_resume_on_one_node(tmp_path)
     _check(tmp_path / "lightning.pt", reference, "Lightning 2 x 2", ranks=4, per_node=2)
     _run_nodes(_torchrun(2, 2, tmp_path / "torchrun.pt"), tmp_path / "logs-torchrun")
     _check(tmp_path / "torchrun.pt", reference, "torchrun 2 x 2", ranks=4, per_node=2)
-    for devices in (2, 4):
-        out = tmp_path / f"resumed-1x{devices}.pt"
-        _run_nodes(_lightning(1, devices, out, "--resume", str(saved)), tmp_path / f"logs-1x{devices}")
-        _check(out, reference, f"2 x 2 resumed on 1 x {devices}", ranks=devices, per_node=devices)
+    out = tmp_path / "resumed-1x2.pt"  # one node, half the world
+    _run_nodes(_lightning(1, 2, out, "--resume", str(saved)), tmp_path / "logs-1x2")
+    _check(out, reference, "2 x 2 resumed on 1 x 2", ranks=2, per_node=2)

@@ -172,7 +172,7 @@ def test_a_lost_rank_ends_the_survivor_with_one_line(tmp_path, fault):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])  # (stage 1's resume is bitwise-tested in test_resume_mid_epoch.py)
 def test_torchrun_restarts_after_kill_9_and_matches_an_uninterrupted_run(tmp_path, stage):
     reference = tmp_path / "uninterrupted"
     _run(reference, "--stage", str(stage))
