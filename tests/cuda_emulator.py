@@ -59,6 +59,13 @@ def _library(source: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
+def wide_loads(source: str) -> int:
+    """16-byte vector loads the kernels of ``source`` made since the last call (0: they went element by element)."""
+    take = _library(source).emulated_take_wide_loads
+    take.restype = ctypes.c_longlong
+    return take()
+
+
 @functools.cache
 def _signatures(source: str) -> dict[str, list]:
     """Each entry point's parameter types, from the PTX NVRTC makes of the source."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_emulator import LAUNCHED, emulated_gpu  # noqa: F401 (a fixture)
+from cuda_emulator import LAUNCHED, emulated_gpu, wide_loads  # noqa: F401 (a fixture)
 from helpers import check_fused_adamw_under_grad_scaler, check_fused_gpt
 
 from lightning_zero.kernels import adamw as adamw_module
@@ -51,16 +51,19 @@ LAYER_NORM_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols,misaligned", LAYER_NORM_CASES)
 def test_layer_norm(dtype, rows, cols, misaligned):
+    wide_loads("layer_norm.cu")  # (counted from here)
     x, dy = _randn(rows * cols + 1, dtype=dtype), _randn(rows, cols, dtype=dtype, seed=1)
     x = x[1:] if misaligned else x[:-1]
     x = x.view(rows, cols)
     w, b = _randn(cols, seed=2), _randn(cols, seed=3)
     y, mean, rstd = launchers.layer_norm_fwd(x, w, b, 1e-5)
+    packed_loads = [wide_loads("layer_norm.cu")]
     y_ref, mean_ref, rstd_ref = reference.layer_norm_fwd(x, w, b, 1e-5)
     _close(y, y_ref)
     _close(mean, mean_ref)
     _close(rstd, rstd_ref)
     grads = launchers.layer_norm_bwd(dy, x, w, mean, rstd, torch.bfloat16)
+    packed_loads.append(wide_loads("layer_norm.cu"))
     for got, want in zip(grads, reference.layer_norm_bwd(dy, x, w, mean_ref, rstd_ref, torch.bfloat16)):
         _close(got, want, dtype if got.shape == x.shape else torch.float32 if got.dtype == torch.float32 else None)
     rows_path = cols <= 8192
@@ -68,6 +71,8 @@ def test_layer_norm(dtype, rows, cols, misaligned):
         ["layer_norm_fwd_rows", "layer_norm_bwd_rows"] if rows_path else ["layer_norm_fwd", "layer_norm_bwd_input"]
     )
     assert [k.rsplit("_", 1)[0] for k in LAUNCHED][:2] == expected
+    packed = rows_path and cols % (16 // x.element_size()) == 0 and not misaligned
+    assert [n > 0 for n in packed_loads] == [packed] * 2, "16-byte loads where rows are whole aligned packs, only"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,23 +91,26 @@ def test_bias_gelu(dtype, tanh, cols):
 # threads, 1504 in packs, 1501 not); wider than 8192 keys loop (8201: groups of four straddle rows)
 @pytest.mark.parametrize("q_len,k_len", [(5, 5), (3, 40), (5, 16), (3, 64), (3, 512), (2, 1504), (2, 1501), (1, 8201)])
 def test_softmax_dropout(dtype, causal, masked, p, q_len, k_len):
+    wide_loads("softmax_dropout.cu")
     scores = _randn(2, 2, q_len, k_len, dtype=dtype)
     mask = None
     if masked:  # a padding mask, read through its strides
         mask = torch.zeros(2, 1, 1, k_len).masked_fill_(_randn(2, 1, 1, k_len, seed=4) > 1.0, float("-inf"))
         mask[..., 0] = 0.0
     out, probs = launchers.softmax_dropout_fwd(scores, mask, 0.5, causal, p, STREAM)
+    packed_loads = [wide_loads("softmax_dropout.cu")]
     out_ref, probs_ref = reference.softmax_dropout_fwd(scores, mask, 0.5, causal, p, STREAM)
     assert torch.equal(out == 0, out_ref == 0), "the kernel drops other elements than the reference"
     _close(out, out_ref)
     _close(probs, probs_ref)
     dout = _randn(*scores.shape, dtype=dtype, seed=5)
     saved = probs if p > 0 else out
-    _close(
-        launchers.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM),
-        reference.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM),
-    )
+    dscores = launchers.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM)
+    packed_loads.append(wide_loads("softmax_dropout.cu"))
+    _close(dscores, reference.softmax_dropout_bwd(dout, saved, 0.5, p, STREAM))
     rows_path = k_len <= 8192
+    packed = rows_path and k_len % (16 // scores.element_size()) == 0
+    assert [n > 0 for n in packed_loads] == [packed] * 2
     suffix = "_rows" if rows_path else ""
     assert [k.rsplit("_", 1)[0] for k in LAUNCHED] == [
         f"softmax_dropout_fwd{suffix}",
@@ -167,21 +175,27 @@ def test_an_overflow_flag_skips_the_step():
 @pytest.mark.parametrize("cols", [37, 64, 512, 1024, 1504, 4096, 6000, 8200])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_bias_dropout_residual_layer_norm(dtype, cols, p):
+    wide_loads("residual_layer_norm.cu")
     rows = 5
     x, r, dn, dh = (_randn(rows, cols, dtype=dtype, seed=s) for s in range(4))
     b, w, lb = (_randn(cols, seed=s) for s in range(4, 7))
     stream = reference.stream_tensor(31, 12) if p > 0 else None
     out = launchers.residual_layer_norm_fwd(x, b, r, w, lb, p, 1e-5, stream)
+    packed_loads = [wide_loads("residual_layer_norm.cu")]
     want = reference.residual_layer_norm_fwd(x, b, r, w, lb, p, 1e-5, stream)
     for got, expected in zip(out, want):
         _close(got, expected, dtype if got.shape == x.shape else torch.float32)
     hidden, _, mean, rstd = want
     args = (dn, dh, hidden, w, mean, rstd, p, stream, torch.float32, torch.bfloat16)
-    grads, expected = launchers.residual_layer_norm_bwd(*args), reference.residual_layer_norm_bwd(*args)
+    grads = launchers.residual_layer_norm_bwd(*args)
+    packed_loads.append(wide_loads("residual_layer_norm.cu"))
+    expected = reference.residual_layer_norm_bwd(*args)
     fused_fwd, fused_bwd = cols <= 8192, cols <= 4096
     for got, want_grad in zip(grads, expected):
         _close(got, want_grad, dtype if got.shape == x.shape else torch.float32)
     launched = [k.rsplit("_", 1)[0] for k in LAUNCHED]
+    whole_packs = cols % (16 // x.element_size()) == 0
+    assert [n > 0 for n in packed_loads] == [fused_fwd and whole_packs, fused_bwd and whole_packs]
     assert ("residual_layer_norm_fwd" in launched) == fused_fwd
     assert ("residual_layer_norm_bwd" in launched) == fused_bwd
 

@@ -7,6 +7,7 @@
 // compared with tolerances, never bit for bit with a GPU. Driven by tests/cuda_emulator.py.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -95,11 +96,16 @@ template <typename T> T __shfl_down_sync(unsigned, T value, unsigned delta, int 
   return emulated_shuffle(value, source);
 }
 
+// 16-byte __ldg loads since the last read (the kernels' vector path), so a test can tell which path ran.
+static std::atomic<long long> emulated_wide_loads{0};  // (static: one per library; an inline one is unified across them)
+extern "C" long long emulated_take_wide_loads() { return emulated_wide_loads.exchange(0); }
+
 template <typename T> T __ldg(const T* p) {
   if (reinterpret_cast<std::uintptr_t>(p) % alignof(T) != 0) {
     std::fprintf(stderr, "emulated CUDA: misaligned %zu-byte load at %p\n", sizeof(T), (const void*)p);
     std::abort();
   }
+  if constexpr (sizeof(T) == 16) emulated_wide_loads.fetch_add(1, std::memory_order_relaxed);
   return *p;
 }
 
