@@ -75,6 +75,9 @@ def cases(device: str, dtype: torch.dtype, scale: int) -> list[tuple[str, Callab
     s = torch.randn(
         8 // min(scale, 8), 16, 1024 // scale, 1024 // scale, device=device, dtype=dtype, requires_grad=True
     )
+    vit = torch.randn(  # ViT-B/16's attention: 197 keys, rows that are not whole 16-byte packs
+        64 // scale, 12, 197, 197, device=device, dtype=dtype, requires_grad=True
+    )
     e = x.element_size()
     causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=device).triu(1)
     return [
@@ -98,6 +101,13 @@ def cases(device: str, dtype: torch.dtype, scale: int) -> list[tuple[str, Callab
             lambda s: torch.softmax((s * 0.125).masked_fill(causal, float("-inf")), dim=-1),
             [s],
             s.numel() * e * 5,
+        ),
+        (
+            "softmax_197_keys",
+            lambda v: ops.softmax_dropout(v, 0.125),
+            lambda v: torch.softmax(v * 0.125, dim=-1),
+            [vit],
+            vit.numel() * e * 5,
         ),
         (
             "bias_dropout_residual",
