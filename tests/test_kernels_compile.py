@@ -135,7 +135,8 @@ VECTOR_LOADS = {
 
 @pytest.mark.parametrize("source", sorted(VECTOR_LOADS))
 def test_16_bit_kernels_load_16_bytes_at_a_time(source):
-    """Every 16-bit elementwise kernel, and every row kernel in each dtype (they only load 16-byte packs)."""
+    """Every 16-bit elementwise kernel, and every row kernel in each dtype (their path for rows of whole aligned
+    packs)."""
     ptx = _compile(source, "compute_90")[0].decode()
     bodies = dict(re.findall(r"\.entry (\w+)\((.*?)(?=\.entry |\Z)", ptx, re.S))
     for kernel in VECTOR_LOADS[source]:

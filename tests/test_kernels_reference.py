@@ -190,6 +190,36 @@ def test_fused_adamw_under_a_grad_scaler_skips_overflowed_steps_with_device_step
     check_fused_adamw_under_grad_scaler("cpu")
 
 
+def test_fused_adamw_step_counts_from_numbers_fp64_and_scaler_steps_between_plain_ones():
+    """Counts as old checkpoints may hold them (a number, fp64), then GradScaler steps (counts move to the
+    device's side), then plain steps again: torch.optim.AdamW's parameters throughout, counts in fp32."""
+    torch.manual_seed(0)
+    mine, theirs = [torch.randn(50, requires_grad=True) for _ in range(2)], []
+    theirs = [p.detach().clone().requires_grad_() for p in mine]
+    opts = FusedAdamW(mine, lr=1e-2), torch.optim.AdamW(theirs, lr=1e-2)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) for _ in range(2)]
+    for step in range(5):
+        if step == 2:
+            opts[0].state[mine[0]]["step"] = 2
+            opts[0].state[mine[1]]["step"] = torch.tensor(2.0, dtype=torch.float64)
+        grads = [torch.randn(50) for _ in mine]
+        for params, opt, scaler in zip((mine, theirs), opts, scalers):
+            opt.zero_grad()
+            loss = sum((p * g).sum() for p, g in zip(params, grads))  # each parameter's gradient: its g
+            if step in (2, 3):
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for p in mine:
+        count = opts[0].state[p]["step"]
+        assert count.dtype == torch.float32 and count.item() == 5.0
+
+
 def test_fused_adamw_unscales_skips_on_overflow_and_writes_low_precision():
     param, grad = torch.randn(100), torch.randn(100)
     m, v = torch.zeros(100), torch.zeros(100)

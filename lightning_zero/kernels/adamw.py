@@ -123,8 +123,8 @@ class AdamWRun:
     and the moments (fp32) in place, from ``grad`` multiplied by ``grad_mul`` (and by a launch's common scale);
     ``lowp_out`` (fp16/bf16, optional) receives the updated values. ``step`` is this step's count (from 1): a
     number, or an fp32 tensor on the parameters' device that the CUDA kernel reads (FusedAdamW under a
-    GradScaler: counts that a device overflow flag holds back without a host sync; the host kernel takes
-    numbers only)."""
+    GradScaler: counts that a device overflow flag holds back without a host sync; the reference and the
+    host kernel read it on the host)."""
 
     param: Tensor
     grad: Tensor
@@ -285,16 +285,17 @@ def _to_device(blob: np.ndarray, device: torch.device) -> Tensor:
 
 class FusedAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's arithmetic (decoupled weight decay, no amsgrad) with one multi-tensor kernel launch
-    for all parameters on CUDA, the pure-torch reference elsewhere. Parameters must be fp32 (ZeRO's masters
-    are); the state has AdamW's keys, so it also works as the optimizer the ZeRO strategies wrap.
+    per device for all parameters on CUDA, the pure-torch reference elsewhere. Parameters must be fp32 (ZeRO's
+    masters are); the state has AdamW's keys, so it also works as the optimizer the ZeRO strategies wrap.
 
     Under torch's ``GradScaler`` (Lightning's ``precision="16-mixed"`` outside ZeRO) it takes the scaler's
     ``grad_scale`` and ``found_inf`` device tensors, as torch's fused optimizers do: the kernel unscales the
-    gradients and skips on the overflow flag, and the step counts move to the parameters' device, where
-    they advance by ``1 - found_inf``: no host sync. (Lightning then refuses gradient clipping, as for
-    torch's fused optimizers, since the gradients are never unscaled outside the step.)"""
-
-    _step_supports_amp_scaling = True  # GradScaler.step sets grad_scale and found_inf instead of unscaling
+    gradients and skips on the overflow flag, and the step counts live on the parameters' device (fp32),
+    where they advance by ``1 - found_inf``: after the first step (which moves host counts over), a step
+    never waits for the GPU. Lightning then refuses gradient clipping, as for torch's fused optimizers,
+    since the gradients are never unscaled outside the step: ``unscale_in_step=False`` keeps torch's
+    GradScaler path instead (it unscales first, and reads the overflow flag on the host).
+    """
 
     def __init__(
         self,
@@ -303,12 +304,14 @@ class FusedAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        unscale_in_step: bool = True,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(
                 f"invalid FusedAdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
             )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self._step_supports_amp_scaling = unscale_in_step  # GradScaler.step then sets grad_scale and found_inf
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -317,7 +320,8 @@ class FusedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)  # GradScaler's
-        runs, host_counts, device_counts = [], [], []
+        by_device: dict[torch.device, tuple[list[AdamWRun], list[Tensor]]] = {}
+        host_counts = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -326,33 +330,41 @@ class FusedAdamW(torch.optim.Optimizer):
                 if p.dtype != torch.float32:
                     raise ValueError(f"FusedAdamW updates fp32 parameters, got one of dtype {p.dtype}")
                 state = self.state[p]
-                if not state:  # (under a GradScaler the count starts on the device: no blocking copy)
-                    state["step"] = torch.zeros((), device=p.device if found_inf is not None else "cpu")
+                if not state:
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                if found_inf is not None and state["step"].device != p.device:  # stepped before without a scaler
-                    state["step"] = state["step"].to(p.device)  # counted on the device from now on
-                on_device = found_inf is not None or state["step"].device.type != "cpu"
-                (device_counts if on_device else host_counts).append(state["step"])
+                count = _step_count(state.get("step", 0.0), p.device, on_device=found_inf is not None)
+                state["step"] = count
+                runs, device_counts = by_device.setdefault(p.device, ([], []))
+                on_device = count.device.type != "cpu" or found_inf is not None
+                (device_counts if on_device else host_counts).append(count)
                 hyper = dict(lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"])
-                runs.append(
-                    AdamWRun(
-                        p,
-                        p.grad.contiguous(),
-                        state["exp_avg"],
-                        state["exp_avg_sq"],
-                        beta1=beta1,
-                        beta2=beta2,
-                        step=state["step"] if on_device else int(state["step"]) + 1,  # the count after this step
-                        **hyper,
-                    )
-                )
-        flag = None if found_inf is None else (found_inf > 0).to(torch.int32)
-        multiplier = None if grad_scale is None else grad_scale.float().reciprocal()
-        step = plan_multi_adamw(runs, multiplier=multiplier, found_inf=flag)  # (checks all first: nothing moved yet)
+                step = count if on_device else int(count) + 1  # a host count: the count after this step
+                moments = dict(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+                runs.append(AdamWRun(p, p.grad.contiguous(), **moments, beta1=beta1, beta2=beta2, step=step, **hyper))
+        plans, keeps = [], []
+        for device, (runs, device_counts) in by_device.items():  # the scaler's tensors live on one device
+            flag = None if found_inf is None else (found_inf > 0).to(device, torch.int32, non_blocking=True)
+            multiplier = None if grad_scale is None else grad_scale.to(device, torch.float32, non_blocking=True)
+            multiplier = None if multiplier is None else multiplier.reciprocal()
+            plans.append(plan_multi_adamw(runs, multiplier=multiplier, found_inf=flag))  # (checks all first)
+            keeps.append((device_counts, 1.0 if flag is None else (1 - flag).float()))
         if host_counts:
             torch._foreach_add_(host_counts, 1.0)
-        if device_counts:  # read by the kernel as this step's count
-            torch._foreach_add_(device_counts, 1.0 if flag is None else (1 - flag).float())
-        step()  # one launch for all parameters on CUDA
+        for device_counts, keep in keeps:  # read by the kernel as this step's count
+            if device_counts:
+                torch._foreach_add_(device_counts, keep)
+        for plan in plans:
+            plan()  # one launch per device on CUDA
         return loss
+
+
+def _step_count(count: Any, device: torch.device, on_device: bool) -> Tensor:
+    """A parameter's step count as FusedAdamW keeps it: an fp32 tensor, on the host unless a GradScaler steps
+    (``on_device``) or it was already on a device, then on the parameter's (a checkpoint may bring a number,
+    fp64, or another rank's device). A host count moves to the device once, from pageable memory."""
+    count = count if torch.is_tensor(count) else torch.tensor(float(count))
+    target = device if on_device or count.device.type != "cpu" else count.device
+    if count.device != target or count.dtype != torch.float32:
+        count = count.to(target, torch.float32, non_blocking=True)
+    return count
