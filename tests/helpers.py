@@ -310,15 +310,18 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def check_fused_adamw_under_grad_scaler(device: str = "cpu", guard=contextlib.nullcontext) -> None:
+def check_fused_adamw_under_grad_scaler(
+    device: str = "cpu", guard=contextlib.nullcontext, unscale_in_step: bool = True
+) -> None:
     """FusedAdamW and torch.optim.AdamW, each under its own GradScaler, on the same scaled losses; step 2's
     gradients hold an inf, so both skip it and back their scale off. FusedAdamW's step (inside ``guard``,
-    e.g. a CUDA sync check) must land on torch's parameters, with its step counts on the device, 4 of 5."""
+    e.g. a CUDA sync check) must land on torch's parameters, with its step counts on the device, 4 of 5
+    (``unscale_in_step=False``: the scaler unscales and skips itself; the counts stay on the host)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(17, 9), nn.Linear(9, 3)).to(device)
     twin = nn.Sequential(nn.Linear(17, 9), nn.Linear(9, 3)).to(device)
     twin.load_state_dict(model.state_dict())
-    mine = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    mine = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, unscale_in_step=unscale_in_step)
     theirs = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
     # the scale changes every step: a step that did not unscale would land elsewhere
     scalers = [torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=1) for _ in range(2)]
@@ -338,4 +341,5 @@ def check_fused_adamw_under_grad_scaler(device: str = "cpu", guard=contextlib.nu
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for p in model.parameters():
         count = mine.state[p]["step"]
-        assert count.device == p.device and count.item() == 4.0, count
+        assert count.device == (p.device if unscale_in_step else torch.device("cpu")), count.device
+        assert count.item() == 4.0, count

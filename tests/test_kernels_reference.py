@@ -186,8 +186,9 @@ def test_fused_adamw_matches_torch_adamw_over_ten_steps():
     assert set(opt_mine.state[mine[0]]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
-def test_fused_adamw_under_a_grad_scaler_skips_overflowed_steps_with_device_step_counts():
-    check_fused_adamw_under_grad_scaler("cpu")
+@pytest.mark.parametrize("unscale_in_step", [True, False])
+def test_fused_adamw_under_a_grad_scaler_skips_overflowed_steps(unscale_in_step):
+    check_fused_adamw_under_grad_scaler("cpu", unscale_in_step=unscale_in_step)
 
 
 def test_fused_adamw_step_counts_from_numbers_fp64_and_scaler_steps_between_plain_ones():
