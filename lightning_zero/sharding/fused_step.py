@@ -100,7 +100,7 @@ class FusedAdamWStep:
             if backend is None:
                 continue
             states = [self.optimizer.state[t] for t in pieces]
-            steps = {float(s["step"]) if s else 0.0 for s in states}
+            steps = {_host_count(s) if s else 0.0 for s in states}
             if len(steps) != 1 or any(t.grad is None for t in pieces):
                 continue
             runs = self._runs(unit, group_of)
@@ -148,6 +148,15 @@ class FusedAdamWStep:
                 state[key] = view
             state.setdefault("step", torch.tensor(0.0))
         return flat
+
+
+def _host_count(state: dict) -> float:
+    """A piece's step count, kept on the host: one brought on a device (FusedAdamW's counts under a GradScaler,
+    from a checkpoint of a run without ZeRO) moves here once, rather than being read every step."""
+    count = state["step"]
+    if torch.is_tensor(count) and count.device.type != "cpu":
+        state["step"] = count = count.cpu()
+    return float(count)
 
 
 def _stages_params(unit: FlatUnit) -> bool:
