@@ -4,8 +4,9 @@
 // (decoupled weight decay; bias corrections computed on the host from a host step count, or, for a
 // multi-tensor task with a device step count, here in fp64 from it). `found_inf` (nullable) is a device
 // flag: the step does nothing while it is set, so an overflow found on the device skips the step without
-// a host sync (a device step count is then left as it was by the caller: FusedAdamW adds 1 - found_inf). `multiplier` (nullable) is a device scalar the gradient is also multiplied by (ZeRO's clip
-// coefficient: no host sync).
+// a host sync (a device step count is the caller's to hold back: FusedAdamW adds 1 - found_inf to it).
+// `multiplier` (nullable) is a device scalar the gradient is also multiplied by (ZeRO's clip coefficient: no
+// host sync).
 #include "common.cuh"
 
 __device__ __forceinline__ void adamw_update(float& p, float& m, float& v, float g, float lr, float beta1, float beta2,

@@ -73,7 +73,8 @@ __device__ void layer_norm_bwd_params(const T* __restrict__ dy, const T* __restr
 template <typename T>
 __device__ void layer_norm_fwd_rows(const T* __restrict__ x, const float* __restrict__ weight,
                                     const float* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
-                                    float* __restrict__ rstd_out, i64 rows, int cols, int team_size, int vec, float eps) {
+                                    float* __restrict__ rstd_out, i64 rows, int cols, int team_size, int vec,
+                                    float eps) {
   __shared__ float scratch[32];
   constexpr int E = FWD_ELEMS, V = PACK_OF(T);
   const RowTeam team(team_size, vec);
@@ -111,28 +112,29 @@ __device__ void layer_norm_bwd_rows(const T* __restrict__ dy, const T* __restric
   write_team_sums<E, V>(team, cols, dbias, partial_dbias);
 }
 
-#define LZ_LAYER_NORM(T, N)                                                                                          \
-  extern "C" __global__ void layer_norm_fwd_##N(const T* x, const float* weight, const float* bias, T* y,           \
-                                                float* mean, float* rstd, i64 cols, float eps) {                    \
-    layer_norm_fwd<T>(x, weight, bias, y, mean, rstd, cols, eps);                                                    \
-  }                                                                                                                  \
+#define LZ_LAYER_NORM(T, N)                                                                                            \
+  extern "C" __global__ void layer_norm_fwd_##N(const T* x, const float* weight, const float* bias, T* y,              \
+                                                float* mean, float* rstd, i64 cols, float eps) {                       \
+    layer_norm_fwd<T>(x, weight, bias, y, mean, rstd, cols, eps);                                                      \
+  }                                                                                                                    \
   extern "C" __global__ void layer_norm_bwd_input_##N(const T* dy, const T* x, const float* weight, const float* mean, \
-                                                      const float* rstd, T* dx, i64 cols) {                          \
-    layer_norm_bwd_input<T>(dy, x, weight, mean, rstd, dx, cols);                                                    \
-  }                                                                                                                  \
-  extern "C" __global__ void layer_norm_bwd_params_##N(const T* dy, const T* x, const float* mean, const float* rstd, \
+                                                      const float* rstd, T* dx, i64 cols) {                            \
+    layer_norm_bwd_input<T>(dy, x, weight, mean, rstd, dx, cols);                                                      \
+  }                                                                                                                    \
+  extern "C" __global__ void layer_norm_bwd_params_##N(const T* dy, const T* x, const float* mean, const float* rstd,  \
                                                        i64 rows, i64 cols, i64 rows_per_chunk, float* partial_dweight, \
-                                                       float* partial_dbias) {                                       \
-    layer_norm_bwd_params<T>(dy, x, mean, rstd, rows, cols, rows_per_chunk, partial_dweight, partial_dbias);         \
-  }                                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(1024)                                                              \
-      layer_norm_fwd_rows_##N(const T* x, const float* weight, const float* bias, T* y, float* mean, float* rstd,  \
-                              i64 rows, int cols, int team, int vec, float eps) {                                           \
-    layer_norm_fwd_rows<T>(x, weight, bias, y, mean, rstd, rows, cols, team, vec, eps);                                   \
-  }                                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(512)                                                               \
-      layer_norm_bwd_rows_##N(const T* dy, const T* x, const float* weight, const float* mean, const float* rstd,  \
-                              T* dx, float* partial_dweight, float* partial_dbias, i64 rows, int cols, int team, int vec) { \
-    layer_norm_bwd_rows<T>(dy, x, weight, mean, rstd, dx, partial_dweight, partial_dbias, rows, cols, team, vec);        \
+                                                       float* partial_dbias) {                                         \
+    layer_norm_bwd_params<T>(dy, x, mean, rstd, rows, cols, rows_per_chunk, partial_dweight, partial_dbias);           \
+  }                                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(1024)                                                                   \
+      layer_norm_fwd_rows_##N(const T* x, const float* weight, const float* bias, T* y, float* mean, float* rstd,      \
+                              i64 rows, int cols, int team, int vec, float eps) {                                      \
+    layer_norm_fwd_rows<T>(x, weight, bias, y, mean, rstd, rows, cols, team, vec, eps);                                \
+  }                                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(512)                                                                    \
+      layer_norm_bwd_rows_##N(const T* dy, const T* x, const float* weight, const float* mean, const float* rstd,      \
+                              T* dx, float* partial_dweight, float* partial_dbias, i64 rows, int cols, int team,       \
+                              int vec) {                                                                               \
+    layer_norm_bwd_rows<T>(dy, x, weight, mean, rstd, dx, partial_dweight, partial_dbias, rows, cols, team, vec);      \
   }
 LZ_EXPORT_FLOATING(LZ_LAYER_NORM)

@@ -72,19 +72,19 @@ __device__ void residual_layer_norm_bwd(const T* __restrict__ dnormed, const T* 
   write_team_sums<E, V>(team, cols, dbias, partial_dbias);
 }
 
-#define LZ_RESIDUAL_LAYER_NORM(T, N)                                                                               \
-  extern "C" __global__ void __launch_bounds__(1024) residual_layer_norm_fwd_##N(                              \
-      const T* x, const float* bias, const T* residual, const float* weight, const float* ln_bias, T* hidden,     \
-      T* normed, float* mean, float* rstd, i64 rows, int cols, float p_drop, const long long* stream, float eps,  \
-      int team, int vec) {                                                                                                 \
-    residual_layer_norm_fwd<T>(x, bias, residual, weight, ln_bias, hidden, normed, mean, rstd, rows, cols, p_drop, \
+#define LZ_RESIDUAL_LAYER_NORM(T, N)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(1024) residual_layer_norm_fwd_##N(                                      \
+      const T* x, const float* bias, const T* residual, const float* weight, const float* ln_bias, T* hidden,          \
+      T* normed, float* mean, float* rstd, i64 rows, int cols, float p_drop, const long long* stream, float eps,       \
+      int team, int vec) {                                                                                             \
+    residual_layer_norm_fwd<T>(x, bias, residual, weight, ln_bias, hidden, normed, mean, rstd, rows, cols, p_drop,     \
                                stream, eps, team, vec);                                                                \
-  }                                                                                                               \
-  extern "C" __global__ void __launch_bounds__(256) residual_layer_norm_bwd_##N(                               \
-      const T* dnormed, const T* dhidden, const T* hidden, const float* weight, const float* mean,               \
-      const float* rstd, T* dx, T* dresidual, float* partial_dweight, float* partial_dln_bias,                    \
-      float* partial_dbias, i64 rows, int cols, float p_drop, const long long* stream, int team, int vec) {               \
-    residual_layer_norm_bwd<T>(dnormed, dhidden, hidden, weight, mean, rstd, dx, dresidual, partial_dweight,      \
+  }                                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(256) residual_layer_norm_bwd_##N(                                       \
+      const T* dnormed, const T* dhidden, const T* hidden, const float* weight, const float* mean,                     \
+      const float* rstd, T* dx, T* dresidual, float* partial_dweight, float* partial_dln_bias,                         \
+      float* partial_dbias, i64 rows, int cols, float p_drop, const long long* stream, int team, int vec) {            \
+    residual_layer_norm_bwd<T>(dnormed, dhidden, hidden, weight, mean, rstd, dx, dresidual, partial_dweight,           \
                                partial_dln_bias, partial_dbias, rows, cols, p_drop, stream, team, vec);                \
   }
 LZ_EXPORT_FLOATING(LZ_RESIDUAL_LAYER_NORM)

@@ -17,13 +17,18 @@
 #define LZ_FOR_EACH_GROUP(g, base, cols) \
   for (i64 g = ((base) >> 2) + threadIdx.x; g <= ((base) + (cols) - 1) >> 2; g += blockDim.x)
 
+// Group g's four uniforms, or words that keep every element when there is no dropout.
+__device__ __forceinline__ float4 group_words(DropoutStream stream, i64 g, float p_drop) {
+  return p_drop > 0.f ? philox_uniform4(stream.seed, stream.offset, g) : make_float4(1.f, 1.f, 1.f, 1.f);
+}
+
 template <typename T>
 __device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* __restrict__ mask, i64 mask_sb,
                                     i64 mask_sh, i64 mask_sq, T* __restrict__ probs, T* __restrict__ out, i64 cols,
                                     i64 heads, i64 q_len, float scale, int causal, float p_drop,
                                     const long long* stream) {
   __shared__ float scratch[32];
-  const auto [seed, offset] = read_stream(stream);
+  const DropoutStream drop = read_stream(stream);
   const i64 row = blockIdx.x, q = row % q_len, head = (row / q_len) % heads, batch = row / (heads * q_len);
   const i64 visible = causal ? min(cols, q + (cols - q_len) + 1) : cols;
   const float* mask_row = mask != nullptr ? mask + batch * mask_sb + head * mask_sh + q * mask_sq : nullptr;
@@ -39,7 +44,7 @@ __device__ void softmax_dropout_fwd(const T* __restrict__ scores, const float* _
   const float inv_sum = sum > 0.f ? 1.f / sum : 0.f, keep_scale = 1.f / (1.f - p_drop);
   const i64 base = row * cols;
   LZ_FOR_EACH_GROUP(g, base, cols) {
-    const float4 u = p_drop > 0.f ? philox_uniform4(seed, offset, g) : make_float4(1.f, 1.f, 1.f, 1.f);
+    const float4 u = group_words(drop, g, p_drop);
     for (int j = 0; j < 4; ++j) {
       const i64 c = 4 * g + j - base;
       if (c < 0 || c >= cols) continue;
@@ -56,13 +61,13 @@ template <typename T>
 __device__ void softmax_dropout_bwd(const T* __restrict__ dout, const T* __restrict__ probs, T* __restrict__ dscores,
                                     i64 cols, float scale, float p_drop, const long long* stream) {
   __shared__ float scratch[32];
-  const auto [seed, offset] = read_stream(stream);
+  const DropoutStream drop = read_stream(stream);
   const i64 row = blockIdx.x;
   const float keep_scale = 1.f / (1.f - p_drop);
   const i64 base = row * cols;
   float dot = 0.f;
   LZ_FOR_EACH_GROUP(g, base, cols) {
-    const float4 u = p_drop > 0.f ? philox_uniform4(seed, offset, g) : make_float4(1.f, 1.f, 1.f, 1.f);
+    const float4 u = group_words(drop, g, p_drop);
     for (int j = 0; j < 4; ++j) {
       const i64 c = 4 * g + j - base;
       if (c >= 0 && c < cols) dot += (word_of(u, j) >= p_drop ? to_f32(dout[base + c]) * keep_scale : 0.f) *
@@ -71,7 +76,7 @@ __device__ void softmax_dropout_bwd(const T* __restrict__ dout, const T* __restr
   }
   dot = block_sum(dot, scratch);
   LZ_FOR_EACH_GROUP(g, base, cols) {  // the mask again (the row does not fit in registers)
-    const float4 u = p_drop > 0.f ? philox_uniform4(seed, offset, g) : make_float4(1.f, 1.f, 1.f, 1.f);
+    const float4 u = group_words(drop, g, p_drop);
     for (int j = 0; j < 4; ++j) {
       const i64 c = 4 * g + j - base;
       if (c < 0 || c >= cols) continue;
@@ -145,27 +150,28 @@ __device__ void softmax_dropout_bwd_rows(const T* __restrict__ dout, const T* __
   }
 }
 
-#define LZ_SOFTMAX_DROPOUT(T, N)                                                                                   \
-  extern "C" __global__ void softmax_dropout_fwd_##N(const T* scores, const float* mask, i64 mask_sb, i64 mask_sh,   \
-                                                     i64 mask_sq, T* probs, T* out, i64 cols, i64 heads, i64 q_len, \
-                                                     float scale, int causal, float p_drop,                        \
-                                                     const long long* stream) {         \
-    softmax_dropout_fwd<T>(scores, mask, mask_sb, mask_sh, mask_sq, probs, out, cols, heads, q_len, scale, causal, \
-                           p_drop, stream);                                                                  \
-  }                                                                                                                \
-  extern "C" __global__ void softmax_dropout_bwd_##N(const T* dout, const T* probs, T* dscores, i64 cols,         \
-                                                     float scale, float p_drop, const long long* stream) {      \
-    softmax_dropout_bwd<T>(dout, probs, dscores, cols, scale, p_drop, stream);                                 \
-  }                                                                                                                \
-  extern "C" __global__ void __launch_bounds__(1024) softmax_dropout_fwd_rows_##N(                              \
-      const T* scores, const float* mask, i64 mask_sb, i64 mask_sh, i64 mask_sq, T* probs, T* out, i64 rows,     \
-      int cols, i64 heads, i64 q_len, float scale, int causal, float p_drop, const long long* stream, int team, int vec) { \
-    softmax_dropout_fwd_rows<T>(scores, mask, mask_sb, mask_sh, mask_sq, probs, out, rows, cols, heads, q_len,     \
-                                scale, causal, p_drop, stream, team, vec);                                            \
-  }                                                                                                                \
-  extern "C" __global__ void __launch_bounds__(1024) softmax_dropout_bwd_rows_##N(                              \
-      const T* dout, const T* probs, T* dscores, i64 rows, int cols, float scale, float p_drop,                  \
-      const long long* stream, int team, int vec) {                                                                       \
-    softmax_dropout_bwd_rows<T>(dout, probs, dscores, rows, cols, scale, p_drop, stream, team, vec);                    \
+#define LZ_SOFTMAX_DROPOUT(T, N)                                                                                       \
+  extern "C" __global__ void softmax_dropout_fwd_##N(const T* scores, const float* mask, i64 mask_sb, i64 mask_sh,     \
+                                                     i64 mask_sq, T* probs, T* out, i64 cols, i64 heads, i64 q_len,    \
+                                                     float scale, int causal, float p_drop,                            \
+                                                     const long long* stream) {                                        \
+    softmax_dropout_fwd<T>(scores, mask, mask_sb, mask_sh, mask_sq, probs, out, cols, heads, q_len, scale, causal,     \
+                           p_drop, stream);                                                                            \
+  }                                                                                                                    \
+  extern "C" __global__ void softmax_dropout_bwd_##N(const T* dout, const T* probs, T* dscores, i64 cols,              \
+                                                     float scale, float p_drop, const long long* stream) {             \
+    softmax_dropout_bwd<T>(dout, probs, dscores, cols, scale, p_drop, stream);                                         \
+  }                                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(1024) softmax_dropout_fwd_rows_##N(                                     \
+      const T* scores, const float* mask, i64 mask_sb, i64 mask_sh, i64 mask_sq, T* probs, T* out, i64 rows,           \
+      int cols, i64 heads, i64 q_len, float scale, int causal, float p_drop, const long long* stream, int team,        \
+      int vec) {                                                                                                       \
+    softmax_dropout_fwd_rows<T>(scores, mask, mask_sb, mask_sh, mask_sq, probs, out, rows, cols, heads, q_len,         \
+                                scale, causal, p_drop, stream, team, vec);                                             \
+  }                                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(1024) softmax_dropout_bwd_rows_##N(                                     \
+      const T* dout, const T* probs, T* dscores, i64 rows, int cols, float scale, float p_drop,                        \
+      const long long* stream, int team, int vec) {                                                                    \
+    softmax_dropout_bwd_rows<T>(dout, probs, dscores, rows, cols, scale, p_drop, stream, team, vec);                   \
   }
 LZ_EXPORT_FLOATING(LZ_SOFTMAX_DROPOUT)

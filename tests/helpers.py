@@ -327,12 +327,13 @@ def check_fused_adamw_under_grad_scaler(
     scalers = [torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=1) for _ in range(2)]
     for step in range(5):
         x = torch.randn(5, 17, device=device)
-        for net, opt, scaler, context in ((model, mine, scalers[0], guard), (twin, theirs, scalers[1], None)):
+        runs = ((model, mine, scalers[0], guard), (twin, theirs, scalers[1], contextlib.nullcontext))
+        for net, opt, scaler, context in runs:
             opt.zero_grad()
             scaler.scale(net(x).square().mean()).backward()
             if step == 2:
                 net[0].weight.grad[0, 0] = float("inf")
-            with context() if context else contextlib.nullcontext():
+            with context():
                 scaler.step(opt)
                 scaler.update()
     # grown after steps 0, 1, 3 and 4, backed off at step 2

@@ -195,7 +195,7 @@ def test_fused_adamw_step_counts_from_numbers_fp64_and_scaler_steps_between_plai
     """Counts as old checkpoints may hold them (a number, fp64), then GradScaler steps (counts move to the
     device's side), then plain steps again: torch.optim.AdamW's parameters throughout, counts in fp32."""
     torch.manual_seed(0)
-    mine, theirs = [torch.randn(50, requires_grad=True) for _ in range(2)], []
+    mine = [torch.randn(50, requires_grad=True) for _ in range(2)]
     theirs = [p.detach().clone().requires_grad_() for p in mine]
     opts = FusedAdamW(mine, lr=1e-2), torch.optim.AdamW(theirs, lr=1e-2)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) for _ in range(2)]

@@ -345,8 +345,8 @@ class FusedAdamW(torch.optim.Optimizer):
         plans, keeps = [], []
         for device, (runs, device_counts) in by_device.items():  # the scaler's tensors live on one device
             flag = None if found_inf is None else (found_inf > 0).to(device, torch.int32, non_blocking=True)
-            multiplier = None if grad_scale is None else grad_scale.to(device, torch.float32, non_blocking=True)
-            multiplier = None if multiplier is None else multiplier.reciprocal()
+            scale = None if grad_scale is None else grad_scale.to(device, torch.float32, non_blocking=True)
+            multiplier = None if scale is None else scale.reciprocal()
             plans.append(plan_multi_adamw(runs, multiplier=multiplier, found_inf=flag))  # (checks all first)
             keeps.append((device_counts, 1.0 if flag is None else (1 - flag).float()))
         if host_counts:
