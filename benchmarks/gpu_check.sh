@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one-command GPU check: kernel parity tests, offload on CUDA, kernel benchmarks, zero2 training steps.
+# The one-command GPU check: kernel parity tests, offload on CUDA, kernel benchmarks, zero2 training steps
+# (and their fp16 skips on the host against on the device).
 # Installs nothing (the GPU machine has torch, CuPy, Lightning and pytest). Writes a Markdown report to
 # $OUT (the device tool's output folder) or benchmarks/results/. `--dry-run` runs the same steps on the
 # CPU, where the GPU tests skip and the benchmark only exercises its code paths.
@@ -25,9 +26,11 @@ run() {  # run TITLE COMMAND...: appends the command's output to the report
   python3 -c "import cupy; print('cupy', cupy.__version__)" 2>/dev/null || echo "no CuPy"
 } > "$report"
 run "Kernel parity tests" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py
-run "ZeRO-Offload and the fused ZeRO step on CUDA" python3 -m pytest -q -p no:cacheprovider tests/test_offload_gpu.py
+run "ZeRO-Offload, the fused ZeRO step and fp16 skips on the device, on CUDA" python3 -m pytest -q -p no:cacheprovider tests/test_offload_gpu.py
 run "Kernel benchmarks" python3 benchmarks/bench_kernels.py $dry --out "$out_dir/kernels_$(date +%F).md"
 run "zero2 training steps" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40
 run "zero2 training steps, fused block" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40 --fused
+run "zero2 fp16: overflowed steps skipped on the host vs on the device" python3 benchmarks/train_step.py \
+  --accelerator $accelerator --steps 40 --compare-fp16-skips 3 ${dry:+--small}
 cat "$report"
 exit $status

@@ -268,6 +268,9 @@ class LossScaleConfig:
         consecutive_hysteresis: refill the tolerance after every good step, not only when the scale grows.
         min_loss_scale: the scale never goes below this.
         raise_at_min_scale: an overflow at the minimum scale raises (default) or only warns.
+        skip_on_device: decide a step's skip on the device, without a host sync (see loss_scaler.py's
+            [Note: skipping on the device]); needs the fused AdamW step. Off (default): the host reads the
+            overflow flag once a step, as DeepSpeed does.
     """
 
     static_loss_scale: float = 0.0
@@ -278,6 +281,7 @@ class LossScaleConfig:
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
     raise_at_min_scale: bool = True
+    skip_on_device: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -297,6 +301,7 @@ class LossScaleConfig:
             ("consecutive_hysteresis", isinstance(self.consecutive_hysteresis, bool), "true or false"),
             ("min_loss_scale", _number(self.min_loss_scale) and self.min_loss_scale > 0, "a number > 0"),
             ("raise_at_min_scale", isinstance(self.raise_at_min_scale, bool), "true or false"),
+            ("skip_on_device", isinstance(self.skip_on_device, bool), "true or false"),
         ]
         for key, ok, allowed in checks:
             _check(ok, f"fp16.{key}", getattr(self, key), allowed)

@@ -6,73 +6,145 @@ before backward and the gradients divided by it before the step. When any gradie
 row it grows again. ``hysteresis`` overflows are tolerated before backing off (each one still skips
 its step); with ``consecutive_hysteresis`` the tolerance refills after every good step, otherwise
 only when the scale grows. A static scale never changes.
+
+The state is one small fp64 tensor and a step's transition is tensor arithmetic (``advance``), so the
+same code runs on the host, from a bool the host read, and on the device, from the device overflow flag.
+
+[Note: skipping on the device]
+With ``LossScaleConfig.skip_on_device`` the state lives on the loss's device and ``update`` takes the
+all-reduced overflow flag as it is, so a step never waits for the GPU: the fused AdamW step skips on
+the same flag, with its step counts on the device (sharding/fused_step.py). What the host learns it
+learns late, without waiting: each update starts an asynchronous copy of the state, and ``host_view``
+takes the newest copy that has landed. The logged ``loss_scale`` and ``skipped_steps`` come from it,
+and so does the error (or warning) for an overflow at the minimum scale, a step or so after it. As
+under torch's GradScaler, step-wise LR schedulers advance on skipped steps too (the host does not know
+which steps were skipped when it steps them).
 """
 
 from __future__ import annotations
 
+import collections
 import warnings
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from lightning_zero.config import LossScaleConfig
+
+SCALE, HYSTERESIS, GOOD_STEPS, SKIPPED_STEPS, STUCK = range(5)  # STUCK: overflows at the minimum scale
 
 
 class LossScaleAtMinimumError(RuntimeError):
     pass
 
 
+def advance(state: Tensor, overflow: Tensor, config: LossScaleConfig) -> Tensor:
+    """The state after one optimizer step; ``overflow`` (0 or 1, on the state's device) says whether it was
+    skipped. Branch-free, so a device flag is never read on the host."""
+    scale, hysteresis, good, skipped, stuck = state.unbind()
+    skipped = skipped + overflow
+    if config.static_loss_scale:
+        return torch.stack([scale, hysteresis, good, skipped, stuck])
+    tolerated = overflow * (hysteresis > 1)  # the step is skipped, the scale holds
+    backs_off = overflow - tolerated
+    at_minimum = backs_off * (scale <= config.min_loss_scale)  # cannot back off: raise or warn
+    stuck = stuck + at_minimum
+    hysteresis = hysteresis - tolerated
+    scale = torch.where((backs_off - at_minimum) > 0, (scale / config.scale_factor).clamp(config.min_loss_scale), scale)
+    good = (good + 1) * (1 - overflow)  # consecutive good steps
+    if config.consecutive_hysteresis:
+        hysteresis = torch.where(overflow > 0, hysteresis, config.hysteresis)
+    grows = (overflow == 0) & (torch.fmod(good, config.scale_window) == 0)
+    scale = torch.where(grows, scale * config.scale_factor, scale)
+    hysteresis = torch.where(grows, config.hysteresis, hysteresis)
+    return torch.stack([scale, hysteresis.to(scale.dtype), good, skipped, stuck])
+
+
 class DynamicLossScaler:
     def __init__(self, config: LossScaleConfig) -> None:
         self.config = config
-        self.scale = float(config.static_loss_scale or 2.0**config.initial_scale_power)
-        self.hysteresis = config.hysteresis  # overflows still tolerated before backing off
-        self.good_steps = 0  # consecutive steps without overflow
-        self.skipped_steps = 0
+        start = float(config.static_loss_scale or 2.0**config.initial_scale_power)
+        self.state = torch.tensor([start, config.hysteresis, 0, 0, 0], dtype=torch.float64)
+        self._stuck_seen = 0  # overflows at the minimum the host has raised or warned about
+        self._copies: collections.deque[tuple[Any, Tensor]] = collections.deque()  # (event, host copy) in flight
+        self._seen = self.state  # the newest state the host has (it is the state itself on the host)
 
     @property
     def dynamic(self) -> bool:
         return not self.config.static_loss_scale
 
-    def update(self, overflow: bool) -> None:
-        """Advances the state by one optimizer step; ``overflow`` says whether it was skipped."""
-        if overflow:
-            self.skipped_steps += 1
-        if not self.dynamic:
+    # the exact state, read on the host (a sync when it lives on the device: for checkpoints and tests)
+    @property
+    def scale(self) -> float:
+        return float(self.state[SCALE])
+
+    @property
+    def hysteresis(self) -> int:
+        return int(self.state[HYSTERESIS])
+
+    @property
+    def good_steps(self) -> int:
+        return int(self.state[GOOD_STEPS])
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.state[SKIPPED_STEPS])
+
+    def scale_tensor(self, device: torch.device | None = None) -> Tensor:
+        """The current scale as an fp32 tensor on ``device`` (where the state moves to stay; None: where it is)."""
+        if device is not None and self.state.device != device:
+            self.state = self.state.to(device)
+        return self.state[SCALE].float()
+
+    def update(self, overflow: bool | Tensor) -> None:
+        """Advances the state by one optimizer step; ``overflow`` (a bool, or a device flag) says whether it was
+        skipped."""
+        flag = torch.as_tensor(overflow).to(self.state.device, torch.float64, non_blocking=True).reshape(())
+        self.state = advance(self.state, flag, self.config)
+        if self.state.device.type == "cpu":
+            self._seen = self.state
+            self._check_floor()
+        else:
+            copy = torch.empty(self.state.shape, dtype=self.state.dtype, pin_memory=True)
+            copy.copy_(self.state, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copies.append((event, copy))
+            self.host_view()
+
+    def host_view(self) -> Tensor:
+        """The newest state the host has without waiting (skip_on_device: a step or so behind)."""
+        while self._copies and self._copies[0][0].query():
+            self._seen = self._copies.popleft()[1]
+            self._check_floor()
+        return self._seen
+
+    def _check_floor(self) -> None:
+        stuck = int(self._seen[STUCK])
+        if stuck == self._stuck_seen:
             return
+        self._stuck_seen = stuck
         cfg = self.config
-        if overflow:
-            self.good_steps = 0
-            if self.hysteresis > 1:
-                self.hysteresis -= 1
-                return
-            if self.scale <= cfg.min_loss_scale:
-                message = (
-                    f"the fp16 loss scale is already at its minimum ({cfg.min_loss_scale:g}) and gradients still"
-                    " overflow: the model's gradients do not fit in fp16. Train with precision='bf16-mixed',"
-                    " lower the learning rate, or clip gradients."
-                )
-                if cfg.raise_at_min_scale:
-                    raise LossScaleAtMinimumError(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-                return
-            self.scale = max(self.scale / cfg.scale_factor, cfg.min_loss_scale)
-            return
-        self.good_steps += 1
-        if cfg.consecutive_hysteresis:
-            self.hysteresis = cfg.hysteresis
-        if self.good_steps % cfg.scale_window == 0:
-            self.scale *= cfg.scale_factor
-            self.hysteresis = cfg.hysteresis
+        message = (
+            f"the fp16 loss scale is already at its minimum ({cfg.min_loss_scale:g}) and gradients still"
+            " overflow: the model's gradients do not fit in fp16. Train with precision='bf16-mixed',"
+            " lower the learning rate, or clip gradients."
+        )
+        if cfg.raise_at_min_scale:
+            raise LossScaleAtMinimumError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "hysteresis": self.hysteresis,
-            "good_steps": self.good_steps,
-            "skipped_steps": self.skipped_steps,
-        }
+        scale, hysteresis, good, skipped, _ = self.state.tolist()
+        return {"scale": scale, "hysteresis": int(hysteresis), "good_steps": int(good), "skipped_steps": int(skipped)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self.hysteresis = int(state["hysteresis"])
-        self.good_steps = int(state["good_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
+        values = [
+            float(state["scale"]),
+            int(state["hysteresis"]),
+            int(state["good_steps"]),
+            int(state["skipped_steps"]),
+        ]
+        self.state = torch.tensor([*values, self._stuck_seen], dtype=torch.float64, device=self.state.device)
+        self._seen = self.state.cpu()

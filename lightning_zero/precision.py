@@ -16,7 +16,9 @@ state and, through the strategy, step-wise LR schedulers stay as they were), upd
 otherwise: ``on_before_optimizer_step`` hooks and clipping (the norm is taken on the scaled fp32
 gradients and divided by the scale), one multiply by clip_coef / scale, the optimizer step, the
 all-gather, update the scale. ``on_before_optimizer_step`` therefore sees gradients still scaled by
-``loss_scale`` in fp16, as in DeepSpeed.
+``loss_scale`` in fp16, as in DeepSpeed. With ``LossScaleConfig.skip_on_device`` nothing is read: the hooks,
+clipping and the fused step run on every step, the step skipping on the device overflow flag, and the
+scale's state machine runs on the device (loss_scaler.py's [Note: skipping on the device]).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch.nn import Module
 
 from lightning_zero.config import LossScaleConfig
 from lightning_zero.grad_norms import sharded_grads
-from lightning_zero.loss_scaler import DynamicLossScaler
+from lightning_zero.loss_scaler import SCALE, SKIPPED_STEPS, DynamicLossScaler
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed")
@@ -68,6 +70,7 @@ class ZeroPrecision(Precision):
         self.device = device
         self.scaler = DynamicLossScaler(loss_scale or LossScaleConfig()) if precision == "16-mixed" else None
         self.last_grad_norm: Tensor | None = None
+        self._skips_reported = 0  # skip_on_device: skipped steps already printed
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -90,9 +93,20 @@ class ZeroPrecision(Precision):
         dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
         return torch.autocast(self.device or "cpu", dtype=dtype)
 
+    @property
+    def skip_on_device(self) -> bool:
+        """Whether fp16 steps are skipped on the device (loss_scaler.py's [Note: skipping on the device])."""
+        return self.scaler is not None and self.scaler.config.skip_on_device
+
+    def _loss_scale(self, device: torch.device) -> float | Tensor:
+        """The scale backward multiplies the loss by: a number, or a device scalar when skipping on the device."""
+        if self.scaler is None:
+            return 1.0
+        return self.scaler.scale_tensor(device) if self.skip_on_device else self.scaler.scale
+
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         tensor = super().pre_backward(tensor, module)
-        scale = self.scaler.scale if self.scaler is not None else 1.0
+        scale = self._loss_scale(tensor.device)
         for optimizer in module.trainer.strategy.optimizers:
             if isinstance(optimizer, ZeroOptimizer):
                 optimizer.loss_scale = scale  # so grad_norm() can unscale gradients anywhere in the step
@@ -104,6 +118,14 @@ class ZeroPrecision(Precision):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         self.last_grad_norm = None
         closure_result = closure()  # forward and backward; the strategy reduces gradients after backward
+        if self.skip_on_device:
+            found_inf = zero.prepare_grads(check_finite=True, loss_scale=self.scaler.scale_tensor(), on_device=True)
+            with sharded_grads(model, [zero]):
+                self._after_closure(model, optimizer)
+            zero.step(**kwargs)  # the fused step skips on found_inf
+            self.scaler.update(found_inf)
+            self._log(model)
+            return closure_result
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if zero.prepare_grads(check_finite=self.scaler is not None, loss_scale=scale):
             zero.skip_step()
@@ -124,8 +146,15 @@ class ZeroPrecision(Precision):
 
     def _log(self, model: pl.LightningModule) -> None:
         if self.scaler is not None:
-            model.log("loss_scale", self.scaler.scale, prog_bar=True)
-            model.log("skipped_steps", float(self.scaler.skipped_steps), prog_bar=True)
+            seen = self.scaler.host_view().tolist()  # the state itself, unless it lives on the device
+            model.log("loss_scale", seen[SCALE], prog_bar=True)
+            model.log("skipped_steps", seen[SKIPPED_STEPS], prog_bar=True)
+            if self.skip_on_device and seen[SKIPPED_STEPS] > self._skips_reported:  # learnt late: no step number
+                self._skips_reported = int(seen[SKIPPED_STEPS])
+                rank_zero_info(
+                    f"fp16 gradients overflowed: {self._skips_reported} steps skipped so far, loss scale now"
+                    f" {seen[SCALE]:g} (as of step {model.trainer.global_step} or a little before)"
+                )
         if self.last_grad_norm is not None:
             model.log("grad_norm", self.last_grad_norm)
 
@@ -158,6 +187,17 @@ def stage3_param_dtype(precision: ZeroPrecision, gather_dtype: str) -> torch.dty
     if precision.precision == "bf16-mixed" and gather_dtype == "compute":
         return torch.bfloat16
     return precision.param_dtype
+
+
+def check_skip_on_device(optimizers: list, fused_step: str) -> None:
+    """Skipping fp16 steps on the device needs the fused AdamW step (which skips on the device flag)."""
+    for zero in optimizers:
+        if isinstance(zero, ZeroOptimizer) and zero.fused is None:
+            raise ValueError(
+                "fp16.skip_on_device needs the fused AdamW step: torch.optim.AdamW (no amsgrad, maximize,"
+                " capturable, differentiable, fused or tensor lr) or FusedAdamW, with zero.fused_step 'auto' or"
+                f" 'always'; got {type(zero.optimizer).__name__} with fused_step {fused_step!r}"
+            )
 
 
 def hold_schedulers_on_skipped_steps(lr_scheduler_configs: list, optimizers: list) -> None:

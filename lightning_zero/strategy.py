@@ -35,6 +35,7 @@ from lightning_zero.memory import persistent_bytes
 from lightning_zero.peer_failure import exit_if_peer_failed
 from lightning_zero.precision import (
     ZeroPrecision,
+    check_skip_on_device,
     hold_schedulers_on_skipped_steps,
     validate_precision,
 )
@@ -240,7 +241,9 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
                 self._gathers.overlap = self.config.overlap_param_gather
             # stage 1 reduces in the backward of a step's last micro-batch, which only automatic optimization tells
             self._reducer.accumulating = not module.automatic_optimization
-            if self.precision_plugin.scaler is not None:
+            if self.precision_plugin.skip_on_device:  # schedulers then step as under torch's GradScaler
+                check_skip_on_device(self.optimizers, self.config.fused_step)
+            elif self.precision_plugin.scaler is not None:
                 hold_schedulers_on_skipped_steps(self.lr_scheduler_configs, self.optimizers)
         self.setup_precision_plugin()
 

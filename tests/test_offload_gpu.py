@@ -75,3 +75,74 @@ def _worker(rank: int, world: int, out) -> None:
 
 def test_offload_and_the_fused_step_on_cuda(tmp_path):
     spawn_ranks(_worker, 1, tmp_path)
+
+
+class InjectInf(GPTModule):
+    """Rank 0's gradients are all inf at optimizer step 3; a constant learning rate (a step-wise schedule would
+    advance on the skipped step when skipping on the device, and hold when skipping on the host)."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 3:
+            loss.register_hook(lambda g: torch.full_like(g, float("inf")))
+        return loss
+
+
+def _skip_worker(rank: int, world: int, out) -> None:
+    from lightning_zero import LossScaleConfig, ZeroPrecision
+    from lightning_zero.loss_scaler import DynamicLossScaler
+    from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+
+    calls = {"steps": 0}
+
+    def no_sync(method):  # from the second step on (the first moves the step counts to the device)
+        counts = method is ZeroOptimizer.step
+
+        def run(self, *args, **kwargs):
+            calls["steps"] += counts
+            torch.cuda.set_sync_debug_mode("error" if calls["steps"] > 1 else "default")
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return run
+
+    masters = {}
+    for on_device in (True, False):
+        pl.seed_everything(0)
+        module = InjectInf(GPTConfig(vocab_size=32, block_size=64, n_layer=2, n_head=4, n_embd=256), max_steps=6)
+        config = LossScaleConfig(hysteresis=1, skip_on_device=on_device)
+        trainer = pl.Trainer(
+            strategy=ZeroStrategy(ZeroConfig(stage=2, timeout=120)),
+            plugins=[ZeroPrecision("16-mixed", loss_scale=config)],
+            accelerator="gpu",
+            devices=world,
+            max_steps=6,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with pytest.MonkeyPatch.context() as patch:
+            if on_device:
+                guarded = ((ZeroOptimizer, "step"), (ZeroOptimizer, "prepare_grads"), (DynamicLossScaler, "update"))
+                for cls, name in guarded:
+                    patch.setattr(cls, name, no_sync(getattr(cls, name)))
+            trainer.fit(module, SyntheticTextDataModule(block_size=64, batch_size=8, num_train=256, seed=0))
+        scaler = trainer.strategy.precision_plugin.scaler
+        assert (scaler.skipped_steps, scaler.scale) == (1, 2.0**15), on_device
+        (zero,) = trainer.strategy.optimizers
+        assert len(zero.fused._moments) == len(zero.units) > 0
+        masters[on_device] = torch.cat([u.master for u in zero.units]).cpu()
+    assert calls["steps"] == 6
+    assert torch.equal(masters[True], masters[False]), "skipping on the device trained differently"
+
+
+def test_fp16_steps_skip_on_the_device_without_a_sync(tmp_path):
+    """``skip_on_device``: no step after the first waits for the GPU, the inf step is skipped, and the run ends
+    where the run that skips on the host ends."""
+    spawn_ranks(_skip_worker, 1, tmp_path)

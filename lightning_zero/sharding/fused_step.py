@@ -20,8 +20,17 @@ the host kernel in one call, threaded over the whole of them. Any other unit tak
 as before. Adam's moments live in one flat fp32 buffer per unit; each piece's optimizer state holds views of
 them (and its own ``step``), so checkpoints save and load the usual per-parameter state; state that arrives
 otherwise (a checkpoint, a step taken by the optimizer itself) is copied into the flat buffers on the next
-fused step. The fp16 overflow decision stays the host's one read (zero_optimizer.py's [Note: host syncs]): a
-skipped step never reaches this code.
+fused step. By default the fp16 overflow decision is the host's one read (zero_optimizer.py's [Note: host
+syncs]): a skipped step never reaches this code.
+
+[Note: device step counts]
+With ``LossScaleConfig(skip_on_device=True)`` every fp16 step reaches it, with the all-reduced overflow flag
+unread. The kernels (and their reference) skip on it, so a unit's step count cannot be known on the host:
+it lives on the master's device, one fp32 tensor per unit that all its pieces' states hold (so "do they
+share one count" stays a host question: is it the same tensor), advanced by ``1 - found_inf`` right before
+the launch that reads it. A unit that takes the optimizer's own step instead (a piece without a gradient,
+counts that differ, the host kernel of an offloaded unit after reading the flag, which is on the host
+there) gets a host count per piece back first: torch's AdamW would advance a shared one once per piece.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ class FusedAdamWStep:
         self.optimizer = optimizer
         self.mode = mode  # "auto" or "always"
         self._moments: dict[int, tuple[Tensor, Tensor]] = {}  # id(unit) -> flat exp_avg, exp_avg_sq
+        self._counts: dict[int, Tensor] = {}  # id(unit) -> the step count its pieces share (skipping on the device)
 
     @staticmethod
     def _runs(unit: FlatUnit, group_of: dict[int, dict]) -> list[tuple[int, int, dict, Tensor | None]] | None:
@@ -82,9 +92,10 @@ class FusedAdamWStep:
             return "host"
         return "reference" if self.mode == "always" else None
 
-    def step(self, units: list[FlatUnit], multiplier: float | Tensor) -> set[int]:
+    def step(self, units: list[FlatUnit], multiplier: float | Tensor, found_inf: Tensor | None = None) -> set[int]:
         """Steps every eligible unit and drops its pieces' gradients (so the optimizer's own step skips
-        them); returns their ids."""
+        them); returns their ids. ``found_inf``: the fp16 overflow flag, to skip on without reading it
+        (see [Note: device step counts])."""
         done = set()
         group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}  # once per step
         host_runs: list[AdamWRun] = []
@@ -93,25 +104,30 @@ class FusedAdamWStep:
         # kernel (one read, made only when some unit steps on the host)
         scale = {"inv_scale": multiplier} if isinstance(multiplier, float) else {"multiplier": multiplier.float()}
         host_mul: float | None = multiplier if isinstance(multiplier, float) else None
-        stepped: list[tuple[FlatUnit, list[dict], float, bool]] = []
+        stepped: list[tuple[FlatUnit, list[dict], float | None, bool]] = []
+        device_counts: list[Tensor] = []
         for unit in units:
             pieces = unit.piece_tensors
             backend = self._backend(unit) if pieces else None
-            if backend is None:
-                continue
             states = [self.optimizer.state[t] for t in pieces]
-            steps = {_host_count(s) if s else 0.0 for s in states}
-            if len(steps) != 1 or any(t.grad is None for t in pieces):
+            on_device = found_inf is not None and backend in ("cuda", "reference")
+            skipped_on_host = found_inf is not None and backend == "host" and bool(found_inf.item())  # offloaded
+            if backend is None or skipped_on_host or any(t.grad is None for t in pieces):
+                self._to_host_counts(unit, states)
                 continue
-            runs = self._runs(unit, group_of)
+            count = self._device_count(unit, states) if on_device else _shared_count(states)
+            runs = self._runs(unit, group_of) if count is not None else None
             if runs is None:
+                self._to_host_counts(unit, states)
                 continue
-            step = steps.pop() + 1
+            if on_device:
+                device_counts.append(count)
+            step = count if on_device else count + 1  # a device count is advanced before the launch reads it
             exp_avg, exp_avg_sq = self._flat_moments(unit, states)
             for lo, hi, group, lowp in runs:
                 beta1, beta2 = group["betas"]
                 hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"])
-                hyper.update(weight_decay=group["weight_decay"], step=int(step))
+                hyper.update(weight_decay=group["weight_decay"], step=step if on_device else int(step))
                 # what the optimizer would read (clipping by value acts on it), its moments and the master
                 tensors = (unit.master_view(lo, hi - lo), unit.step_grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi])
                 if backend == "host":
@@ -119,18 +135,47 @@ class FusedAdamWStep:
                     host_runs.append(AdamWRun(*tensors, grad_mul=host_mul, lowp_out=lowp, **hyper))
                 else:
                     device_runs.append(AdamWRun(*tensors, lowp_out=lowp, **hyper))
-            stepped.append((unit, states, step, all(lowp is not None for *_, lowp in runs)))
+            stepped.append((unit, states, None if on_device else step, all(lowp is not None for *_, lowp in runs)))
+        if found_inf is not None and device_runs:
+            scale["found_inf"] = (found_inf > 0).to(device_runs[0].param.device, torch.int32).reshape(())
         # both check their inputs before either steps anything: on an error nothing below has changed
         step_devices = plan_multi_adamw(device_runs, **scale)  # one launch for every CUDA run of the step
         host.adamw_step(host_runs)
+        if device_counts:
+            torch._foreach_add_(device_counts, 1.0 - scale["found_inf"].float())
         step_devices()
         for unit, states, step, params_written in stepped:
             for state, tensor in zip(states, unit.piece_tensors):
-                state["step"].fill_(step)
+                if step is not None:
+                    state["step"].fill_(step)
                 tensor.grad = None
             unit.params_current = params_written  # the post-step copy is done
             done.add(id(unit))
         return done
+
+    def _device_count(self, unit: FlatUnit, states: list[dict]) -> Tensor | None:
+        """The step count the unit's pieces share on the master's device (their states hold this one tensor),
+        made from their host counts when they do not hold it yet; None if those differ."""
+        count = self._counts.get(id(unit))
+        if count is not None and all(s.get("step") is count for s in states):
+            return count
+        host_count = _shared_count(states)
+        if host_count is None:
+            return None
+        count = torch.tensor(host_count, dtype=torch.float32).to(unit.master_view(0, 1).device, non_blocking=True)
+        for state in states:
+            state["step"] = count
+        self._counts[id(unit)] = count
+        return count
+
+    def _to_host_counts(self, unit: FlatUnit, states: list[dict]) -> None:
+        """Gives each piece a host count of its own where they share the unit's device count, for the optimizer's
+        own step (which would advance a shared one once per piece)."""
+        count = self._counts.pop(id(unit), None)
+        if count is not None:
+            for state in states:
+                if state.get("step") is count:
+                    state["step"] = count.cpu().clone()
 
     def _flat_moments(self, unit: FlatUnit, states: list[dict]) -> tuple[Tensor, Tensor]:
         """The unit's flat moments, with every piece's state pointing into them (adopting what it held)."""
@@ -148,6 +193,12 @@ class FusedAdamWStep:
                 state[key] = view
             state.setdefault("step", torch.tensor(0.0))
         return flat
+
+
+def _shared_count(states: list[dict]) -> float | None:
+    """The host step count all of a unit's pieces have (0 for fresh ones), None if they differ."""
+    counts = {_host_count(s) if s else 0.0 for s in states}
+    return counts.pop() if len(counts) == 1 else None
 
 
 def _host_count(state: dict) -> float:

@@ -23,6 +23,9 @@ the host by the gradient hooks (a bytearray per unit) and all-reduced on a CPU p
 without reading anything back. fp16 reads one flag, whether any rank's gradients overflowed: the
 skip decision is the host's (Lightning steps LR schedulers and counts steps on the host, and the
 loss scaler's next scale must be known before the next backward), as in torch's GradScaler.
+With ``LossScaleConfig.skip_on_device`` it does not: the flag stays on the device and the fused AdamW
+step skips on it there (fused_step.py); only a step in which some unit takes the optimizer's own step
+(another optimizer, pieces whose step counts differ, an offloaded unit) reads it.
 
 Its state is saved and loaded per rank by ``lightning_zero.checkpoint`` (sharded checkpoints that
 load at any world size), never gathered in one place.
@@ -212,13 +215,16 @@ class ZeroOptimizer:
             unit.zero_grad()
         self._prepared = False
 
-    def prepare_grads(self, *, check_finite: bool = False, loss_scale: float = 1.0) -> bool:
+    def prepare_grads(
+        self, *, check_finite: bool = False, loss_scale: float | Tensor = 1.0, on_device: bool = False
+    ) -> bool | Tensor:
         """Reduces the gradients, tells which parameters got one on any rank, and hands them to the pieces.
 
         With ``check_finite`` (fp16) a second all-reduce says whether any rank's gradient holds an
         inf or nan; that flag is read on the host (the only sync of the step, see [Note: host syncs])
-        and returned. When it is set the pieces get no gradients: the caller skips the step.
-        Idempotent within a step.
+        and returned. When it is set the pieces get no gradients: the caller skips the step. With
+        ``on_device`` the flag is returned unread (a device tensor), the pieces get their gradients, and
+        ``step`` skips on it on the device. Idempotent within a step.
         """
         if self._prepared:
             return self._found_inf
@@ -234,8 +240,8 @@ class ZeroOptimizer:
             if check_finite:
                 overflow = torch.stack([u.nonfinite() for u in self.units]).amax(dim=0)
                 found = collectives.all_reduce(overflow, dist.ReduceOp.MAX, group=self._group_for(overflow))
-                self._found_inf = bool(found.item())
-            if not self._found_inf:
+                self._found_inf = found if on_device else bool(found.item())
+            if self._found_inf is False or torch.is_tensor(self._found_inf):
                 flags = bytearray().join(u.used for u in self.units)  # the tensor below writes into it
                 collectives.all_reduce(
                     torch.frombuffer(flags, dtype=torch.uint8), dist.ReduceOp.MAX, group=self.world_host_group
@@ -343,12 +349,16 @@ class ZeroOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.prepare_grads():
+        found_inf = self.prepare_grads()
+        if found_inf is True:
             raise RuntimeError("gradients overflowed: skip this step with skip_step() instead")
+        found_inf = found_inf if torch.is_tensor(found_inf) else None  # skipping on the device
         wait_for_device(self.units)  # offloaded: the last step's copies to the device have read the master
-        fused = self.fused.step(self.units, self._multiplier) if self.fused is not None else set()
+        fused = self.fused.step(self.units, self._multiplier, found_inf) if self.fused is not None else set()
         self.unscale_(skip=fused)
-        self.optimizer.step()
+        # skipping on the device, what the fused step did not take reads the flag (see [Note: host syncs])
+        if found_inf is None or not any(t.grad is not None for t in self.pieces()) or not found_inf.item():
+            self.optimizer.step()
         if self.gathers is not None:
             self.gathers.launch(self.units)
         else:  # stage 3: the shards follow; the units kept gathered (persistent) are gathered again, at once
