@@ -14,11 +14,13 @@ same code runs on the host, from a bool the host read, and on the device, from t
 With ``LossScaleConfig.skip_on_device`` the state lives on the loss's device and ``update`` takes the
 all-reduced overflow flag as it is, so a step never waits for the GPU: the fused AdamW step skips on
 the same flag, with its step counts on the device (sharding/fused_step.py). What the host learns it
-learns late, without waiting: each update starts an asynchronous copy of the state, and ``host_view``
-takes the newest copy that has landed. The logged ``loss_scale`` and ``skipped_steps`` come from it,
-and so does the error (or warning) for an overflow at the minimum scale, a step or so after it. As
-under torch's GradScaler, step-wise LR schedulers advance on skipped steps too (the host does not know
-which steps were skipped when it steps them).
+learns ``HOST_LAG`` updates late: each update starts an asynchronous copy of the state into a pinned
+buffer and waits for the one started ``HOST_LAG`` updates before, long done by then (so it costs no
+stall), which ``host_view`` returns. A fixed lag, not "whatever copy has landed", so that every rank
+raises the error (or warns) for an overflow at the minimum scale at the same update: a rank raising
+while another goes on into the next step's collectives would hang it. The logged ``loss_scale`` and
+``skipped_steps`` come from that view. As under torch's GradScaler, step-wise LR schedulers advance on
+skipped steps too (the host does not know which steps were skipped when it steps them).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import Tensor
 from lightning_zero.config import LossScaleConfig
 
 SCALE, HYSTERESIS, GOOD_STEPS, SKIPPED_STEPS, STUCK = range(5)  # STUCK: overflows at the minimum scale
+HOST_LAG = 2  # updates between the state and the host's view of it, skipping on the device
 
 
 class LossScaleAtMinimumError(RuntimeError):
@@ -68,7 +71,9 @@ class DynamicLossScaler:
         self.state = torch.tensor([start, config.hysteresis, 0, 0, 0], dtype=torch.float64)
         self._stuck_seen = 0  # overflows at the minimum the host has raised or warned about
         self._copies: collections.deque[tuple[Any, Tensor]] = collections.deque()  # (event, host copy) in flight
-        self._seen = self.state  # the newest state the host has (it is the state itself on the host)
+        self._buffers: list[Tensor] = []  # HOST_LAG + 1 pinned buffers the copies cycle through
+        self._updates = 0
+        self._seen = self.state.clone()  # the host's view of the state (skipping on the device: HOST_LAG late)
 
     @property
     def dynamic(self) -> bool:
@@ -92,37 +97,52 @@ class DynamicLossScaler:
         return int(self.state[SKIPPED_STEPS])
 
     def scale_tensor(self, device: torch.device | None = None) -> Tensor:
-        """The current scale as an fp32 tensor on ``device`` (where the state moves to stay; None: where it is)."""
+        """The current scale as an fp64 tensor on ``device`` (where the state moves to stay; None: where it is),
+        so that 1 / scale rounds to fp32 once, as the host's number does."""
         if device is not None and self.state.device != device:
             self.state = self.state.to(device)
-        return self.state[SCALE].float()
+        return self.state[SCALE]
 
     def update(self, overflow: bool | Tensor) -> None:
         """Advances the state by one optimizer step; ``overflow`` (a bool, or a device flag) says whether it was
         skipped."""
-        flag = torch.as_tensor(overflow).to(self.state.device, torch.float64, non_blocking=True).reshape(())
-        self.state = advance(self.state, flag, self.config)
-        if self.state.device.type == "cpu":
-            self._seen = self.state
-            self._check_floor()
+        if torch.is_tensor(overflow):  # a device flag: skipping on the device
+            flag = overflow.to(self.state.device, torch.float64).reshape(())
         else:
-            copy = torch.empty(self.state.shape, dtype=self.state.dtype, pin_memory=True)
-            copy.copy_(self.state, non_blocking=True)
-            event = torch.cuda.Event()
+            flag = torch.tensor(float(overflow), dtype=torch.float64)
+        self.state = advance(self.state, flag, self.config)
+        if not self.config.skip_on_device:
+            self._seen = self.state
+        else:
+            self._copy_to_host()
+        self._check_floor()
+
+    def _copy_to_host(self) -> None:
+        """Starts the state's copy into the next pinned buffer; takes the one from HOST_LAG updates ago."""
+        on_cuda = self.state.device.type == "cuda"
+        if not self._buffers:
+            self._buffers = [torch.empty(5, dtype=torch.float64, pin_memory=on_cuda) for _ in range(HOST_LAG + 1)]
+        # the oldest of the ring: its copy was taken (and cloned) at the last update
+        buffer = self._buffers[self._updates % len(self._buffers)]
+        self._updates += 1
+        buffer.copy_(self.state, non_blocking=on_cuda)
+        event = torch.cuda.Event() if on_cuda else None
+        if event is not None:
             event.record()
-            self._copies.append((event, copy))
-            self.host_view()
+        self._copies.append((event, buffer))
+        if len(self._copies) > HOST_LAG:
+            event, buffer = self._copies.popleft()
+            if event is not None:
+                event.synchronize()  # recorded HOST_LAG steps ago: done
+            self._seen = buffer.clone()
 
     def host_view(self) -> Tensor:
-        """The newest state the host has without waiting (skip_on_device: a step or so behind)."""
-        while self._copies and self._copies[0][0].query():
-            self._seen = self._copies.popleft()[1]
-            self._check_floor()
+        """The host's view of the state: the state itself, or HOST_LAG updates late when skipping on the device."""
         return self._seen
 
     def _check_floor(self) -> None:
         stuck = int(self._seen[STUCK])
-        if stuck == self._stuck_seen:
+        if stuck <= self._stuck_seen:
             return
         self._stuck_seen = stuck
         cfg = self.config
@@ -147,4 +167,5 @@ class DynamicLossScaler:
             int(state["skipped_steps"]),
         ]
         self.state = torch.tensor([*values, self._stuck_seen], dtype=torch.float64, device=self.state.device)
-        self._seen = self.state.cpu()
+        self._copies.clear()  # copies of the state before the load: not to be seen after it
+        self._seen = self.state.cpu().clone()

@@ -31,13 +31,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.config import LossScaleConfig
 from lightning_zero.grad_norms import sharded_grads
-from lightning_zero.loss_scaler import SCALE, SKIPPED_STEPS, DynamicLossScaler
+from lightning_zero.loss_scaler import HOST_LAG, SCALE, SKIPPED_STEPS, DynamicLossScaler
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed")
@@ -98,19 +98,16 @@ class ZeroPrecision(Precision):
         """Whether fp16 steps are skipped on the device (loss_scaler.py's [Note: skipping on the device])."""
         return self.scaler is not None and self.scaler.config.skip_on_device
 
-    def _loss_scale(self, device: torch.device) -> float | Tensor:
-        """The scale backward multiplies the loss by: a number, or a device scalar when skipping on the device."""
-        if self.scaler is None:
-            return 1.0
-        return self.scaler.scale_tensor(device) if self.skip_on_device else self.scaler.scale
-
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         tensor = super().pre_backward(tensor, module)
-        scale = self._loss_scale(tensor.device)
+        if self.scaler is None:
+            return tensor
+        # a number, or an fp64 device scalar when skipping on the device (whose fp32 rounding is the number's)
+        scale = self.scaler.scale_tensor(tensor.device) if self.skip_on_device else self.scaler.scale
         for optimizer in module.trainer.strategy.optimizers:
             if isinstance(optimizer, ZeroOptimizer):
                 optimizer.loss_scale = scale  # so grad_norm() can unscale gradients anywhere in the step
-        return tensor * scale if self.scaler is not None else tensor
+        return tensor * (scale.to(tensor.dtype) if torch.is_tensor(scale) else scale)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any):
         zero = unwrap_optimizer(optimizer)
@@ -146,14 +143,16 @@ class ZeroPrecision(Precision):
 
     def _log(self, model: pl.LightningModule) -> None:
         if self.scaler is not None:
-            seen = self.scaler.host_view().tolist()  # the state itself, unless it lives on the device
-            model.log("loss_scale", seen[SCALE], prog_bar=True)
-            model.log("skipped_steps", seen[SKIPPED_STEPS], prog_bar=True)
-            if self.skip_on_device and seen[SKIPPED_STEPS] > self._skips_reported:  # learnt late: no step number
-                self._skips_reported = int(seen[SKIPPED_STEPS])
+            # host tensors: Lightning keeps them on the host (a number would become a device tensor: a sync)
+            seen = self.scaler.host_view()  # the state itself, or its copy from HOST_LAG steps ago
+            model.log("loss_scale", seen[SCALE].float(), prog_bar=True)
+            model.log("skipped_steps", seen[SKIPPED_STEPS].float(), prog_bar=True)
+            skipped = int(seen[SKIPPED_STEPS])
+            if self.skip_on_device and skipped > self._skips_reported:  # learnt late: no step number
+                self._skips_reported = skipped
                 rank_zero_info(
-                    f"fp16 gradients overflowed: {self._skips_reported} steps skipped so far, loss scale now"
-                    f" {seen[SCALE]:g} (as of step {model.trainer.global_step} or a little before)"
+                    f"fp16 gradients overflowed: {skipped} steps skipped so far, loss scale {float(seen[SCALE]):g}"
+                    f" as of step {model.trainer.global_step - HOST_LAG}"
                 )
         if self.last_grad_norm is not None:
             model.log("grad_norm", self.last_grad_norm)
@@ -179,6 +178,7 @@ class ZeroPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+            self._skips_reported = self.scaler.skipped_steps
 
 
 def stage3_param_dtype(precision: ZeroPrecision, gather_dtype: str) -> torch.dtype | None:
@@ -190,13 +190,23 @@ def stage3_param_dtype(precision: ZeroPrecision, gather_dtype: str) -> torch.dty
 
 
 def check_skip_on_device(optimizers: list, fused_step: str) -> None:
-    """Skipping fp16 steps on the device needs the fused AdamW step (which skips on the device flag)."""
+    """Skipping fp16 steps on the device needs the fused AdamW step (which skips on the device flag); a unit on a
+    GPU that the CUDA kernels will not step (they did not load) reads the flag after all: said once."""
     for zero in optimizers:
-        if isinstance(zero, ZeroOptimizer) and zero.fused is None:
+        if not isinstance(zero, ZeroOptimizer):
+            continue
+        if zero.fused is None:
             raise ValueError(
                 "fp16.skip_on_device needs the fused AdamW step: torch.optim.AdamW (no amsgrad, maximize,"
                 " capturable, differentiable, fused or tensor lr) or FusedAdamW, with zero.fused_step 'auto' or"
                 f" 'always'; got {type(zero.optimizer).__name__} with fused_step {fused_step!r}"
+            )
+        on_gpu = [u for u in zero.units if u.master is not None and u.master.is_cuda]
+        reading = [u for u in on_gpu if zero.fused.backend(u) != "cuda"]
+        if reading:
+            rank_zero_warn(
+                f"fp16.skip_on_device: {len(reading)} units on the GPU will not take the CUDA kernels (are CuPy and"
+                " the kernels loading?): their steps read the overflow flag on the host, a sync a step"
             )
 
 

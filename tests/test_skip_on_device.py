@@ -1,13 +1,17 @@
 """fp16 steps skipped on the device (``LossScaleConfig(skip_on_device=True)``; loss_scaler.py's [Note: skipping
 on the device]), at 2 ranks with an inf injected on rank 1 at one step:
 
-- the loss scaler's transition from a device flag equals the one from the host's bool, table for table;
+- the loss scaler's transition from a device flag equals the one from the host's bool, table for table; the
+  host's view of it comes exactly HOST_LAG updates late, so the error at the minimum scale comes at the same
+  update on every rank; a checkpoint's state loaded over copies still in flight is what the host then sees;
 - on the CUDA kernels (emulated), stages 2 and 3: the step after the first reads nothing on the host (every
   read of a tensor's value raises inside it), the skipped step leaves parameters, masters, moments and step
-  counts as they were, the scaler backs off, and the run ends where the host-skipping run ends;
-- through the kernels' reference: the same at stage 1; ToyNet, whose unused branch sends units to the
-  optimizer's own step (which then reads the flag), equals the host-skipping run; a checkpoint taken after
-  the skip resumes exactly;
+  counts as they were, the scaler backs off (logged HOST_LAG steps later), the step-wise LR scheduler
+  advances on every step, and the run ends where the host-skipping run ends;
+- through the kernels' reference: the same at stage 1; ToyNet with its branch unused on steps 2 and 5, so
+  units fused for two steps (one device count shared by their pieces) then take the optimizer's own step
+  (each piece its own count again, which then reads the flag), equals the host-skipping run; a checkpoint
+  taken after the skip resumes exactly;
 - without the fused step it is refused at setup, in one line.
 """
 
@@ -18,18 +22,38 @@ import contextlib
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_loss_scaler import CONSECUTIVE, WINDOW_3_HYSTERESIS_2
 
 from lightning_zero import LossScaleConfig, ZeroPrecision
 from lightning_zero.kernels import host
-from lightning_zero.loss_scaler import DynamicLossScaler
+from lightning_zero.loss_scaler import HOST_LAG, DynamicLossScaler, LossScaleAtMinimumError
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 INJECT_AT, STEPS = 3, 6  # StepLR's step_size is 7: both runs use the same learning rates, skip or not
 CONFIG = LossScaleConfig(hysteresis=1, skip_on_device=True)
 HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def test_the_host_sees_the_state_a_fixed_number_of_updates_late():
+    """So every rank raises at the same update, whatever the device's timing."""
+    scaler = DynamicLossScaler(LossScaleConfig(initial_scale_power=0, hysteresis=1, skip_on_device=True))
+    overflow = torch.ones(1, dtype=torch.uint8)
+    for update in range(HOST_LAG):  # at the minimum already: each overflow is one the host must hear of
+        scaler.update(overflow if update == 0 else torch.zeros(1, dtype=torch.uint8))
+        assert scaler.host_view().tolist()[3] == 0
+    with pytest.raises(LossScaleAtMinimumError):
+        scaler.update(torch.zeros(1, dtype=torch.uint8))
+    assert scaler.host_view().tolist()[3] == 1
+    # a checkpoint's state replaces copies still in flight: the host sees it, and nothing is raised for them
+    scaler.update(overflow)
+    scaler.load_state_dict({"scale": 4.0, "hysteresis": 1, "good_steps": 0, "skipped_steps": 0})
+    assert scaler.host_view().tolist()[:4] == [4.0, 1, 0, 0]
+    for _ in range(HOST_LAG + 1):
+        scaler.update(torch.zeros(1, dtype=torch.uint8))
+    assert scaler.host_view().tolist()[:4] == [4.0, 1, 1, 0]
 
 
 @pytest.mark.parametrize("table", [WINDOW_3_HYSTERESIS_2, CONSECUTIVE])
@@ -44,10 +68,15 @@ def test_device_flags_advance_the_scaler_as_host_bools(table):
 
 
 class InjectOnRankOne(EquivalenceModule):
-    """``kind``'s module whose rank 1 makes every gradient inf at optimizer step INJECT_AT."""
+    """``kind``'s module whose rank 1 makes every gradient inf at optimizer step INJECT_AT; ToyNet's branch goes
+    unused on steps 2 and 5."""
 
     def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
+        if self.kind == "toy":
+            x, y = batch
+            loss = F.cross_entropy(self.net(x, use_branch=self.global_step % 3 != 2), y)
+        else:
+            loss = super().training_step(batch, batch_idx)
         if self.trainer.global_rank == 1 and self.global_step == INJECT_AT:
             loss.register_hook(lambda g: torch.full_like(g, float("inf")))
         return loss
@@ -85,11 +114,18 @@ class WatchTheSkip(pl.Callback):
             assert torch.equal(after[key], value), f"{key} changed across the skipped step"
         scaler = trainer.strategy.precision_plugin.scaler
         assert (scaler.skipped_steps, scaler.scale) == (1, 2.0**15)
-        assert trainer.callback_metrics["loss_scale"] == 2.0**15 and trainer.callback_metrics["skipped_steps"] == 1
+        assert trainer.callback_metrics["skipped_steps"] == 0, "the host learns of the skip HOST_LAG steps late"
         self.checked = True
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.steps += 1
+        if self.steps == INJECT_AT + 1 + HOST_LAG:  # what the last step's _log saw: update INJECT_AT - 1
+            assert trainer.callback_metrics["skipped_steps"] == 0
+
+    def on_train_end(self, trainer, pl_module):
+        assert STEPS - 1 - HOST_LAG == INJECT_AT  # the last step's _log saw the skipped step's update
+        assert (trainer.callback_metrics["skipped_steps"], trainer.callback_metrics["loss_scale"]) == (1, 2.0**15)
+        assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == STEPS, "the scheduler held on the skip"
 
 
 @contextlib.contextmanager

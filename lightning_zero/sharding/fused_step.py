@@ -82,7 +82,7 @@ class FusedAdamWStep:
             unit.stage_params(written=sorted((lo, hi) for lo, hi, *_ in runs))
         return [(lo, hi, group, _lowp_target(unit, bucket, lo, hi)) for lo, hi, group, bucket in runs]
 
-    def _backend(self, unit: FlatUnit) -> str | None:
+    def backend(self, unit: FlatUnit) -> str | None:
         """What steps ``unit``: "cuda", "host", "reference", or None (the optimizer itself)."""
         master = unit.master_view(0, 1)
         if use_kernels(master):
@@ -106,13 +106,15 @@ class FusedAdamWStep:
         host_mul: float | None = multiplier if isinstance(multiplier, float) else None
         stepped: list[tuple[FlatUnit, list[dict], float | None, bool]] = []
         device_counts: list[Tensor] = []
+        skipped_on_host: bool | None = None  # the flag, read once a step by the host kernel's units (offloaded)
         for unit in units:
             pieces = unit.piece_tensors
-            backend = self._backend(unit) if pieces else None
+            backend = self.backend(unit) if pieces else None
             states = [self.optimizer.state[t] for t in pieces]
             on_device = found_inf is not None and backend in ("cuda", "reference")
-            skipped_on_host = found_inf is not None and backend == "host" and bool(found_inf.item())  # offloaded
-            if backend is None or skipped_on_host or any(t.grad is None for t in pieces):
+            if found_inf is not None and backend == "host" and skipped_on_host is None:
+                skipped_on_host = bool(found_inf.item())  # offloaded: the flag is on the host already
+            if backend is None or (backend == "host" and skipped_on_host) or any(t.grad is None for t in pieces):
                 self._to_host_counts(unit, states)
                 continue
             count = self._device_count(unit, states) if on_device else _shared_count(states)
@@ -162,7 +164,7 @@ class FusedAdamWStep:
         host_count = _shared_count(states)
         if host_count is None:
             return None
-        count = torch.tensor(host_count, dtype=torch.float32).to(unit.master_view(0, 1).device, non_blocking=True)
+        count = torch.full((), host_count, dtype=torch.float32, device=unit.master_view(0, 1).device)  # (no copy)
         for state in states:
             state["step"] = count
         self._counts[id(unit)] = count
@@ -173,9 +175,10 @@ class FusedAdamWStep:
         own step (which would advance a shared one once per piece)."""
         count = self._counts.pop(id(unit), None)
         if count is not None:
+            on_host = count.cpu()  # one read for the unit
             for state in states:
                 if state.get("step") is count:
-                    state["step"] = count.cpu().clone()
+                    state["step"] = on_host.clone()
 
     def _flat_moments(self, unit: FlatUnit, states: list[dict]) -> tuple[Tensor, Tensor]:
         """The unit's flat moments, with every piece's state pointing into them (adopting what it held)."""
