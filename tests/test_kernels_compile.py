@@ -3,11 +3,15 @@ with warnings as errors, on a machine without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
+import types
 
 import pytest
 from cuda.bindings import nvrtc
 
+from lightning_zero.kernels import loader
 from lightning_zero.kernels.loader import SOURCES, compile_options, source_dir
 
 DTYPES = ("f32", "f16", "bf16")
@@ -142,3 +146,36 @@ def test_16_bit_kernels_load_16_bytes_at_a_time(source):
     for kernel in VECTOR_LOADS[source]:
         for dtype in ("f32", "f16", "bf16") if kernel in ROW_KERNELS.get(source, {}) else ("f16", "bf16"):
             assert re.search(r"ld\.global(\.nc)?\.v4\.u32", bodies[f"{kernel}_{dtype}"]), f"{kernel}_{dtype}"
+
+
+def test_compile_all_compiles_the_sources_side_by_side(monkeypatch):
+    """loader.compile_all through a stand-in for CuPy whose modules compile with NVRTC (to PTX): every source
+    compiles, and two of them are compiling at the same moment (a barrier the first two must pass together:
+    one after the other, it times out)."""
+    compiled, meeting = [], threading.Barrier(2, timeout=60)
+
+    class RawModule:
+        def __init__(self, code: str, options: tuple) -> None:
+            self.code, self.options = code, options
+
+        def compile(self) -> None:
+            with lock:
+                first_two = len(compiled) < 2
+                compiled.append(self.code)
+            if first_two:
+                meeting.wait()
+            program = _check(nvrtc.nvrtcCreateProgram(self.code.encode(), b"source.cu", 0, [], []))
+            options = [o.encode() for o in (*self.options, "-arch=compute_90")]
+            assert nvrtc.nvrtcCompileProgram(program, len(options), options)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+            _check(nvrtc.nvrtcDestroyProgram(program))
+
+    lock = threading.Lock()
+    device = types.SimpleNamespace(Device=lambda index: contextlib.nullcontext())
+    cupy = types.SimpleNamespace(RawModule=RawModule, cuda=device)
+    monkeypatch.setattr(loader, "_cupy", lambda: cupy)
+    loader._module.cache_clear()
+    try:
+        loader.compile_all(device=0)
+    finally:
+        loader._module.cache_clear()
+    assert sorted(compiled) == sorted((source_dir() / s).read_text() for s in SOURCES)
