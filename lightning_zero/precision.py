@@ -147,8 +147,8 @@ class ZeroPrecision(Precision):
             seen = self.scaler.host_view()  # the state itself, or its copy from HOST_LAG steps ago
             model.log("loss_scale", seen[SCALE].float(), prog_bar=True)
             model.log("skipped_steps", seen[SKIPPED_STEPS].float(), prog_bar=True)
-            skipped = int(seen[SKIPPED_STEPS])
-            if self.skip_on_device and skipped > self._skips_reported:  # learnt late: no step number
+            skipped = int(seen[SKIPPED_STEPS]) if self.skip_on_device else 0  # (the host copy: no sync)
+            if skipped > self._skips_reported:  # learnt late: no step number
                 self._skips_reported = skipped
                 rank_zero_info(
                     f"fp16 gradients overflowed: {skipped} steps skipped so far, loss scale {float(seen[SCALE]):g}"
