@@ -71,7 +71,7 @@ class DynamicLossScaler:
         self.state = torch.tensor([start, config.hysteresis, 0, 0, 0], dtype=torch.float64)
         self._stuck_seen = 0  # overflows at the minimum the host has raised or warned about
         self._copies: collections.deque[tuple[Any, Tensor]] = collections.deque()  # (event, host copy) in flight
-        self._buffers: list[Tensor] = []  # HOST_LAG + 1 pinned buffers the copies cycle through
+        self._ring: list[tuple[Any, Tensor]] = []  # HOST_LAG + 1 (event, pinned buffer) the copies cycle through
         self._updates = 0
         self._seen = self.state.clone()  # the host's view of the state (skipping on the device: HOST_LAG late)
 
@@ -87,10 +87,6 @@ class DynamicLossScaler:
     @property
     def hysteresis(self) -> int:
         return int(self.state[HYSTERESIS])
-
-    @property
-    def good_steps(self) -> int:
-        return int(self.state[GOOD_STEPS])
 
     @property
     def skipped_steps(self) -> int:
@@ -120,13 +116,13 @@ class DynamicLossScaler:
     def _copy_to_host(self) -> None:
         """Starts the state's copy into the next pinned buffer; takes the one from HOST_LAG updates ago."""
         on_cuda = self.state.device.type == "cuda"
-        if not self._buffers:
-            self._buffers = [torch.empty(5, dtype=torch.float64, pin_memory=on_cuda) for _ in range(HOST_LAG + 1)]
+        if not self._ring:
+            buffers = [torch.empty(5, dtype=torch.float64, pin_memory=on_cuda) for _ in range(HOST_LAG + 1)]
+            self._ring = [(torch.cuda.Event() if on_cuda else None, buffer) for buffer in buffers]
         # the oldest of the ring: its copy was taken (and cloned) at the last update
-        buffer = self._buffers[self._updates % len(self._buffers)]
+        event, buffer = self._ring[self._updates % len(self._ring)]
         self._updates += 1
         buffer.copy_(self.state, non_blocking=on_cuda)
-        event = torch.cuda.Event() if on_cuda else None
         if event is not None:
             event.record()
         self._copies.append((event, buffer))

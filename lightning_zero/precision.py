@@ -98,12 +98,18 @@ class ZeroPrecision(Precision):
         """Whether fp16 steps are skipped on the device (loss_scaler.py's [Note: skipping on the device])."""
         return self.scaler is not None and self.scaler.config.skip_on_device
 
+    def _loss_scale(self, device: torch.device | None = None) -> float | Tensor:
+        """The scale the loss is multiplied by: 1 without fp16, a number, or when skipping on the device the fp64
+        device scalar (on ``device``, or where it is), whose fp32 rounding is the number's."""
+        if self.scaler is None:
+            return 1.0
+        return self.scaler.scale_tensor(device) if self.skip_on_device else self.scaler.scale
+
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         tensor = super().pre_backward(tensor, module)
         if self.scaler is None:
             return tensor
-        # a number, or an fp64 device scalar when skipping on the device (whose fp32 rounding is the number's)
-        scale = self.scaler.scale_tensor(tensor.device) if self.skip_on_device else self.scaler.scale
+        scale = self._loss_scale(tensor.device)
         for optimizer in module.trainer.strategy.optimizers:
             if isinstance(optimizer, ZeroOptimizer):
                 optimizer.loss_scale = scale  # so grad_norm() can unscale gradients anywhere in the step
@@ -115,16 +121,11 @@ class ZeroPrecision(Precision):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         self.last_grad_norm = None
         closure_result = closure()  # forward and backward; the strategy reduces gradients after backward
-        if self.skip_on_device:
-            found_inf = zero.prepare_grads(check_finite=True, loss_scale=self.scaler.scale_tensor(), on_device=True)
-            with sharded_grads(model, [zero]):
-                self._after_closure(model, optimizer)
-            zero.step(**kwargs)  # the fused step skips on found_inf
-            self.scaler.update(found_inf)
-            self._log(model)
-            return closure_result
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        if zero.prepare_grads(check_finite=self.scaler is not None, loss_scale=scale):
+        scale = self._loss_scale()
+        # False, True (skip), or skipping on the device the flag itself, unread: the fused step skips on it
+        fp16 = dict(check_finite=self.scaler is not None, on_device=self.skip_on_device)
+        found_inf = zero.prepare_grads(loss_scale=scale, **fp16)
+        if found_inf is True:
             zero.skip_step()
             self.scaler.update(overflow=True)
             if self.scaler.scale != scale:
@@ -137,7 +138,7 @@ class ZeroPrecision(Precision):
                 self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
             zero.step(**kwargs)
             if self.scaler is not None:
-                self.scaler.update(overflow=False)
+                self.scaler.update(found_inf)
         self._log(model)
         return closure_result
 

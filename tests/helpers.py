@@ -306,6 +306,10 @@ def poison_checkpoint(ckpt: Path, marker: Path) -> None:
     (ckpt / "metadata.json").write_text(json.dumps(meta))
 
 
+# Tensor methods that read a tensor's value on the host (on a GPU each waits for the device)
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 

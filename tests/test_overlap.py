@@ -24,14 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
+from helpers import HOST_READS, EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
 
 import lightning_zero
 from lightning_zero import ZeroPrecision
 from lightning_zero.sharding import collectives
 
 PACKAGE = str(Path(lightning_zero.__file__).parent)
-SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 
 
 def _caller() -> str:
@@ -52,7 +51,7 @@ class SyncCounter(pl.Callback):
         self.count = 0
 
     def setup(self, trainer, pl_module, stage):
-        self._originals = {name: getattr(torch.Tensor, name) for name in SYNCING}
+        self._originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
         for name, original in self._originals.items():
 
             def counted(tensor, *args, _original=original, **kwargs):

@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
+from helpers import HOST_READS, EquivalenceModule, make_trainer, spawn_ranks, zero_strategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_loss_scaler import CONSECUTIVE, WINDOW_3_HYSTERESIS_2
 
@@ -34,7 +34,6 @@ from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 INJECT_AT, STEPS = 3, 6  # StepLR's step_size is 7: both runs use the same learning rates, skip or not
 CONFIG = LossScaleConfig(hysteresis=1, skip_on_device=True)
-HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
 def test_the_host_sees_the_state_a_fixed_number_of_updates_late():

@@ -241,7 +241,7 @@ class ZeroOptimizer:
                 overflow = torch.stack([u.nonfinite() for u in self.units]).amax(dim=0)
                 found = collectives.all_reduce(overflow, dist.ReduceOp.MAX, group=self._group_for(overflow))
                 self._found_inf = found if on_device else bool(found.item())
-            if self._found_inf is False or torch.is_tensor(self._found_inf):
+            if self._found_inf is not True:  # (a flag left on the device: gradients attached, step skips on it)
                 flags = bytearray().join(u.used for u in self.units)  # the tensor below writes into it
                 collectives.all_reduce(
                     torch.frombuffer(flags, dtype=torch.uint8), dist.ReduceOp.MAX, group=self.world_host_group
