@@ -33,7 +33,6 @@ from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.data import SyntheticTextDataModule
 from lightning_zero.memory import formula_bytes
 from lightning_zero.models.gpt import GPTConfig, GPTModule
-from lightning_zero.sharding import collectives
 from lightning_zero.spawn import spawn_local_ranks
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -45,7 +44,7 @@ class StepTimer(pl.Callback):
         self.bytes: dict[str, int] = {}
 
     def on_train_start(self, trainer, pl_module):
-        self._traffic = dict(collectives.traffic)
+        self._traffic = trainer.strategy.traffic.copy() if isinstance(trainer.strategy, ZeroStrategy) else None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._start = time.perf_counter()
@@ -76,7 +75,9 @@ class StepTimer(pl.Callback):
             }
             if trainer.strategy._stage3 is not None:
                 self.bytes["gathered_peak"] = trainer.strategy._stage3.peak_gathered_bytes
-            moved = sum(collectives.traffic[k] - self._traffic.get(k, 0) for k in ("reduce_scatter", "all_gather"))
+            moved = sum(
+                trainer.strategy.traffic.since(self._traffic).elements[k] for k in ("reduce_scatter", "all_gather")
+            )
             self.elements_per_step = moved / trainer.global_step
         else:
             (optimizer,) = trainer.optimizers

@@ -47,7 +47,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPT, GPTConfig, GPTModule
-from lightning_zero.sharding import collectives
 from lightning_zero.spawn import spawn_local_ranks
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator when imported
@@ -206,7 +205,7 @@ class Probe(pl.Callback):
         self.steps, self.times, self.bytes = steps, [], {}
 
     def on_train_start(self, trainer, pl_module):
-        self.traffic = dict(collectives.traffic)
+        self.traffic = trainer.strategy.traffic.copy() if isinstance(trainer.strategy, ZeroStrategy) else None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.start = time.perf_counter()
@@ -242,7 +241,7 @@ def lightning_run(name: str, rank: int, world: int, args) -> dict:
     if isinstance(strategy, ZeroStrategy):
         run["bytes"] = strategy.memory_bytes()
         run["bytes"]["optimizer_state"] += run["bytes"].pop("master")
-        moved = sum(collectives.traffic[k] - probe.traffic.get(k, 0) for k in ("reduce_scatter", "all_gather"))
+        moved = sum(strategy.traffic.since(probe.traffic).elements[k] for k in ("reduce_scatter", "all_gather"))
         run["elements_per_step"] = moved / trainer.global_step
     return run
 
@@ -316,7 +315,7 @@ def _table(results: dict, args, skipped: list[str]) -> str:
         "even in fp32) plus Adam's state. zero*: `ZeroStrategy.memory_bytes()`, optimizer state = master partition",
         "+ Adam's state, at train end. Not counted anywhere: buckets in flight, units gathered for a moment.",
         "",
-        "Sent per step: measured for zero* (lightning_zero's `collectives.traffic`: reduce-scatters and",
+        "Sent per step: measured for zero* (`ZeroStrategy.traffic`: reduce-scatters and",
         "all-gathers) and for FSDP2 and DeepSpeed (every torch.distributed collective called from Python, an",
         "all-reduce counted twice its size, the loss scalars included); DDP's all-reduce runs in C++ and is not",
         "measured. The formula in parentheses is the ZeRO paper's: 2 Psi for DDP and stages 1/2, 3 Psi for stage 3",

@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.memory import SavedBytes
-from lightning_zero.sharding import collectives
 from lightning_zero.spawn import spawn_local_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -101,7 +100,7 @@ class Probe(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 1:
-            self._traffic = dict(collectives.traffic_bytes)
+            self._traffic = trainer.strategy.traffic.copy() if isinstance(trainer.strategy, ZeroStrategy) else None
         if batch_idx == self.profiled_step:
             self._saved.start()
         self._start = time.perf_counter()
@@ -116,10 +115,10 @@ class Probe(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         steps = trainer.global_step - 1
-        sent = {k: v - self._traffic.get(k, 0) for k, v in collectives.traffic_bytes.items()}
-        self.sent = sum(sent.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")) / max(steps, 1)
         strategy = trainer.strategy
         if isinstance(strategy, ZeroStrategy):
+            sent = strategy.traffic.since(self._traffic).bytes
+            self.sent = sum(sent[k] for k in ("all_gather", "reduce_scatter", "all_reduce")) / max(steps, 1)
             mem = strategy.memory_bytes()
             self.memory = {"parameters": mem["parameters"], "gradients": mem["gradients"]}
             self.memory["optimizer_state"] = mem["master"] + mem["optimizer_state"]

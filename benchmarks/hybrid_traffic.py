@@ -2,7 +2,7 @@
 
 Trains the GPT on N CPU ranks laid out as nodes of G ranks (``--per-node``), with plain ZeRO (stages 1,
 2, 3) and with hybrid sharding per simulated node (``shard_group_size=G``), and reports, per rank and per
-optimizer step: the buffer bytes each group role carried (``collectives.traffic_by_group``: the shard
+optimizer step: the buffer bytes each group role carried (``ZeroStrategy.traffic.bytes_by_group``: the shard
 group, or the world without hybrid, and the replicate group) next to ``comm_model.step_collectives``,
 and the model's split of the bytes a ring sends into intra-node and inter-node links. Bytes, not
 times: the "nodes" share one machine here.
@@ -31,16 +31,18 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
     from lightning_zero import ZeroConfig, ZeroStrategy
     from lightning_zero.data import SyntheticTextDataModule
     from lightning_zero.models.gpt import GPTConfig, GPTModule
-    from lightning_zero.sharding import collectives
 
     class Traffic(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx % args.micro_batches == 0:
-                self.start = collectives.traffic_by_group.copy()
+                self.start = trainer.strategy.traffic.copy()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if (batch_idx + 1) % args.micro_batches == 0:
-                self.step = {f"{role}/{op}": n for (role, op), n in (collectives.traffic_by_group - self.start).items()}
+                self.step = {
+                    f"{role}/{op}": n
+                    for (role, op), n in trainer.strategy.traffic.since(self.start).bytes_by_group.items()
+                }
                 units = trainer.strategy.optimizers[0].units
                 self.total = sum(u.layout.total_numel for u in units)
 
@@ -119,7 +121,7 @@ def main() -> None:
         *rows,
         "",
         "Measured: the buffer bytes each collective covered on rank 0 in the last optimizer step"
-        " (`collectives.traffic_by_group`). Stage 3's model is its bound (every unit gathered in forward and"
+        " (`ZeroStrategy.traffic.bytes_by_group`). Stage 3's model is its bound (every unit gathered in forward and"
         " backward); the root unit is gathered once per step, so it measures below. Small all-reduces (norms,"
         " flags) are left out of the model.",
     ]

@@ -2,7 +2,7 @@
 
 [Note: the communication model]
 ``step_collectives`` gives the bytes of the buffers each kind of collective covers on one rank per
-optimizer step (what ``collectives.traffic_by_group`` counts, by group role), from the padded model size
+optimizer step (what ``collectives.Traffic.bytes_by_group`` counts, by group role), from the padded model size
 ``total`` (elements), the bytes per gradient and per parameter element, the micro-batches per step and
 the shard group size K (K = N without hybrid sharding, where the "shard" group is the world):
 

@@ -78,6 +78,7 @@ class PreemptionCheckpoint(Callback):
         self.received = 0  # the first signal this rank got; written by the handler, nothing else there
         self._previous: dict[int, Any] = {}
         self._step = -1
+        self._group = None  # the world's group for the flag, a host tensor (see _host_world)
         self.saved_path: str | None = None
 
     # --- the handler: notes the signal, nothing more ----------------------------------------------
@@ -88,6 +89,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Lightning registered its handlers just before the run; these replace them until the run ends."""
         self.received, self._step = 0, trainer.global_step
+        self._group = _host_world(trainer)
         environment = _slurm_requeue(trainer)
         signals = {*self.signals, *([int(environment.requeue_signal)] if environment is not None else [])}
         for signum in sorted(signals):
@@ -112,7 +114,7 @@ class PreemptionCheckpoint(Callback):
         if trainer.global_step == self._step:  # inside an accumulation window: no optimizer step yet
             return
         self._step = trainer.global_step
-        signum = self._agree(self.received)
+        signum = self._agree(self.received, self._group)
         if not signum:
             return
         name = signal.Signals(signum).name
@@ -129,12 +131,12 @@ class PreemptionCheckpoint(Callback):
         raise Preempted(code)
 
     @staticmethod
-    def _agree(received: int) -> int:
+    def _agree(received: int, group) -> int:
         """The largest signal number any rank received (0: none); one collective per optimizer step."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return received
         flag = torch.tensor([received], dtype=torch.int32)
-        return int(collectives.all_reduce(flag, dist.ReduceOp.MAX, group=collectives.host_group(None)).item())
+        return int(collectives.all_reduce(flag, dist.ReduceOp.MAX, group=group).item())
 
     def _path(self, trainer: pl.Trainer) -> str:
         if _slurm_requeue(trainer) is not None and self.dirpath is None:  # where a requeued job looks, any signal
@@ -146,6 +148,17 @@ class PreemptionCheckpoint(Callback):
         if dirpath is None:
             dirpath = Path(trainer.default_root_dir) / "checkpoints"
         return str(Path(dirpath) / f"{self.filename}.ckpt")
+
+
+def _host_world(trainer: pl.Trainer):
+    """A group of every rank that takes CPU tensors: the ZeRO strategies' (topology.py), the world under gloo,
+    else one made now (collective: every rank starts training together)."""
+    topology = getattr(trainer.strategy, "topology", None)
+    if topology is not None:
+        return topology.host_world
+    if not (dist.is_available() and dist.is_initialized()) or "gloo" in str(dist.get_backend()):
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def _saved_already(trainer: pl.Trainer, path: str) -> bool:

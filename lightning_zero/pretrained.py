@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.sharding.construct import ShardedConstruction
-from lightning_zero.sharding.flat_unit import unit_location
+from lightning_zero.sharding.flat_unit import UnitIndex
 
 
 class _Source:
@@ -122,6 +122,7 @@ def load_pretrained(
             f" {sorted(missing)}; unexpected {unexpected}; shapes differ {shapes}"
         )
     construction = ShardedConstruction.active
+    unit_location = UnitIndex.of(module)
     with torch.no_grad():
         for name, tensor in targets:
             located = unit_location(tensor)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -49,7 +49,7 @@ from lightning_zero.sharding.build import (
     wrap_optimizers,
 )
 from lightning_zero.sharding.construct import ShardedConstruction
-from lightning_zero.sharding.flat_unit import FlatUnit, unit_location
+from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.stage3 import Stage3Runtime
@@ -111,6 +111,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         self._units: list[FlatUnit] = []
         self._stage3: Stage3Runtime | None = None
         self._backward_end = BackwardEnd()
+        self.traffic = collectives.Traffic()  # what this strategy's collectives covered while it was set up
+        self._observing = ExitStack()  # from set-up to teardown: self.traffic and, if asked, the collective log
         self._collective_log: list | None = None  # with config.check_collectives
         self._checked = 0
         self._loaded: checkpoint_io.LoadedCheckpoint | None = None  # between load_checkpoint and the restores
@@ -167,13 +169,14 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.topology = make_topology(  # collective with hybrid sharding: every rank, here, in one order
-            self.config.shard_group_size,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            local_world_size=self.num_processes,
-            timeout=timedelta(seconds=self.config.timeout),
-        )
+        if self.topology.world is not _get_default_group():  # made once per process group (fit, then test...)
+            self.topology = make_topology(  # collective with hybrid sharding: every rank, here, in one order
+                self.config.shard_group_size,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                local_world_size=self.num_processes,
+                timeout=timedelta(seconds=self.config.timeout),
+            )
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -205,9 +208,10 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             skip = [n for n, p in module.named_parameters() if construction is not None and construction.owns(p)]
             torch_sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, 0, skip)
         self._backward_end = BackwardEnd()
-        if self.config.check_collectives and self._collective_log is None:
-            self._recording = collectives.record()
-            self._collective_log, self._checked = self._recording.__enter__(), 0
+        self._observing.close()
+        self._observing.enter_context(collectives.observing(self.traffic))
+        if self.config.check_collectives:
+            self._collective_log, self._checked = self._observing.enter_context(collectives.record()), 0
         if fitting and self.config.stage == 3 and not on_meta:
             self.setup_optimizers(trainer)  # first, so that units can follow the optimizers (several of them)
         if self.config.stage == 3:
@@ -221,6 +225,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             if self.config.stage < 3:
                 kwargs = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
                 self._units = units_per_param_group(self.optimizers, names, self.config, **kwargs)
+                UnitIndex(self._units).attach(module)
                 self._load_hooks = install_load_hooks(module, self._units)  # load_state_dict reaches the master
             self.optimizers, self._reducer, self._gathers = wrap_optimizers(
                 self.optimizers,
@@ -230,8 +235,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
                 world_size=self.topology.shard_size,
                 backward_end=self._backward_end,
                 model=module,
-                group=self.topology.shard_group,
-                replicate_group=self.topology.replicate_group,
+                topology=self.topology,
             )
             for optimizer in self.optimizers:
                 optimizer.activate = self._activate  # add_param_group
@@ -252,9 +256,11 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         (stage 3: their frozen units become trainable; stages 1-2: they get a unit of their own)."""
         names = {p: n for n, p in self.lightning_module.named_parameters()}
         shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
-        units = trainable_units(params, names, self.config, **shard)
+        unit_location = UnitIndex.of(self.lightning_module)
+        units = trainable_units(params, names, self.config, unit_location, **shard)
         if self.config.stage < 3:  # units of their own
             self._units += units
+            unit_location.add(units)
             self._load_hooks += install_load_hooks(self.lightning_module, units)
         self._reducer.add_units(units)
         if self._gathers is not None:
@@ -385,10 +391,11 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         for handle in self._load_hooks:
             handle.remove()
         self._load_hooks = []
+        if module is not None and self.config.stage < 3:  # stage 3's stay with the shards (ShardedModule)
+            UnitIndex.detach(module)
         self._pending_rng = self._rng_after_step = None
-        if self._collective_log is not None:
-            self._recording.__exit__(None, None, None)
-            self._collective_log = None
+        self._observing.close()
+        self._collective_log = None
         if module is not None and (self._stage3 is not None or any(p.is_meta for p in module.parameters())):
             # Lightning would move the module to the CPU: a sharded module stays put, and one whose set-up
             # failed before materializing has nothing to move ("Cannot copy out of meta tensor").

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
-from lightning_zero.sharding.flat_unit import FlatUnit, unit_location
+from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.optimizer_check import check_elementwise
 from lightning_zero.sharding.param_gather import ParamGathers
+from lightning_zero.sharding.topology import Topology
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
@@ -68,7 +68,9 @@ def units_per_param_group(
     return units
 
 
-def trainable_units(params: list, names: dict, config: ZeroConfig, *, rank: int, world_size: int) -> list[FlatUnit]:
+def trainable_units(
+    params: list, names: dict, config: ZeroConfig, unit_location: UnitIndex, *, rank: int, world_size: int
+) -> list[FlatUnit]:
     """``add_param_group``: the units that train ``params`` from now on (stage 3: their frozen units made
     trainable; stages 1-2: one new unit). Refuses what is not a module parameter that requires grad and
     is not trained already."""
@@ -98,12 +100,10 @@ def wrap_optimizers(
     world_size: int,
     backward_end: BackwardEnd,
     model: Module,
-    group=None,
-    replicate_group=None,
+    topology: Topology,
 ) -> tuple[list[ZeroOptimizer], GradReducer, ParamGathers | None]:
     """One gradient reducer over all units, the post-step gathers (stages 1 and 2) and a ZeroOptimizer
-    around each user optimizer. ``group``: the shard group (None: the world); ``replicate_group``: see
-    topology.py."""
+    around each user optimizer, communicating on ``topology``'s groups (topology.py)."""
     for optimizer in optimizers:
         check_elementwise(optimizer)
     locate = {p: (u, i) for u in units for i, p in enumerate(u.params)}
@@ -125,10 +125,11 @@ def wrap_optimizers(
         model=model,
         max_inflight_bytes=config.max_inflight_bytes,
         coalesce_numel=config.reduce_bucket_size if config.stage == 3 else 0,
-        group=group,
-        average_over=world_size * (dist.get_world_size(replicate_group) if replicate_group is not None else 1),
+        group=topology.shard_group,
+        host_world=topology.host_world,
+        average_over=world_size * topology.replicas,
     )
-    gathers = ParamGathers(reducer, group=group) if config.stage < 3 else None
+    gathers = ParamGathers(reducer, group=topology.shard_group) if config.stage < 3 else None
     zero = [
         ZeroOptimizer(
             opt,
@@ -137,8 +138,7 @@ def wrap_optimizers(
             reducer,
             gathers=gathers,
             fused_step=config.fused_step,
-            group=group,
-            replicate_group=replicate_group,
+            topology=topology,
         )
         for opt in optimizers
     ]

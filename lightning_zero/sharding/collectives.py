@@ -1,16 +1,26 @@
 """Every collective the ZeRO strategies issue, as stateless free functions.
 
 Each function works on tensors the caller owns and returns the async work handle (or None when
-``async_op`` is off). ``traffic`` counts the elements each kind of collective covered on this rank
-(the full buffer a reduce-scatter reads or an all-gather writes), so tests and benchmarks can check
-per-step communication against the ZeRO formulas without wrapping torch.distributed.
+``async_op`` is off). Who wants to see what they did (bytes sent, their order) observes them.
 
-[Note: recording the collective sequence]
-Collectives are matched across ranks by the order in which they are issued; a rank that issues a
-different sequence hangs (NCCL) or times out (gloo). ``record()`` keeps, while it is active, each
-collective this module issues as ``(op, group, numel, dtype)``; ``first_divergence`` compares the
-records of all ranks. Tests assert that dynamic models produce identical sequences on every rank,
-and ``ZeroConfig(check_collectives=True)`` compares them after every optimizer step at run time.
+[Note: observing collectives]
+What the collectives did is seen by observers, and only while someone asked: ``observing(observer)``
+calls ``observer(entry, nbytes)`` for each collective issued inside the block, where ``entry`` is
+``(op, group role, numel, dtype)`` and ``nbytes`` what it covered in bytes. Nothing is kept between blocks
+(as with torch's ``CommDebugMode``), so there is no counter or record for a process to carry from one
+run into the next. Two observers:
+
+- ``Traffic``: the elements and bytes each kind of collective covered, and the bytes per (group role,
+  kind). The ZeRO strategy counts its own while it is set up (``ZeroStrategy.traffic``), so tests and
+  benchmarks check per-step communication against the ZeRO formulas without wrapping torch.distributed.
+- ``record()``: the sequence of entries. Collectives are matched across ranks by the order in which
+  they are issued; a rank that issues a different sequence hangs (NCCL) or times out (gloo).
+  ``first_divergence`` compares the records of all ranks. Tests assert that dynamic models produce
+  identical sequences on every rank, and ``ZeroConfig(check_collectives=True)`` compares them after
+  every optimizer step at run time.
+
+A group's role ("shard", "replicate": see topology.py) is its ``group_desc``, given when it is made, so it
+is the same on every rank although the ranks of shard groups differ; the default group is "world".
 
 [Note: per-backend collectives]
 ``reduce_scatter`` and ``all_gather`` keep one meaning on every backend but not one implementation;
@@ -48,55 +58,81 @@ whose peers never arrive fails with torch's timeout error instead of waiting for
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import Tensor
 
-traffic: Counter[str] = Counter()  # elements per kind of collective
-traffic_bytes: Counter[str] = Counter()  # the same in bytes (what the dtype costs on the wire)
-traffic_by_group: Counter[tuple[str, str]] = Counter()  # bytes per (group role, kind): see group_role
-_ROLES: dict[int, str] = {}  # id of a process group -> its role ("shard", "replicate"; see topology.py)
-_records: list[list[tuple]] = []  # the active recordings (innermost last)
+Entry = tuple[str, str, int, str]  # (op, group role, numel, dtype)
+_observers: list[Callable[[Entry, int], None]] = []  # the active observers, innermost last: see observing
 
 # torch 2.13 deprecates the *_tensor spellings; older torch only has them.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def name_group(group, role: str) -> None:
-    """Names ``group`` by its role, the same on every rank (its ranks differ between shard groups)."""
-    _ROLES[id(group)] = role
+ROLES = ("shard", "replicate")  # the roles topology.py gives its groups (their group_desc)
 
 
 def group_role(group) -> str:
-    """ "world" for the default group, a named group's role, else its ranks."""
+    """ "world" for the default group, a role topology.py gave (see [Note: observing collectives]), else its
+    ranks."""
     if group is None:
         return "world"
-    return _ROLES.get(id(group)) or str(dist.get_process_group_ranks(group))
+    return group.group_desc if group.group_desc in ROLES else str(dist.get_process_group_ranks(group))
 
 
 def _note(op: str, tensor: Tensor, numel: int, group) -> None:
-    traffic[op] += numel
-    traffic_bytes[op] += numel * tensor.element_size()
-    traffic_by_group[group_role(group), op] += numel * tensor.element_size()
-    if _records:
+    if _observers:
         entry = (op, group_role(group), numel, str(tensor.dtype))
-        for record in _records:
-            record.append(entry)
+        for observer in _observers:
+            observer(entry, numel * tensor.element_size())
 
 
 @contextmanager
-def record() -> Iterator[list[tuple]]:
-    """Collects ``(op, group, numel, dtype)`` for every collective issued inside the block, in order."""
-    log: list[tuple] = []
-    _records.append(log)
+def observing(observer: Callable[[Entry, int], None]) -> Iterator[None]:
+    """Calls ``observer(entry, nbytes)`` for every collective issued inside the block."""
+    _observers.append(observer)
     try:
-        yield log
+        yield
     finally:
-        _records.remove(log)
+        _observers.remove(observer)
+
+
+@dataclass
+class Traffic:
+    """What each kind of collective covered on this rank while observed: elements (the full buffer a
+    reduce-scatter reads or an all-gather writes), the same in bytes (what the dtype costs on the wire),
+    and bytes per (group role, kind)."""
+
+    elements: Counter[str] = field(default_factory=Counter)
+    bytes: Counter[str] = field(default_factory=Counter)
+    bytes_by_group: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+    def __call__(self, entry: Entry, nbytes: int) -> None:
+        op, role, numel, _ = entry
+        self.elements[op] += numel
+        self.bytes[op] += nbytes
+        self.bytes_by_group[role, op] += nbytes
+
+    def copy(self) -> Traffic:
+        return Traffic(self.elements.copy(), self.bytes.copy(), self.bytes_by_group.copy())
+
+    def since(self, earlier: Traffic) -> Traffic:
+        """What was counted after ``earlier`` (a copy taken then)."""
+        return Traffic(
+            self.elements - earlier.elements, self.bytes - earlier.bytes, self.bytes_by_group - earlier.bytes_by_group
+        )
+
+
+@contextmanager
+def record() -> Iterator[list[Entry]]:
+    """Collects ``(op, group role, numel, dtype)`` for every collective issued inside the block, in order."""
+    log: list[Entry] = []
+    with observing(lambda entry, nbytes: log.append(entry)):
+        yield log
 
 
 def first_divergence(sequences: list[list[tuple]]) -> str | None:
@@ -132,26 +168,6 @@ def _decomposed(group) -> bool:
     Looked up per call (a dictionary lookup in torch): caching it would keep the process group object
     alive past ``destroy_process_group``, and its threads would then be torn down at interpreter exit."""
     return dist.get_backend(group) == "gloo"
-
-
-_HOST_GROUPS: dict[int, object] = {}  # id of an NCCL group -> the gloo group made for it
-
-
-def set_host_group(group, host) -> None:
-    """The gloo group ``host_group(group)`` returns (made by every rank together: topology.py)."""
-    _HOST_GROUPS[id(group)] = host
-
-
-def host_group(group, *, timeout: timedelta | None = None):
-    """A group over the same ranks that takes CPU tensors: ``group`` itself when its backend has gloo,
-    else a gloo group made once, timing out after ``timeout`` (torch's default when None) (collective: the
-    strategy makes the world's at set-up, every rank its optimizers at set-up, in one order)."""
-    if not dist.is_initialized() or "gloo" in str(dist.get_backend(group)):
-        return group
-    key = id(group if group is not None else dist.group.WORLD)
-    if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = dist.new_group(ranks=_peers(group), backend="gloo", timeout=timeout)
-    return _HOST_GROUPS[key]
 
 
 def _peers(group) -> list[int]:

@@ -22,7 +22,6 @@ With ``offload`` the master, the reduced gradient partition (and stage 3's shard
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,18 +33,6 @@ from lightning_zero.config import HostOffload
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.layout import Bucket, FlatLayout, Piece
 from lightning_zero.sharding.offload import copy_to, host_empty
-
-_LOCATIONS: dict[int, tuple[weakref.ref, FlatUnit, int]] = {}  # id(param) -> its unit and index there
-
-
-def unit_location(param: Tensor) -> tuple[FlatUnit, int] | None:
-    """The unit that holds ``param`` (its master weights, stage 3 its shards) and its index there, or None."""
-    entry = _LOCATIONS.get(id(param))
-    return (entry[1], entry[2]) if entry is not None and entry[0]() is param else None
-
-
-def forget_location(param: Tensor) -> None:
-    _LOCATIONS.pop(id(param), None)
 
 
 class FlatUnit:
@@ -106,8 +93,6 @@ class FlatUnit:
 
         self.param_shard = None
         self.offload = offload
-        for index, p in enumerate(self.params):
-            _LOCATIONS[id(p)] = (weakref.ref(p), self, index)
         if shard_params:
             if offload is not None and offload.params:
                 self.param_shard = host_empty(layout.partition_numel, self.param_dtype, device, offload)
@@ -388,3 +373,44 @@ def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
             numel = unit.param_shard.numel()
             unit.flat_param.view(world, numel).copy_(rows[:, start : start + numel])
             start += numel
+
+
+class UnitIndex:
+    """Which unit holds each parameter (its master weights, stage 3 its shards) and its index there.
+
+    It lives on the module whose parameters the units hold and on each of its submodules (``attach``,
+    ``of``), for as long as the units hold them: stages 1 and 2 from set-up to teardown, stage 3 as long as
+    the module stays sharded (stage3_setup.ShardedModule). Whoever writes parameters from outside a step
+    (``load_pretrained`` into any submodule, ``add_param_group``) finds their units here."""
+
+    _ATTRIBUTE = "_lightning_zero_units"
+
+    def __init__(self, units: Sequence[FlatUnit] = ()) -> None:
+        self._entries: dict[int, tuple[FlatUnit, int]] = {}
+        self.add(units)
+
+    def add(self, units: Sequence[FlatUnit]) -> None:
+        for unit in units:
+            for index, p in enumerate(unit.params):
+                self._entries[id(p)] = (unit, index)
+
+    def __call__(self, param: Tensor) -> tuple[FlatUnit, int] | None:
+        """``param``'s unit and index there, or None. (The units hold their parameters, so an id here is
+        never another tensor's.)"""
+        entry = self._entries.get(id(param))
+        return entry if entry is not None and entry[0].params[entry[1]] is param else None
+
+    def attach(self, module: torch.nn.Module) -> UnitIndex:
+        for submodule in module.modules():
+            submodule.__dict__[self._ATTRIBUTE] = self
+        return self
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> UnitIndex:
+        """The index attached to ``module``; an empty one when its parameters are in no unit."""
+        return module.__dict__.get(cls._ATTRIBUTE) or cls()
+
+    @classmethod
+    def detach(cls, module: torch.nn.Module) -> None:
+        for submodule in module.modules():
+            submodule.__dict__.pop(cls._ATTRIBUTE, None)

@@ -74,6 +74,7 @@ class GradReducer:
         max_inflight_bytes: int = 200_000_000,
         coalesce_numel: int = 0,
         group=None,
+        host_world=None,
         average_over: int | None = None,
     ) -> None:
         """``model``: stages 1 and 2 watch its modules' forwards (see [Note: stage-2 launch order]).
@@ -91,6 +92,7 @@ class GradReducer:
         self.stage1_unreduced = False  # stage 1: a backward accumulated gradients no reduction has consumed yet
         self.backward_end = backward_end
         self.group = group
+        self.host_world = host_world  # the world's group for host tensors (topology.py)
         self.peak_live_buckets = 0  # most bucket buffers alive at once (filling or in flight)
         self.buffers_allocated = 0  # bucket buffers ever allocated (the pool reuses them)
 
@@ -309,7 +311,7 @@ class GradReducer:
         first_use = [min((self._forward_used.get(id(p), -1) for p in params), default=-1) for params in self._params]
         mine = sorted(range(len(self.order)), key=lambda k: (-first_use[k], k))  # used last in forward: first
         order = torch.tensor(mine, dtype=torch.int64)
-        collectives.broadcast(order, src=0, group=collectives.host_group(None))
+        collectives.broadcast(order, src=0, group=self.host_world)
         permutation = order.tolist()
         self.order = [self.order[k] for k in permutation]
         self._params = [self._params[k] for k in permutation]

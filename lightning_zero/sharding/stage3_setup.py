@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.nn import Module, ModuleDict, ModuleList, Parameter, ParameterDict, ParameterList
 
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.flat_unit import FlatUnit, forget_location
+from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.stage3 import Stage3Runtime
 
@@ -64,10 +64,12 @@ class ShardedModule:
     def attach(cls, module: Module, units, modules, *, world_size: int, rank: int) -> ShardedModule:
         sharded = cls(list(units), list(modules), world_size, rank, install_load_hooks(module, units))
         module.__dict__[cls._ATTRIBUTE] = sharded
+        UnitIndex(units).attach(module)
         return sharded
 
     @classmethod
     def detach(cls, module: Module) -> None:
+        UnitIndex.detach(module)
         sharded = module.__dict__.pop(cls._ATTRIBUTE, None)
         for handle in sharded.load_hooks if sharded is not None else ():
             handle.remove()
@@ -330,17 +332,16 @@ def gather_module(runtime: Stage3Runtime, device: torch.device) -> None:
             whole = [p.data.to(device, copy=True) for p in unit.params]
         for p, value in zip(unit.params, whole):
             p.data = value
-            forget_location(p)
 
 
 def install_load_hooks(model: Module, units: Sequence[FlatUnit]) -> list:
     """Lets ``model.load_state_dict`` write the parameters of ``units``: each rank keeps its own piece of
     every value (in the master, and stage 3's shard), and a parameter that is whole gets the whole value;
     stage 3's placeholders are never written. Returns the hook handles."""
-    locate = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
+    locate = UnitIndex(units)
     handles = []
     for module in model.modules():
-        if not any(id(p) in locate for p in dict.values(module._parameters) if p is not None):
+        if not any(locate(p) for p in dict.values(module._parameters) if p is not None):
             continue
         taken: dict[str, list] = {}
 
@@ -350,9 +351,10 @@ def install_load_hooks(model: Module, units: Sequence[FlatUnit]) -> list:
             for name, p in taken["order"]:
                 key = prefix + name
                 value = state_dict.get(key)
-                if p is None or id(p) not in locate or value is None or tuple(value.shape) != tuple(p.shape):
+                located = locate(p) if p is not None else None
+                if located is None or value is None or tuple(value.shape) != tuple(p.shape):
                     continue  # torch reports what is missing or of the wrong shape
-                unit, index = locate[id(p)]
+                unit, index = located
                 unit.write_owned(index, value)
                 if unit.gathered:
                     with torch.no_grad():

@@ -19,20 +19,18 @@ size, like any other.
 [Note: making groups]
 ``torch.distributed.new_group`` is collective over the whole world: every rank creates every group, in
 the same order, even those it is not in (``new_subgroups_by_enumeration`` does exactly that). The
-host (gloo) groups that offloaded state reduces on are made the same way, here, when the backend is not
-gloo: ``collectives.host_group`` would otherwise make one lazily, on one group's ranks only.
+host (gloo) groups that host tensors (offloaded state, flags kept on the host) reduce on are made the same
+way, here, when the backend is not gloo. A topology belongs to the strategy that made it; its groups live as
+long as the default process group they were made on (destroying that destroys them: elastic.py).
 """
 
 from __future__ import annotations
 
-import atexit
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-
-from lightning_zero.sharding import collectives
 
 
 @dataclass(frozen=True)
@@ -47,6 +45,21 @@ class Topology:
     replicas: int = 1
     shard_group: Any = None
     replicate_group: Any = None
+    world: Any = None  # the default process group the groups were made on
+    host_world: Any = None  # the gloo twins of the world, shard and replicate groups (themselves under gloo)
+    host_shard: Any = None
+    host_replicate: Any = None
+
+    def host(self, group) -> Any:
+        """The group over the same ranks as ``group`` (None: the world) that takes CPU tensors."""
+        for made, host in (
+            (None, self.host_world),
+            (self.shard_group, self.host_shard),
+            (self.replicate_group, self.host_replicate),
+        ):
+            if group is made:
+                return host
+        raise ValueError(f"{group} is none of this topology's groups")
 
     @property
     def writes_checkpoint_shards(self) -> bool:
@@ -65,44 +78,22 @@ def resolve_shard_size(setting: int | str | None, *, world_size: int, local_worl
     return size
 
 
-_MADE: dict[tuple, Topology] = {}  # (default group, shard size) -> the topology made for it
-
-
 def make_topology(
     setting: int | str | None, *, rank: int, world_size: int, local_world_size: int, timeout: timedelta | None = None
 ) -> Topology:
-    """The topology for ``setting`` (collective when hybrid and not made before on this process group: see
-    [Note: making groups]); its groups time out after ``timeout`` like the world's."""
+    """The topology for ``setting`` on the default process group (collective: see [Note: making groups]);
+    its groups time out after ``timeout`` like the world's."""
     size = resolve_shard_size(setting, world_size=world_size, local_world_size=local_world_size)
-    collectives.host_group(None, timeout=timeout)  # the world's gloo twin under NCCL, with this timeout
+    world = dist.distributed_c10d._get_default_group()
+    twins = "gloo" not in str(dist.get_backend())
+    host_world = dist.new_group(backend="gloo", timeout=timeout) if twins else None
     if size == world_size:
-        return Topology(shard_rank=rank, shard_size=world_size)
-    key = (id(dist.distributed_c10d._get_default_group()), size)
-    if key not in _MADE:  # every Trainer call sets the strategy up again: the groups are made once
-        if not _MADE:
-            atexit.register(_destroy)
-        _MADE[key] = _make(rank, world_size, size, timeout)
-    return _MADE[key]
-
-
-def _destroy() -> None:
-    """At exit, before the interpreter tears its modules down: left to that teardown, a gloo subgroup's
-    threads were sometimes destroyed unjoined (the process aborts: "terminate called without an active
-    exception", about 1 exit in 6 under torchrun). Local: no collective."""
-    groups = [g for t in _MADE.values() for g in (t.shard_group, t.replicate_group)]
-    groups += [collectives.host_group(g) for g in groups if collectives.host_group(g) is not g]
-    _MADE.clear()
-    for group in groups:
-        if dist.is_initialized():
-            dist.destroy_process_group(group)
-
-
-def _make(rank: int, world_size: int, size: int, timeout: timedelta | None) -> Topology:
+        return Topology(shard_rank=rank, shard_size=world_size, world=world, host_world=host_world)
     replicas = world_size // size
     shards = [list(range(r * size, (r + 1) * size)) for r in range(replicas)]
     copies = [list(range(s, world_size, size)) for s in range(size)]
-    shard_group = _subgroups(shards, "shard", timeout)
-    replicate_group = _subgroups(copies, "replicate", timeout)
+    shard_group, host_shard = _subgroups(shards, "shard", timeout, twins)
+    replicate_group, host_replicate = _subgroups(copies, "replicate", timeout, twins)
     return Topology(
         shard_rank=rank % size,
         shard_size=size,
@@ -110,15 +101,18 @@ def _make(rank: int, world_size: int, size: int, timeout: timedelta | None) -> T
         replicas=replicas,
         shard_group=shard_group,
         replicate_group=replicate_group,
+        world=world,
+        host_world=host_world,
+        host_shard=host_shard,
+        host_replicate=host_replicate,
     )
 
 
-def _subgroups(ranks: list[list[int]], role: str, timeout: timedelta | None):
-    """This rank's group among ``ranks`` (and its gloo twin for host tensors when the backend is not gloo)."""
-    mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
-    collectives.name_group(mine, role)
-    if "gloo" not in str(dist.get_backend()):
-        host, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout, backend="gloo")
-        collectives.name_group(host, role)
-        collectives.set_host_group(mine, host)
-    return mine
+def _subgroups(ranks: list[list[int]], role: str, timeout: timedelta | None, twins: bool) -> tuple[Any, Any]:
+    """This rank's group among ``ranks``, named by its role (see collectives.group_role), and its gloo twin for
+    host tensors (the group itself under gloo)."""
+    mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout, group_desc=role)
+    if not twins:
+        return mine, mine
+    host, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout, backend="gloo", group_desc=role)
+    return mine, host

@@ -19,7 +19,7 @@ pieces (views into the unit's fp32 master partition). One optimizer step is:
 [Note: host syncs]
 In fp32 and bf16 a step never waits for the device: which parameters got a gradient is recorded on
 the host by the gradient hooks (a bytearray per unit) and all-reduced on a CPU process group
-(``collectives.host_group``), clipping keeps its factor on the device, and the optimizer runs
+(the topology's ``host_world``), clipping keeps its factor on the device, and the optimizer runs
 without reading anything back. fp16 reads one flag, whether any rank's gradients overflowed: the
 skip decision is the host's (Lightning steps LR schedulers and counts steps on the host, and the
 loss scaler's next scale must be known before the next backward), as in torch's GradScaler.
@@ -50,6 +50,7 @@ from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import Piece
 from lightning_zero.sharding.offload import use_fused_host_step, wait_for_device
 from lightning_zero.sharding.param_gather import ParamGathers
+from lightning_zero.sharding.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -107,12 +108,11 @@ class ZeroOptimizer:
         *,
         gathers: ParamGathers | None = None,
         fused_step: str = "never",
-        group=None,
-        replicate_group=None,
+        topology: Topology,
     ) -> None:
         """``locate`` maps each trainable parameter to (unit, index in the unit); frozen ones are absent.
-        ``fused_step``: see fused_step.py. ``group``: the shard group; ``replicate_group``: with hybrid
-        sharding, the ranks holding the same partitions (topology.py)."""
+        ``fused_step``: see fused_step.py. ``topology``: the shard group, and with hybrid sharding the
+        replicate group of the ranks holding the same partitions (topology.py)."""
         if optimizer.state:
             raise ValueError(
                 f"the optimizer {type(optimizer).__name__} already holds state before sharding; create it fresh in"
@@ -121,10 +121,11 @@ class ZeroOptimizer:
         self.optimizer = optimizer
         self.reducer = reducer
         self.gathers = gathers  # stages 1 and 2
-        self.group = group
-        self.host_group = collectives.host_group(group)
-        self.replicate_group = replicate_group
-        self.world_host_group = collectives.host_group(None)  # decisions every rank must share
+        self.group = topology.shard_group
+        self.host_group = topology.host(self.group)
+        self.replicate_group = topology.replicate_group
+        self.host_replicate_group = topology.host_replicate
+        self.world_host_group = topology.host_world  # decisions every rank must share
         self.activate: Callable[[list[Parameter]], dict] | None = None  # see add_param_group
         # For each group, each original parameter's slot (None when frozen); the numbering of the
         # unsharded optimizer's state dict follows these lists.
@@ -296,7 +297,7 @@ class ZeroOptimizer:
         in flight at once, then waited on."""
         works = []
         for grad in grads:
-            group = collectives.host_group(self.replicate_group) if grad.device.type == "cpu" else self.replicate_group
+            group = self.host_replicate_group if grad.device.type == "cpu" else self.replicate_group
             works.append(collectives.all_reduce_async(grad, dist.ReduceOp.SUM, group=group))
         for work in works:
             work.wait()

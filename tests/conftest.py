@@ -1,0 +1,57 @@
+"""The test tiers and the fixtures every tier shares.
+
+- ``tests/unit``: in one process: pure logic, configs, schedules, formats, the kernels' CPU references and
+  emulator, the CLI through its ``main()``, error paths at world size 1;
+- ``tests/dist``: real multi-process sharding, on the rank processes the whole run shares (``ranks``);
+- ``tests/e2e``: whole launches a user makes: the console script, torchrun, kills, several nodes, preemption;
+- ``tests/gpu``: what needs a CUDA GPU (skipped without one).
+
+Each test is marked with its folder's tier, so ``-m unit`` selects the same tests as ``tests/unit``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support import cuda_emulator
+from tests.support.helpers import COLLECTIVE_TIMEOUT_S, TASK_DEADLINE_S
+from tests.support.pool import RankPools
+
+TIERS = ("unit", "dist", "e2e", "gpu")
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(item.fspath).relative_to(HERE).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: every test lives in one of tests/{{{','.join(TIERS)}}}")
+        item.add_marker(tier)
+
+
+@pytest.fixture(scope="session")
+def rank_pools(tmp_path_factory):
+    pools = RankPools(tmp_path_factory.mktemp("ranks"), timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=TASK_DEADLINE_S)
+    yield pools
+    pools.close()
+
+
+@pytest.fixture
+def ranks(rank_pools):
+    """``ranks(fn, world_size, *args)``: runs ``fn(rank, world_size, *args)`` on the run's shared world of
+    ``world_size`` rank processes and returns each rank's result, in rank order; a rank that raises, dies or
+    hangs past the deadline fails the test with its traceback (or stacks). Keyword arguments ``timeout_s``
+    (each collective) and ``deadline_s`` (the whole task) override the defaults."""
+    return rank_pools.run
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """The CUDA kernels run on the CPU emulator for CPU tensors, through the launchers and the ops."""
+    reason = cuda_emulator.available()
+    if reason:
+        pytest.skip(reason)
+    cuda_emulator.build_all()  # (once: the builds are cached)
+    cuda_emulator.emulate(monkeypatch)

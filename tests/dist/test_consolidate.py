@@ -1,0 +1,100 @@
+"""`lightning-zero consolidate`: a plain fp32 state dict (.pt and .safetensors) equal to the gathered
+parameters, loadable without lightning_zero, written with about one parameter of memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
+from tests.support.kill_target import Wide, trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
+
+from lightning_zero.cli import main
+
+STEPS = 4
+
+
+def _fit_and_save(rank: int, world: int, root) -> None:
+    pl.seed_everything(0)
+    module = EquivalenceModule("blocks", steps=STEPS)
+    callbacks = [ModelCheckpoint(root / "ckpts", every_n_train_steps=STEPS)]
+    strategy = zero_strategy(3, param_persistence_threshold=0)
+    trainer = make_trainer(strategy, world, steps=STEPS, callbacks=callbacks, enable_checkpointing=True)
+    trainer.fit(module)
+    state = trainer.strategy.lightning_module_state_dict()  # gathered unit by unit: the last step's values
+    if rank == 0:
+        torch.save(state, root / "gathered.pt")
+
+
+def _run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_consolidated_state_dict_equals_the_gathered_parameters(ranks, tmp_path, capsys):
+    ranks(_fit_and_save, 2, tmp_path)
+    capsys.readouterr()  # (the ranks' output)
+    (ckpt,) = (tmp_path / "ckpts").iterdir()
+    gathered = torch.load(tmp_path / "gathered.pt")
+    outputs = (tmp_path / "model.pt", tmp_path / "model.safetensors")
+    for out in outputs:
+        main(["consolidate", str(ckpt), str(out)])  # the console script's own behaviour: test_bad_input.py
+        assert capsys.readouterr().out.strip() == f"wrote {out}"
+        plain = load_file(out) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
+        assert list(plain) == list(gathered)
+        for key, value in gathered.items():
+            assert plain[key].dtype == torch.float32 and torch.equal(plain[key], value.float()), key
+        module = EquivalenceModule("blocks")
+        module.load_state_dict(plain)  # strict: every key, tied ones included
+    # Loadable by someone without lightning_zero:
+    counts = _run(
+        "import sys; sys.modules['lightning_zero'] = None; import torch; from safetensors.torch import load_file;"
+        f" print(len(torch.load({str(outputs[0])!r}, weights_only=True)), len(load_file({str(outputs[1])!r})))"
+    )
+    assert counts.split() == [str(len(gathered))] * 2
+
+
+WIDTH, DEPTH = 512, 80  # 21M parameters, 84 MB in fp32; the largest is 1 MB
+
+
+def _fit_wide(rank: int, world: int, root) -> None:
+    pl.seed_everything(0)
+    trainer(world, str(root / "ckpts"), steps=1).fit(Wide(WIDTH, DEPTH))
+
+
+# Samples this process's resident memory while ``action`` runs; prints the growth over the start.
+MEASURE = """
+import threading, time
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
+peak, done = [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss()); time.sleep(0.0005)
+start = rss(); sampler = threading.Thread(target=sample); sampler.start()
+action()
+done.set(); sampler.join(); print(peak[0] - start)
+"""
+
+
+def test_consolidate_streams_with_about_one_parameter_of_memory(ranks, tmp_path):
+    ranks(_fit_wide, 2, tmp_path)
+    ckpt = tmp_path / "ckpts" / "last.ckpt"
+    model_bytes = sum(p.numel() for p in Wide(WIDTH, DEPTH).parameters()) * 4
+    imports = "import torch; from lightning_zero.checkpoint.consolidate import consolidate\n"
+    # The measurement must see a whole model when one is held: loading every shard at once does.
+    whole = f"action = lambda: [torch.load(p) for p in __import__('pathlib').Path({str(ckpt)!r}).glob('rank-*')]"
+    held = int(_run(imports + whole + MEASURE).split()[-1])
+    streamed = f"action = lambda: consolidate({str(ckpt)!r}, {str(tmp_path / 'wide.pt')!r})"
+    growth = int(_run(imports + streamed + MEASURE).split()[-1])
+    print(f"consolidate: resident memory grew {growth / 2**20:.1f} MiB for a {model_bytes / 2**20:.1f} MiB model")
+    assert held > model_bytes, "the measurement does not see memory that is held"
+    assert growth < model_bytes / 4, (growth, model_bytes)
+    assert Path(tmp_path / "wide.pt").stat().st_size >= model_bytes

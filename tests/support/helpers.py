@@ -1,0 +1,364 @@
+"""Shared test helpers: the models the equivalence tests train, trainers, checkpoints, launches.
+
+Distributed tests run their workers on the shared rank processes (the ``ranks`` fixture, pool.py); a
+Trainer built inside a worker joins that world, so one worker can run several ``fit`` calls (stages,
+models) on one process group, whose timeout turns a hang into an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_zero
+from lightning_zero.checkpoint.format import check_files, read_metadata, sha256_file
+from lightning_zero.data import SyntheticLanguage
+from lightning_zero.kernels.adamw import FusedAdamW
+from lightning_zero.models.gpt import GPT, GPTConfig
+
+SUPPORT = Path(__file__).resolve().parent  # the scripts launched tests start live here
+REPO = SUPPORT.parents[1]
+COLLECTIVE_TIMEOUT_S = 120
+TASK_DEADLINE_S = 900  # a distributed test's whole run on the shared ranks (tests/support/pool.py)
+
+LAUNCHER_VARS = ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK")
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This process's environment without what a launcher or scheduler set (so a test launches its own
+    ranks whatever pytest runs under), the repository importable (the scripts in tests/support import
+    ``tests.support``), one thread per rank, unbuffered output, and ``extra``."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))
+    }
+    path = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+# --- models ---------------------------------------------------------------------------------------
+VOCAB, SEQ = 13, 6
+
+
+class ToyNet(nn.Module):
+    """Everything that breaks naive sharding in one small model.
+
+    Tied weights (``emb`` is also the head), a frozen layer, parameter sizes that divide by no
+    world size (7, 11, 77, ...), a branch unused on every third step (no rank uses it), a branch
+    used only by rare samples (unused on some ranks, used on others), and a buffer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 7)
+        self.frozen = nn.Linear(7, 7)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Linear(7, 11)
+        self.branch = nn.Linear(11, 11)
+        self.rare = nn.Linear(11, 11)
+        self.out = nn.Linear(11, 7)
+        self.head = nn.Linear(7, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("temperature", torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.frozen(self.emb(x).mean(1)))  # (B, 7)
+        h = torch.tanh(self.body(h))  # (B, 11)
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        rare = x[:, 0] == 0  # about 1 sample in 13
+        if rare.any():
+            h = h.clone()
+            h[rare] = h[rare] + torch.tanh(self.rare(h[rare]))
+        return self.head(self.out(h)) / self.temperature  # (B, VOCAB)
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.lin = nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, dim), requires_grad=False)  # frozen, inside a unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x))) * self.scale
+
+
+class BlocksNet(nn.Module):
+    """What stage 3 must get right, over units = the blocks of a ModuleList (dim 9: odd sizes).
+
+    The embedding is tied to the head; block 2's weight is tied to block 0's (so it belongs to no
+    block: the root unit holds it); block 1 runs twice per forward; block 2 runs only on some steps;
+    block 3's weight is also read directly by the root's forward, outside its module.
+    """
+
+    def __init__(self, dim: int = 9) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(ToyBlock(dim) for _ in range(4))
+        self.blocks[2].lin.weight = self.blocks[0].lin.weight
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.emb(x).mean(1)  # (B, dim)
+        h = self.blocks[0](h)
+        h = self.blocks[1](self.blocks[1](h))
+        if step % 3 != 0:
+            h = self.blocks[2](h)
+        h = h + 0.1 * F.linear(h, self.blocks[3].lin.weight)
+        return self.head(self.blocks[3](h))  # (B, VOCAB)
+
+
+class EquivalenceModule(pl.LightningModule):
+    """Trains ``kind`` ("gpt" or "toy") on fixed data that each rank splits explicitly.
+
+    Lightning's own distributed sampler shuffles, so the split is built here: rank r of W gets
+    samples r, r + W, ... and a per-rank batch of global_batch / W, which together are exactly the
+    single-process batch. ``grad_norms`` records the global gradient norm before each step.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        global_batch: int = 8,
+        steps: int = 20,
+        accumulate: int = 2,
+        lr: float = 1e-3,
+        optimizer: str = "adamw",
+        lazy: bool = False,
+        n_layer: int = 2,
+    ):
+        """``lazy``: the GPT is built in ``configure_model`` (so ZeRO-3 builds it on the meta device)."""
+        super().__init__()
+        self.kind, self.global_batch, self.lr, self.optimizer = kind, global_batch, lr, optimizer
+        n = steps * accumulate * global_batch
+        g = torch.Generator().manual_seed(7)
+        if kind == "gpt":
+            # No biases: the attention key bias has a zero true gradient, so Adam turns rounding noise
+            # into full-size updates and even DDP drifts from a single process there (~1e-4).
+            self.gpt_config = GPTConfig(vocab_size=32, block_size=16, n_layer=n_layer, n_head=2, n_embd=32, bias=False)
+            self.net = None if lazy else GPT(self.gpt_config)
+            tokens = SyntheticLanguage(32, seed=3).sample(n * 17, seed=4)[0].view(n, 17)
+            self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        else:
+            self.net = ToyNet() if kind == "toy" else BlocksNet()
+            self.data = TensorDataset(
+                torch.randint(VOCAB, (n, SEQ), generator=g), torch.randint(VOCAB, (n,), generator=g)
+            )
+        self.grad_norms: list[float] = []
+        self.grad_max: list[float] = []  # largest |gradient| this rank sees before each step
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.kind == "gpt":
+            logits = self.net(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        elif self.kind == "toy":
+            loss = F.cross_entropy(self.net(x, use_branch=self.global_step % 3 != 0), y)
+        else:
+            loss = F.cross_entropy(self.net(x, step=self.global_step), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def forward(self, x):
+        return self.net(x)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_model(self):
+        if self.net is None:
+            self.net = GPT(self.gpt_config)
+
+    def init_module(self, module, generator):
+        self.net.init_module(module, generator)
+
+    def on_before_optimizer_step(self, optimizer):
+        if hasattr(optimizer, "grad_norm"):
+            norm = optimizer.grad_norm()
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
+        self.grad_norms.append(float(norm))
+        pieces = (
+            optimizer.pieces()
+            if hasattr(optimizer, "pieces")
+            else [p for g in optimizer.param_groups for p in g["params"]]
+        )
+        grads = [p.grad for p in pieces if p.grad is not None]
+        self.grad_max.append(max((float(g.abs().max()) for g in grads), default=0.0))
+
+    def configure_optimizers(self):
+        """Two param groups with their own lr and weight decay, and a per-step LR schedule."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": self.lr / 2},
+        ]
+        if self.optimizer == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=self.lr * 30, momentum=0.9)
+        elif self.optimizer == "fusedadamw":
+            optimizer = FusedAdamW(groups, lr=self.lr)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(self.data, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(self.data, batch_size=self.global_batch // world, sampler=sampler)
+
+
+class TrafficPerStep(pl.Callback):
+    """Elements each collective covered during the last optimizer step (all its micro-batches)."""
+
+    def __init__(self) -> None:
+        self.per_step: list[Counter[str]] = []  # a kind that sent nothing reads 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self._before = trainer.strategy.traffic.copy()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.per_step.append(trainer.strategy.traffic.since(self._before).elements)
+
+
+def make_trainer(
+    strategy, devices: int, *, steps: int = 20, accumulate: int = 2, clip: float = 0.05, callbacks=(), **kwargs
+):
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        **{"enable_checkpointing": False, "logger": False, **kwargs},
+    )
+
+
+def zero_strategy(stage: int, **config) -> lightning_zero.ZeroStrategy:
+    config.setdefault("timeout", COLLECTIVE_TIMEOUT_S)
+    return lightning_zero.ZeroStrategy(lightning_zero.ZeroConfig(stage=stage, **config))
+
+
+def check_fused_gpt(cfg: dict, batch: int, device: str = "cpu", *, out_tol: float, rtol: float, atol: float) -> None:
+    """GPTConfig(fused=True) against the plain GPT with the same weights: the logits (within ``out_tol``), then
+    every parameter's gradient (``rtol``/``atol``)."""
+    torch.manual_seed(0)
+    plain, fused = GPT(GPTConfig(**cfg)).to(device), GPT(GPTConfig(**cfg, fused=True)).to(device)
+    fused.load_state_dict(plain.state_dict())
+    assert type(fused.blocks[0]).__name__ == "FusedBlock"
+    idx = torch.randint(cfg["vocab_size"], (batch, cfg["block_size"]), device=device)
+    out_plain, out_fused = plain(idx), fused(idx)
+    torch.testing.assert_close(out_fused, out_plain, rtol=out_tol, atol=out_tol)
+    out_plain.square().mean().backward()
+    out_fused.square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=rtol, atol=atol, msg=name)
+
+
+# --- the CLI, in this process ----------------------------------------------------------------------
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``lightning-zero ARGS`` through ``cli.main`` in this process: (exit code, stdout, stderr). The console
+    script itself runs in tests/e2e."""
+    from lightning_zero.cli import main
+
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+def verify_checkpoint(ckpt: Path) -> int:
+    """Checks every file of a sharded checkpoint (complete, sizes, sha256); returns its global step."""
+    meta = read_metadata(ckpt)  # raises unless complete
+    check_files(ckpt, meta, checksum=True)
+    return meta.global_step
+
+
+class Poison:
+    """Unpickling it runs ``open(marker, "w")``: what a malicious checkpoint would do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def poison_checkpoint(ckpt: Path, marker: Path) -> None:
+    """Puts a Poison into a checkpoint's lightning.pt and updates its size and hash in the metadata, so
+    only safe unpickling can stop it."""
+    state = torch.load(ckpt / "lightning.pt", weights_only=True)
+    torch.save({**state, "poison": Poison(marker)}, ckpt / "lightning.pt")
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    meta["files"]["lightning.pt"] = {
+        "bytes": (ckpt / "lightning.pt").stat().st_size,
+        "sha256": sha256_file(ckpt / "lightning.pt"),
+    }
+    (ckpt / "metadata.json").write_text(json.dumps(meta))
+
+
+# Tensor methods that read a tensor's value on the host (on a GPU each waits for the device)
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def check_fused_adamw_under_grad_scaler(
+    device: str = "cpu", guard=contextlib.nullcontext, unscale_in_step: bool = True
+) -> None:
+    """FusedAdamW and torch.optim.AdamW, each under its own GradScaler, on the same scaled losses; step 2's
+    gradients hold an inf, so both skip it and back their scale off. FusedAdamW's step (inside ``guard``,
+    e.g. a CUDA sync check) must land on torch's parameters, with its step counts on the device, 4 of 5
+    (``unscale_in_step=False``: the scaler unscales and skips itself; the counts stay on the host)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(17, 9), nn.Linear(9, 3)).to(device)
+    twin = nn.Sequential(nn.Linear(17, 9), nn.Linear(9, 3)).to(device)
+    twin.load_state_dict(model.state_dict())
+    mine = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, unscale_in_step=unscale_in_step)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    # the scale changes every step: a step that did not unscale would land elsewhere
+    scalers = [torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=1) for _ in range(2)]
+    for step in range(5):
+        x = torch.randn(5, 17, device=device)
+        runs = ((model, mine, scalers[0], guard), (twin, theirs, scalers[1], contextlib.nullcontext))
+        for net, opt, scaler, context in runs:
+            opt.zero_grad()
+            scaler.scale(net(x).square().mean()).backward()
+            if step == 2:
+                net[0].weight.grad[0, 0] = float("inf")
+            with context():
+                scaler.step(opt)
+                scaler.update()
+    # grown after steps 0, 1, 3 and 4, backed off at step 2
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**13, [s.get_scale() for s in scalers]
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for p in model.parameters():
+        count = mine.state[p]["step"]
+        assert count.device == (p.device if unscale_in_step else torch.device("cpu")), count.device
+        assert count.item() == 4.0, count

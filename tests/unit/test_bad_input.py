@@ -1,0 +1,561 @@
+"""Bad input to every `lightning-zero` command, table-driven: configs (YAML values), CLI arguments, DeepSpeed
+JSON, estimate arguments and damaged or crafted checkpoints. Each case answers with exactly one line,
+``lightning-zero <command>: error: ...`` naming the bad value, exit code 2, and writes or deletes nothing
+(the case's directory is compared file by file, contents included) and starts no process group.
+
+The cases call ``lightning_zero.cli.main`` in-process (the console script's start-up costs seconds); a
+few run the real console script to show it answers the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.cli import DEBUG_ENV, InputError, ZeroCLI, main
+from tests.support.helpers import EquivalenceModule, Poison, make_trainer, poison_checkpoint, zero_strategy
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT = str(ROOT / "configs" / "gpt.yaml")
+SCRIPT = Path(sys.executable).with_name("lightning-zero")
+COMMANDS = ("fit", "validate", "test", "predict", "estimate", "consolidate")
+
+
+@dataclass
+class Case:
+    name: str
+    args: list[str]  # "{tmp}": the case's directory; "{ckpt}": its copy of the checkpoint
+    message: str  # a distinctive part of the one line
+    files: dict[str, str] = field(default_factory=dict)  # written into {tmp} first
+    damage: Callable[[Path], None] | None = None  # applied to {ckpt}
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _fit(*args: str) -> list[str]:
+    # a small data set: the cases that get as far as building the data module need not wait for 4096 samples
+    return ["fit", "--config", GPT, "--trainer.default_root_dir={tmp}", "--data.init_args.num_train=64", *args]
+
+
+def _yaml(name: str, text: str, message: str) -> Case:
+    return Case(f"yaml_{name}", _fit("--config", "{tmp}/bad.yaml"), message, {"bad.yaml": text})
+
+
+def _deepspeed(name: str, config: object, message: str) -> Case:
+    text = config if isinstance(config, str) else json.dumps(config)
+    return Case(f"deepspeed_{name}", _fit("--deepspeed_config", "{tmp}/ds.json"), message, {"ds.json": text})
+
+
+STAGE_HINT = "(the stage is chosen with --trainer.strategy zero1|zero2|zero3)"
+FIT_CASES = [
+    _yaml(
+        "reduce_bucket_size_negative",
+        "zero:\n  reduce_bucket_size: -1\n",
+        "zero.reduce_bucket_size must be an integer > 0 (elements), got -1",
+    ),
+    _yaml("timeout_zero", "zero:\n  timeout: 0\n", "zero.timeout must be a number of seconds > 0, got 0.0"),
+    _yaml("stage_in_zero_section", "zero:\n  stage: 4\n", f"does not accept option 'zero.stage' {STAGE_HINT}"),
+    _yaml(
+        "strategy_zero4",
+        "trainer:\n  strategy: zero4\n",
+        "trainer.strategy must be one of zero1, zero2, zero3 for ZeRO (or a Lightning strategy such as ddp),"
+        " got 'zero4'",
+    ),
+    _yaml(
+        "reduce_dtype_int8",
+        "zero:\n  reduce_dtype: int8\n",
+        "zero.reduce_dtype must be null or one of float32, bfloat16, float16, got 'int8'",
+    ),
+    _yaml("unknown_zero_option", "zero:\n  bucket: 3\n", "does not accept option 'zero.bucket'"),
+    _yaml("malformed", "trainer: [\n", "Problems parsing config"),
+    _yaml("max_steps_negative", "trainer:\n  max_steps: -5\n", "`max_steps` must be a non-negative integer or -1"),
+    Case("yaml_missing_file", _fit("--config", "{tmp}/absent.yaml"), "File does not exist"),
+    Case("cli_zero_stage", _fit("--zero.stage", "4"), f"unrecognized arguments: --zero.stage 4 {STAGE_HINT}"),
+    Case(
+        "cli_strategy_zero4", _fit("--trainer.strategy", "zero4"), "trainer.strategy must be one of zero1, zero2, zero3"
+    ),
+    Case(
+        "cli_strategy_zero", _fit("--trainer.strategy", "zero"), "trainer.strategy must be one of zero1, zero2, zero3"
+    ),
+    Case(
+        "cli_bucket_not_integer",
+        _fit("--zero.reduce_bucket_size", "abc"),
+        "\"zero.reduce_bucket_size\": Expected a <class 'int'>. Got value: abc",
+    ),
+    Case(
+        "cli_max_live_parameters_zero",
+        _fit("--zero.max_live_parameters", "0"),
+        "zero.max_live_parameters must be an integer > 0 (elements), got 0",
+    ),
+    Case(
+        "cli_gather_dtype",
+        _fit("--zero.gather_dtype", "fp8"),
+        "zero.gather_dtype must be compute or float32, got 'fp8'",
+    ),
+    Case("cli_unknown_option", _fit("--nonsense", "3"), "unrecognized arguments: --nonsense 3"),
+    Case(
+        "cli_devices_not_a_number",
+        _fit("--trainer.devices", "abc"),
+        "`devices` selected with `CPUAccelerator` should be an int > 0",
+    ),
+    Case(
+        "cli_unknown_subcommand",
+        ["fitt", "--config", GPT],
+        "lightning-zero: error: argument subcommand: invalid choice: 'fitt'",
+    ),
+    Case(
+        "cli_validate_timeout",
+        ["validate", "--config", GPT, "--zero.timeout", "-1"],
+        "lightning-zero validate: error: zero.timeout must be a number of seconds > 0, got -1.0",
+    ),
+    Case(
+        "cli_predict_param_persistence",
+        ["predict", "--config", GPT, "--zero.param_persistence_threshold", "-1"],
+        "lightning-zero predict: error: zero.param_persistence_threshold must be an integer >= 0",
+    ),
+    Case(
+        "deepspeed_missing_file",
+        _fit("--deepspeed_config", "{tmp}/absent.json"),
+        "DeepSpeed config {tmp}/absent.json: no such file",
+    ),
+    _deepspeed(
+        "malformed_json",
+        '{"zero_optimization": {"stage": 2,}}',
+        "ds.json: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 35",
+    ),
+    _deepspeed("not_an_object", [1, 2], "ds.json: must be a JSON object of settings, got a list"),
+    _deepspeed(
+        "unknown_keys",
+        {"activation_checkpointing": {}, "optimizer": {"type": "Adam"}},
+        "these keys are not supported: activation_checkpointing, optimizer",
+    ),
+    _deepspeed(
+        "nvme_offload",
+        {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}},
+        "zero_optimization.offload_optimizer.device 'nvme' is not supported (NVMe offload is not implemented);"
+        " use 'cpu' or 'none'",
+    ),
+    _deepspeed(
+        "stage_0",
+        {"zero_optimization": {"stage": 0}},
+        "zero_optimization.stage 0 is plain data parallelism: use strategy='ddp'",
+    ),
+    _deepspeed("stage_4", {"zero_optimization": {"stage": 4}}, "zero.stage must be one of 1, 2, 3, got 4"),
+    _deepspeed(
+        "bucket_not_integer",
+        {"zero_optimization": {"reduce_bucket_size": 2.5}},
+        "zero_optimization.reduce_bucket_size must be an integer, got 2.5",
+    ),
+    _deepspeed(
+        "fp16_and_bf16",
+        {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+        "fp16.enabled and bf16.enabled are both true; choose one",
+    ),
+    _deepspeed(
+        "loss_scale_without_fp16",
+        {"fp16": {"hysteresis": 2}},
+        "fp16 loss-scale keys ['hysteresis'] need fp16.enabled: true",
+    ),
+    _deepspeed(
+        "hysteresis_zero",
+        {"fp16": {"enabled": True, "hysteresis": 0}},
+        "fp16.hysteresis must be an integer >= 1, got 0",
+    ),
+    _deepspeed(
+        "communication_dtype",
+        {"communication_data_type": "int8"},
+        "communication_data_type must be one of fp32, fp16, bf16, got 'int8'",
+    ),
+]
+
+
+def _estimate(*args: str) -> list[str]:
+    return ["estimate", *args]
+
+
+PARAMS = "argument --params: must be a number of parameters >= 1, e.g. 1.3e9, got"
+ESTIMATE_CASES = [
+    Case("estimate_params_negative", _estimate("--params", "-5"), f"{PARAMS} '-5'"),
+    Case("estimate_params_zero", _estimate("--params", "0"), f"{PARAMS} '0'"),
+    Case("estimate_params_below_one", _estimate("--params", "0.5"), f"{PARAMS} '0.5'"),
+    Case("estimate_params_nan", _estimate("--params", "nan"), f"{PARAMS} 'nan'"),
+    Case("estimate_params_inf", _estimate("--params", "inf"), f"{PARAMS} 'inf'"),
+    Case("estimate_params_not_a_number", _estimate("--params", "many"), f"{PARAMS} 'many'"),
+    Case(
+        "estimate_devices_zero",
+        _estimate("--params", "1e6", "--devices", "0"),
+        "argument --devices: must be an integer >= 1, got '0'",
+    ),
+    Case(
+        "estimate_nodes_zero",
+        _estimate("--params", "1e6", "--nodes", "0"),
+        "argument --nodes: must be an integer >= 1, got '0'",
+    ),
+    Case(
+        "estimate_nodes_negative",
+        _estimate("--params", "1e6", "--nodes", "-2"),
+        "argument --nodes: must be an integer >= 1, got '-2'",
+    ),
+    Case(
+        "estimate_too_many_ranks",
+        _estimate("--params", "1e6", "--devices", "100000", "--nodes", "100000"),
+        "--devices x --nodes must be at most 131,072 ranks, got 10,000,000,000",
+    ),
+    Case(
+        "estimate_device_memory",
+        _estimate("--params", "1e6", "--device-memory", "lots"),
+        "argument --device-memory: device memory must look like 80GB, 80GiB or 1e9 (bytes), got 'lots'",
+    ),
+    Case(
+        "estimate_precision",
+        _estimate("--params", "1e6", "--precision", "fp8"),
+        "argument --precision: invalid choice: 'fp8'",
+    ),
+    Case("estimate_no_model", _estimate(), "one of the arguments --params --model is required"),
+    Case(
+        "estimate_model_missing",
+        _estimate("--model", "{tmp}/absent.yaml"),
+        "argument --model: {tmp}/absent.yaml: No such file or directory",
+    ),
+    Case(
+        "estimate_model_not_yaml",
+        _estimate("--model", "{tmp}/notes.md"),
+        "argument --model: {tmp}/notes.md: not a lightning-zero YAML config (",
+        {"notes.md": "# Notes\nsee: this: file\n"},
+    ),
+    Case(
+        "estimate_model_binary",
+        _estimate("--model", "{tmp}/weights.bin"),
+        "weights.bin: not a lightning-zero YAML config ('utf-8' codec can't decode",
+        {"weights.bin": "\udcff\udcfe"},
+    ),
+    Case(
+        "estimate_model_no_model_section",
+        _estimate("--model", "{tmp}/c.yaml"),
+        "c.yaml: not a lightning-zero config: no model section",
+        {"c.yaml": "trainer:\n  devices: 2\n"},
+    ),
+    Case(
+        "estimate_model_bad_class",
+        _estimate("--model", "{tmp}/c.yaml"),
+        "c.yaml: model: ",
+        {"c.yaml": "model:\n  class_path: no.such.Module\n"},
+    ),
+]
+
+
+# --- a real checkpoint, and what is done to copies of it ----------------------------------------------------
+def _save_checkpoint(rank: int, world: int, root: Path) -> None:
+    pl.seed_everything(0)
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=1)]
+    trainer = make_trainer(
+        zero_strategy(2), world, steps=1, accumulate=1, callbacks=callbacks, enable_checkpointing=True
+    )
+    trainer.fit(EquivalenceModule("blocks", steps=1, accumulate=1))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(rank_pools, tmp_path_factory) -> Path:
+    """A stage-2 checkpoint, saved once for the module (cases damage copies of it). One rank: the cheapest
+    to make, in a process of its own (the tests' process must not hold a process group)."""
+    root = tmp_path_factory.mktemp("saved")
+    rank_pools.run(_save_checkpoint, 1, root)
+    (ckpt,) = root.iterdir()
+    return ckpt
+
+
+def _edit_metadata(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def damage(ckpt: Path) -> None:
+        meta = json.loads((ckpt / "metadata.json").read_text())
+        edit(meta)
+        (ckpt / "metadata.json").write_text(json.dumps(meta))
+
+    return damage
+
+
+def _rename_file(old: str, new: str) -> Callable[[dict], None]:
+    return lambda meta: meta["files"].update({new: meta["files"].pop(old)})
+
+
+def _truncate(ckpt: Path) -> None:
+    rank0 = ckpt / "rank-00000.pt"
+    rank0.write_bytes(rank0.read_bytes()[:-100])
+
+
+def _flip_a_byte(ckpt: Path) -> None:
+    data = bytearray((ckpt / "rank-00000.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (ckpt / "rank-00000.pt").write_bytes(bytes(data))
+
+
+def _poison(ckpt: Path) -> None:
+    poison_checkpoint(ckpt, ckpt.parent / "marker")
+
+
+def _poisoned_plain_file(ckpt: Path) -> None:
+    """A single-file (plain Lightning) checkpoint with a Poison in its hyper-parameters, in ckpt's place."""
+    shutil.rmtree(ckpt)
+    torch.save({"state_dict": {}, "hyper_parameters": {"poison": Poison(ckpt.parent / "marker")}}, ckpt)
+
+
+def _consolidate(checkpoint: str = "{ckpt}", output: str = "{tmp}/model.pt") -> list[str]:
+    return ["consolidate", checkpoint, output]
+
+
+def _unlink(name: str) -> Callable[[Path], None]:
+    return lambda ckpt: (ckpt / name).unlink()
+
+
+CHECKPOINT_CASES = [
+    Case("consolidate_missing_dir", _consolidate("{tmp}/absent.ckpt"), "{tmp}/absent.ckpt: no such checkpoint"),
+    Case(
+        "consolidate_file_not_dir",
+        _consolidate("{ckpt}/rank-00000.pt"),
+        "rank-00000.pt: not a lightning_zero checkpoint (a directory with metadata.json)",
+    ),
+    Case(
+        "consolidate_no_complete",
+        _consolidate(),
+        "incomplete checkpoint (no COMPLETE marker): its save was interrupted",
+        damage=_unlink("COMPLETE"),
+    ),
+    Case(
+        "consolidate_no_metadata",
+        _consolidate(),
+        "metadata.json: missing from the checkpoint",
+        damage=_unlink("metadata.json"),
+    ),
+    Case(
+        "consolidate_missing_rank_file",
+        _consolidate(),
+        "rank-00000.pt: missing from the checkpoint",
+        damage=_unlink("rank-00000.pt"),
+    ),
+    Case("consolidate_truncated_rank_file", _consolidate(), "rank-00000.pt: truncated or changed: ", damage=_truncate),
+    Case(
+        "consolidate_corrupted_bytes",
+        _consolidate(),
+        "rank-00000.pt: corrupted: its sha256 does not match the metadata",
+        damage=_flip_a_byte,
+    ),
+    Case(
+        "consolidate_metadata_not_json",
+        _consolidate(),
+        "metadata.json: not valid JSON",
+        damage=lambda c: (c / "metadata.json").write_text("{'stage': 2"),
+    ),
+    Case(
+        "consolidate_metadata_version",
+        _consolidate(),
+        "checkpoint format version 99 is not supported",
+        damage=_edit_metadata(lambda m: m.update(version=99)),
+    ),
+    Case(
+        "consolidate_metadata_dotdot_name",
+        _consolidate(),
+        "files must be exactly lightning.pt and rank-00000.pt .. rank-00000.pt, got ",
+        damage=_edit_metadata(_rename_file("rank-00000.pt", "../../x")),
+    ),
+    Case(
+        "consolidate_metadata_absolute_path",
+        _consolidate(),
+        "files must be exactly lightning.pt and rank-00000.pt .. rank-00000.pt, got ",
+        damage=_edit_metadata(_rename_file("lightning.pt", "/etc/passwd")),
+    ),
+    Case(
+        "consolidate_metadata_huge_world_size",
+        _consolidate(),
+        "world_size must be an integer in [1, 1048576], got '1000000000000'",
+        damage=_edit_metadata(lambda m: m.update(world_size=10**12)),
+    ),
+    Case(
+        "consolidate_metadata_bad_dtype",
+        _consolidate(),
+        "units[0].params[0].dtype must be one of ",
+        damage=_edit_metadata(lambda m: m["units"][0]["params"][0].update(dtype="complex1024")),
+    ),
+    Case("consolidate_poisoned_pickle", _consolidate(), "safe loading refuses", damage=_poison),
+    Case(
+        "consolidate_onto_a_directory",
+        _consolidate(output="{tmp}"),
+        "is a directory; give the path of the file to write",
+    ),
+    Case(
+        "consolidate_into_a_missing_directory",
+        _consolidate(output="{tmp}/absent/model.pt"),
+        "{tmp}/absent: no such directory to write model.pt into",
+    ),
+    Case(
+        "consolidate_unknown_output_format",
+        _consolidate(output="{tmp}/model.txt"),
+        "model.txt: the output must end in .pt, .pth, .bin or .safetensors",
+    ),
+    Case("consolidate_no_output", ["consolidate", "{ckpt}"], "the following arguments are required: output"),
+    Case("fit_ckpt_path_missing", _fit("--ckpt_path", "{tmp}/absent.ckpt"), "{tmp}/absent.ckpt: no such checkpoint"),
+    Case(
+        "fit_ckpt_path_no_complete",
+        _fit("--ckpt_path", "{ckpt}"),
+        "incomplete checkpoint (no COMPLETE marker)",
+        damage=_unlink("COMPLETE"),
+    ),
+    Case(
+        "fit_ckpt_path_truncated",
+        _fit("--ckpt_path", "{ckpt}"),
+        "rank-00000.pt: truncated or changed: ",
+        damage=_truncate,
+    ),
+    Case(
+        "fit_ckpt_path_poisoned_plain_file",  # Lightning's CLI reads its hyper-parameters first
+        _fit("--ckpt_path", "{ckpt}"),
+        "run.ckpt: holds objects that safe loading refuses",
+        damage=_poisoned_plain_file,
+    ),
+    Case(
+        "fit_ckpt_path_crafted_metadata",
+        _fit("--ckpt_path", "{ckpt}"),
+        "world_size must be an integer in [1, 1048576]",
+        damage=_edit_metadata(lambda m: m.update(world_size=10**12)),
+    ),
+]
+
+
+# --- running a case ---------------------------------------------------------------------------------------
+def _snapshot(root: Path) -> dict[str, str | None]:
+    """Every path under ``root`` with its content's hash (None for directories)."""
+    return {
+        str(p.relative_to(root)): None if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.fixture
+def ran(monkeypatch) -> list:
+    """The CLIs whose subcommand would have run (training, validating, ...): the bad cases must stop before."""
+    calls: list = []
+    monkeypatch.setattr(ZeroCLI, "_run_subcommand", lambda cli, subcommand: calls.append(cli))
+    monkeypatch.setattr(sys, "argv", ["lightning-zero"])  # as the console script without arguments sees it
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    return calls
+
+
+def _prepare(case: Case, tmp: Path, checkpoint: Path | None) -> list[str]:
+    for name, text in case.files.items():
+        (tmp / name).write_bytes(text.encode(errors="surrogateescape"))
+    ckpt = tmp / "run.ckpt"
+    if checkpoint is not None:
+        shutil.copytree(checkpoint, ckpt)
+        if case.damage:
+            case.damage(ckpt)
+    return [arg.format(tmp=tmp, ckpt=ckpt) for arg in case.args]
+
+
+def _one_line_error(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def _check(case: Case, tmp: Path, checkpoint: Path | None, capsys, ran: list) -> None:
+    args = _prepare(case, tmp, checkpoint)
+    before = _snapshot(tmp)
+    err = _one_line_error(args, capsys)
+    prog = f"lightning-zero {args[0]}" if args[0] in COMMANDS else "lightning-zero"
+    assert err.startswith(f"{prog}: error: "), err
+    assert case.message.format(tmp=tmp) in err, err
+    assert _snapshot(tmp) == before, "a file was written or deleted"
+    assert ran == [] and not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("case", FIT_CASES + ESTIMATE_CASES, ids=str)
+def test_bad_config_argument_or_deepspeed_config(case, tmp_path, capsys, ran):
+    _check(case, tmp_path, None, capsys, ran)
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=str)
+def test_bad_checkpoint(case, checkpoint, tmp_path, capsys, ran):
+    _check(case, tmp_path, checkpoint, capsys, ran)
+    if case.damage in (_poison, _poisoned_plain_file):
+        assert not (tmp_path / "marker").exists(), "unpickling ran the checkpoint's code"
+
+
+def test_poisoned_pickle_names_the_switch(checkpoint, tmp_path, capsys, ran):
+    """The refusal names weights_only and the consolidate switch; with --trust-pickles the (trusted) pickle
+    is loaded as it is, which here runs its code."""
+    case = next(c for c in CHECKPOINT_CASES if c.damage is _poison)
+    args = _prepare(case, tmp_path, checkpoint)
+    err = _one_line_error(args, capsys)
+    assert "weights_only" in err and err.endswith("; here: --trust-pickles"), err
+    assert not (tmp_path / "marker").exists()
+    main([*args, "--trust-pickles"])
+    assert (tmp_path / "marker").exists() and (tmp_path / "model.pt").is_file()
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'model.pt'}"
+
+
+def test_disabled_fp16_and_bf16_sections_are_accepted(tmp_path, capsys, ran):
+    """Loss-scale keys under "fp16": {"enabled": false}, as many shipped configs have, change nothing."""
+    fp16 = {"enabled": False, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2}
+    (tmp_path / "ds.json").write_text(json.dumps({"fp16": fp16, "bf16": {"enabled": False, "x": 1}}))
+    main([arg.format(tmp=tmp_path) for arg in _fit("--deepspeed_config={tmp}/ds.json")])
+    (cli,) = ran
+    assert isinstance(cli.trainer.strategy, ZeroStrategy) and cli.trainer.strategy.config.stage == 2
+    assert cli.trainer.precision == "32-true"
+    assert capsys.readouterr().err == ""
+
+
+def test_debug_shows_the_traceback(monkeypatch, ran):
+    with pytest.raises(InputError, match="got '-5'"):
+        main(["--debug", "estimate", "--params", "-5"])
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(InputError, match="zero.timeout must be a number of seconds > 0") as info:
+        main(["fit", "--config", GPT, "--zero.timeout", "0"])
+    assert isinstance(info.value.__cause__, ValueError)  # the original, with its traceback
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, ran):
+    def broken(*args, **kwargs):
+        raise ValueError("a bug, not bad input")
+
+    monkeypatch.setattr("lightning_zero.cli_estimate.estimate", broken)
+    with pytest.raises(ValueError, match="a bug, not bad input"):
+        main(["estimate", "--params", "1e6"])
+
+
+def test_the_console_script_answers_the_same(checkpoint, tmp_path):
+    """The real command line: one line on stderr (not even Lightning's), exit code 2; run side by side."""
+    shutil.copytree(checkpoint, tmp_path / "run.ckpt")
+    _poison(tmp_path / "run.ckpt")
+    fit = [SCRIPT, "fit", "--config", GPT, "--zero.stage", "4"]
+    consolidate = [sys.executable, "-m", "lightning_zero.cli", "consolidate", "run.ckpt", "out.pt"]
+    expected = [
+        (fit, f"lightning-zero fit: error: unrecognized arguments: --zero.stage 4 {STAGE_HINT}"),
+        (consolidate, "lightning-zero consolidate: error: "),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(DEBUG_ENV, None)
+    before = _snapshot(tmp_path)
+    runs = [
+        (subprocess.Popen(list(map(str, command)), cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True), line)
+        for command, line in expected
+    ]
+    for process, line in runs:
+        _, err = process.communicate(timeout=240)
+        assert process.returncode == 2 and len(err.strip().splitlines()) == 1 and line in err, err
+    assert "--trust-pickles" in err and not (tmp_path / "marker").exists()
+    assert _snapshot(tmp_path) == before
