@@ -11,12 +11,14 @@ Each test is marked with its folder's tier, so ``-m unit`` selects the same test
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support import cuda_emulator
-from tests.support.helpers import COLLECTIVE_TIMEOUT_S, TASK_DEADLINE_S
+from tests.support.helpers import COLLECTIVE_TIMEOUT_S, TASK_DEADLINE_S, save_stage2_checkpoint
 from tests.support.pool import RankPools
 
 TIERS = ("unit", "dist", "e2e", "gpu")
@@ -29,6 +31,27 @@ def pytest_collection_modifyitems(config, items):
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: every test lives in one of tests/{{{','.join(TIERS)}}}")
         item.add_marker(tier)
+
+
+LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK")
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_process_group():
+    """A test that trains in this process (world size 1) must leave no process group, and none of the variables
+    Lightning sets for one, behind: the next test's Trainer, or a command it launches, would inherit them."""
+    before = {k: os.environ.get(k) for k in LAUNCHER_VARS}
+    yield
+    leaked = [k for k in LAUNCHER_VARS if os.environ.get(k) != before[k]]
+    initialized = torch.distributed.is_initialized()
+    for k in leaked:
+        if before[k] is None:
+            os.environ.pop(k)
+        else:
+            os.environ[k] = before[k]
+    if initialized:
+        torch.distributed.destroy_process_group()
+    assert not initialized and not leaked, f"the test left a process group ({initialized}) or set {leaked}"
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +78,9 @@ def emulated_gpu(monkeypatch):
         pytest.skip(reason)
     cuda_emulator.build_all()  # (once: the builds are cached)
     cuda_emulator.emulate(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def stage2_checkpoint(tmp_path_factory) -> Path:
+    """A real stage-2 checkpoint, saved once for the run in this process at world size 1 (tests damage copies)."""
+    return save_stage2_checkpoint(tmp_path_factory.mktemp("stage2_checkpoint"))

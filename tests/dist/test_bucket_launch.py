@@ -6,11 +6,11 @@ the most bucket buffers alive at once (filling or in flight), out of 16."""
 from __future__ import annotations
 
 import lightning.pytorch as pl
-import pytest
 import torch
 import torch.nn as nn
-from tests.support.helpers import make_trainer, zero_strategy
 from torch.utils.data import DataLoader, TensorDataset
+
+from tests.support.helpers import make_trainer, zero_strategy
 
 LAYERS, WIDTH = 16, 32
 LAYER_NUMEL = WIDTH * WIDTH + WIDTH  # one bucket per layer

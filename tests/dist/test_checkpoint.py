@@ -12,10 +12,10 @@ import shutil
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero.checkpoint.format import CheckpointError
+from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 
 HALF = 5  # optimizer steps per epoch
 

@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-import pytest
 import torch
-from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
-from tests.support.kill_target import Wide, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
 from lightning_zero.cli import main
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
+from tests.support.kill_target import Wide, trainer
 
 STEPS = 4
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import functools
 
-from tests.support import dynamic_models
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.support.dynamic_models import DynamicModule
-from tests.support.helpers import make_trainer, relative_error, zero_strategy
 
 from lightning_zero.sharding import collectives
+from tests.support import dynamic_models
+from tests.support.dynamic_models import DynamicModule
+from tests.support.helpers import make_trainer, relative_error, zero_strategy
 
 STEPS = 6
 KINDS = ("branch", "moe", "experts", "skip", "twice", "checkpoint", "reentrant", "container")

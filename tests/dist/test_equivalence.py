@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+
 from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 
 CLIP = 0.3

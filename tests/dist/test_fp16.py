@@ -7,17 +7,16 @@ from __future__ import annotations
 import itertools
 
 import lightning.pytorch as pl
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 from lightning_zero import LossScaleConfig, ZeroConfig, ZeroPrecision
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
 from lightning_zero.sharding.topology import make_topology
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 INJECT_AT, STEPS = 3, 6
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.kernels import host
+from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 
 STEPS, HALF = 6, 3
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.support.dynamic_models import DynamicModule
-from tests.support.helpers import make_trainer, relative_error, zero_strategy
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 
 import lightning_zero
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+from tests.support.dynamic_models import DynamicModule
+from tests.support.helpers import make_trainer, relative_error, zero_strategy
 
 STEPS = 4
 

@@ -23,12 +23,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, verify_checkpoint, zero_strategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero.checkpoint.format import rank_file, read_metadata
 from lightning_zero.comm_model import step_collectives
-from lightning_zero.sharding import collectives
+from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, verify_checkpoint, zero_strategy
 
 STEPS, HALF = 6, 3
 OFFLOAD = {"offload_optimizer": "cpu"}
@@ -166,9 +165,8 @@ def test_a_group_size_that_does_not_divide_the_world_is_refused(ranks):
 
 
 def _fp16_worker(rank: int, world: int, out_dir) -> None:
-    from tests.dist.test_fp16 import InjectOnRankOne, WatchTheSkip
-
     from lightning_zero import LossScaleConfig, ZeroPrecision
+    from tests.dist.test_fp16 import InjectOnRankOne, WatchTheSkip
 
     for stage in (1, 2, 3):
         # an inf in rank 1's gradients (shard group 0) reaches the other group through the replica all-reduce:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import csv
 
 import lightning.pytorch as pl
-import pytest
-from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_zero import ZeroPrecision
-from lightning_zero.callbacks import StepProgressBar, ZeroMetrics
+from lightning_zero.callbacks import ZeroMetrics
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 
 class WithFlops(EquivalenceModule):
@@ -62,14 +61,3 @@ def test_metrics_reach_the_logger(ranks, tmp_path):
     assert all(values[k] for k in expected), [k for k in expected if not values[k]]
     assert min(values["train/items_per_sec"]) > 0 and 0 < max(values["train/device/mfu"]) < 1
     assert values["loss_scale"][0] in (2.0**16, 2.0**15)
-
-
-@pytest.mark.parametrize("limits,description", [({"max_steps": 600}, "Epoch 4"), ({"max_epochs": 5}, "Epoch 4/4")])
-def test_step_progress_bar(limits, description):
-    """The main job is bounded by max_steps: Lightning's RichProgressBar showed "Epoch 4/-2" there."""
-    bar = StepProgressBar()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[bar], **limits)
-    trainer.fit_loop.max_epochs = limits.get("max_epochs", -1)  # what fit sets: -1 is "no bound"
-    bar.setup(trainer, None, "fit")
-    assert bar._get_train_description(4).strip() == description
-    assert bar.get_metrics(trainer, None).get("step") == ("0/600" if "max_steps" in limits else None)

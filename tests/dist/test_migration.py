@@ -7,10 +7,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero.checkpoint.format import CheckpointError
+from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 
 HALF = 5  # optimizer steps per epoch (accumulate 2): the plain checkpoint is taken at the epoch boundary
 

@@ -5,12 +5,11 @@ by default (``reduce_dtype="bfloat16"`` halves those bytes too). Measured as byt
 from __future__ import annotations
 
 import lightning.pytorch as pl
-import pytest
 import torch
-from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 from lightning_zero.memory import SavedBytes
 from lightning_zero.sharding import collectives
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 STEPS = 3
 RUNS = {"bf16": {}, "fp32": {"gather_dtype": "float32"}, "bf16-reduce": {"reduce_dtype": "bfloat16"}}

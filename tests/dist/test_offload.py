@@ -21,11 +21,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.kernels import host
+from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 
 STEPS = 8
 CLIP = {"norm": 0.3, "value": 0.02}

@@ -20,15 +20,14 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tests.support.helpers import HOST_READS, EquivalenceModule, make_trainer, zero_strategy
 
 import lightning_zero
 from lightning_zero import ZeroPrecision
 from lightning_zero.sharding import collectives
+from tests.support.helpers import HOST_READS, EquivalenceModule, make_trainer, zero_strategy
 
 PACKAGE = str(Path(lightning_zero.__file__).parent)
 

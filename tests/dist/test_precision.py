@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-import pytest
 import torch
-from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 from lightning_zero import ZeroPrecision
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 STEPS = 30
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 

@@ -23,47 +23,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.support.helpers import HOST_READS, EquivalenceModule, make_trainer, zero_strategy
 from lightning.pytorch.callbacks import ModelCheckpoint
-from tests.support.loss_scale_tables import CONSECUTIVE, WINDOW_3_HYSTERESIS_2
 
 from lightning_zero import LossScaleConfig, ZeroPrecision
 from lightning_zero.kernels import host
-from lightning_zero.loss_scaler import HOST_LAG, DynamicLossScaler, LossScaleAtMinimumError
+from lightning_zero.loss_scaler import HOST_LAG
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+from tests.support.helpers import HOST_READS, EquivalenceModule, make_trainer, zero_strategy
 
 INJECT_AT, STEPS = 3, 6  # StepLR's step_size is 7: both runs use the same learning rates, skip or not
-CONFIG = LossScaleConfig(hysteresis=1, skip_on_device=True)
-
-
-def test_the_host_sees_the_state_a_fixed_number_of_updates_late():
-    """So every rank raises at the same update, whatever the device's timing."""
-    scaler = DynamicLossScaler(LossScaleConfig(initial_scale_power=0, hysteresis=1, skip_on_device=True))
-    overflow = torch.ones(1, dtype=torch.uint8)
-    for update in range(HOST_LAG):  # at the minimum already: each overflow is one the host must hear of
-        scaler.update(overflow if update == 0 else torch.zeros(1, dtype=torch.uint8))
-        assert scaler.host_view().tolist()[3] == 0
-    with pytest.raises(LossScaleAtMinimumError):
-        scaler.update(torch.zeros(1, dtype=torch.uint8))
-    assert scaler.host_view().tolist()[3] == 1
-    # a checkpoint's state replaces copies still in flight: the host sees it, and nothing is raised for them
-    scaler.update(overflow)
-    scaler.load_state_dict({"scale": 4.0, "hysteresis": 1, "good_steps": 0, "skipped_steps": 0})
-    assert scaler.host_view().tolist()[:4] == [4.0, 1, 0, 0]
-    for _ in range(HOST_LAG + 1):
-        scaler.update(torch.zeros(1, dtype=torch.uint8))
-    assert scaler.host_view().tolist()[:4] == [4.0, 1, 1, 0]
-
-
-@pytest.mark.parametrize("table", [WINDOW_3_HYSTERESIS_2, CONSECUTIVE])
-def test_device_flags_advance_the_scaler_as_host_bools(table):
-    consecutive = table is CONSECUTIVE
-    config = dict(initial_scale_power=4, scale_window=3, hysteresis=2, consecutive_hysteresis=consecutive)
-    host, device = DynamicLossScaler(LossScaleConfig(**config)), DynamicLossScaler(LossScaleConfig(**config))
-    for overflow, scale, hysteresis in table:
-        host.update(overflow)
-        device.update(torch.tensor([overflow], dtype=torch.uint8))  # as prepare_grads returns it
-        assert device.state_dict() == host.state_dict() and (device.scale, device.hysteresis) == (scale, hysteresis)
 
 
 class InjectOnRankOne(EquivalenceModule):
@@ -234,13 +202,3 @@ def test_cpu_masters_skip_like_the_host(ranks, tmp_path, monkeypatch, host_kerne
         pytest.skip("no C compiler to build the host kernel")
     monkeypatch.setenv("LIGHTNING_ZERO_HOST_KERNELS", host_kernel)  # read by the spawned ranks
     ranks(_reference_worker, 2, tmp_path, host_kernel)
-
-
-def test_refused_without_the_fused_step():
-    trainer = make_trainer(
-        zero_strategy(2, fused_step="never"), 1, steps=1, plugins=[ZeroPrecision("16-mixed", loss_scale=CONFIG)]
-    )
-    with pytest.raises(
-        ValueError, match=r"^fp16.skip_on_device needs the fused AdamW step: .* got AdamW with fused_step 'never'$"
-    ):
-        trainer.fit(EquivalenceModule("toy", steps=1))

@@ -11,12 +11,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn as nn
-from tests.support.helpers import EquivalenceModule, TrafficPerStep, make_trainer, zero_strategy
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.memory import formula_bytes
 from lightning_zero.models.gpt import GPT
 from lightning_zero.sharding import collectives
+from tests.support.helpers import EquivalenceModule, TrafficPerStep, make_trainer, zero_strategy
 
 ACCUMULATE, STEPS, LAYERS = 2, 3, 4
 

@@ -11,14 +11,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn as nn
-from tests.support.dynamic_models import DynamicModule
-from tests.support.helpers import make_trainer, relative_error, zero_strategy
-from tests.support.pool import RankFailure
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.peer_failure import EXIT_CODE
 from lightning_zero.sharding import collectives
+from tests.support.dynamic_models import DynamicModule
+from tests.support.helpers import make_trainer, relative_error, zero_strategy
+from tests.support.pool import RankFailure
 
 WIDTH, DEPTH = 1024, 16  # 16 units of 4 MiB: the whole model is 64 MiB, one unit 4 MiB
 

@@ -13,11 +13,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.support.dynamic_models import DynamicModule, Indexed
-from tests.support.helpers import zero_strategy
 from torch.utils.data import DataLoader, Subset
 
 from lightning_zero.sharding import collectives
+from tests.support.dynamic_models import DynamicModule, Indexed
+from tests.support.helpers import zero_strategy
 
 N = 5
 

@@ -9,13 +9,13 @@ import functools
 import warnings
 
 import lightning.pytorch as pl
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tests.support.helpers import make_trainer, relative_error, zero_strategy
 from lightning.pytorch.callbacks import BackboneFinetuning
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from tests.support.helpers import make_trainer, relative_error, zero_strategy
 
 STEPS, DIM = 4, 24
 

@@ -6,8 +6,9 @@
 - Both train zero1, zero2, zero3 and zero2 with ``shard_group_size="node"`` (hybrid: each node shards,
   the nodes replicate) on BlocksNet (data-dependent blocks; accumulation, clipping) to within 1e-5 of a
   single-process run, with ranks 0-1 on node 0 and 2-3 on node 1.
-- The checkpoints the 2 x 2 run wrote mid-run resume on 1 node x 2 ranks, to within 1e-5 of the
-  uninterrupted single-process run (resuming at the same world size is covered in test_checkpoint.py).
+- The checkpoints the 2 x 2 run wrote mid-run resume on 1 node x 2 ranks (the shared ranks: only the
+  checkpoint is multi-node there), to within 1e-5 of the uninterrupted single-process run (resuming at the
+  same world size is covered in tests/dist/test_checkpoint.py).
 Every launch runs under a timeout; a node that fails or hangs fails the test with its output.
 """
 
@@ -22,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_zero.spawn import free_port
+from tests.support import multinode_target
 from tests.support.helpers import SUPPORT, EquivalenceModule, launch_env, make_trainer, relative_error
 
 TARGET = SUPPORT / "multinode_target.py"
@@ -85,7 +87,12 @@ def _check(out: Path, reference: dict[str, torch.Tensor], what: str, *, ranks: i
             assert err <= 1e-5, f"{what}, {run}: {name} differs from one process by {err:.2e}"
 
 
-def test_two_nodes_by_lightning_and_by_torchrun_and_resume_on_one_node(tmp_path):
+def _resume_on_one_node(rank: int, world: int, out: Path, saved: Path) -> None:
+    multinode_target.main(["--nodes", "1", "--devices", str(world), "--out", str(out), "--resume", str(saved)])
+
+
+def test_two_nodes_by_lightning_and_by_torchrun_and_resume_on_one_node(ranks, tmp_path):
+    """The resume on one node runs on the shared ranks: what is multi-node there is the checkpoint."""
     reference = _reference()
     saved = tmp_path / "ckpt"
     _run_nodes(_lightning(2, 2, tmp_path / "lightning.pt", "--save", str(saved)), tmp_path / "logs-lightning")
@@ -93,5 +100,5 @@ def test_two_nodes_by_lightning_and_by_torchrun_and_resume_on_one_node(tmp_path)
     _run_nodes(_torchrun(2, 2, tmp_path / "torchrun.pt"), tmp_path / "logs-torchrun")
     _check(tmp_path / "torchrun.pt", reference, "torchrun 2 x 2", ranks=4, per_node=2)
     out = tmp_path / "resumed-1x2.pt"  # one node, half the world
-    _run_nodes(_lightning(1, 2, out, "--resume", str(saved)), tmp_path / "logs-1x2")
+    ranks(_resume_on_one_node, 2, out, saved)
     _check(out, reference, "2 x 2 resumed on 1 x 2", ranks=2, per_node=2)

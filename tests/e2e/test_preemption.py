@@ -8,7 +8,12 @@
 - A rank killed with SIGKILL: the survivor exits at once with one line and code 1; a rank that stops
   answering (SIGSTOP): the survivor exits after ``ZeroConfig.timeout``.
 - ``torchrun --max-restarts``: rank 1 killed mid-epoch, then (after the restart) right after an
-  epoch-boundary checkpoint; the restarted run equals an uninterrupted one bitwise, stages 1, 2 and 3.
+  epoch-boundary checkpoint; the restarted run equals an uninterrupted one bitwise. Stage 3, whose resume
+  has the most to restore; the restarts do not depend on the stage, and every stage's resume from such
+  checkpoints (mid-epoch, and the epoch's end written by a resumed run) is bitwise-tested in
+  tests/dist/test_resume_mid_epoch.py, stage 2's after a launch in the SIGTERM and SLURM tests here.
+
+The uninterrupted runs they are compared with run on the shared ranks (same model, data and settings).
 
 The times from a death to the survivors' exit and from a restart to the first resumed step are printed
 (``-s`` shows them); they are measurements, not assertions.
@@ -26,12 +31,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed import DistBackendError
 
-from lightning_zero import PreemptionCheckpoint
 from lightning_zero.checkpoint.format import read_metadata
-from lightning_zero.peer_failure import peer_failure
 from lightning_zero.spawn import free_port
+from tests.support import resume_target
 from tests.support.helpers import SUPPORT, launch_env
 
 TARGET = SUPPORT / "resume_target.py"
@@ -96,12 +99,20 @@ def _await_files(paths: list[Path], procs: list, timeout: float = RUN_TIMEOUT_S)
         time.sleep(0.02)
 
 
+def _uninterrupted_rank(rank: int, world: int, out: Path, stage: int) -> None:
+    resume_target.main([str(out), "--stage", str(stage)])
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """Stage 2, 10 steps, no fault: the run the interrupted ones must equal."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    _run(out, "--stage", "2")
-    return out / "final.pt"
+def uninterrupted(rank_pools, tmp_path_factory) -> dict[int, Path]:
+    """Stages 2 and 3, 10 steps, no fault, run on the shared ranks: the runs the interrupted ones must equal
+    (what is under test is the interruption, so the reference need not be launched)."""
+    finals = {}
+    for stage in (2, 3):
+        out = tmp_path_factory.mktemp(f"uninterrupted-{stage}")
+        rank_pools.run(_uninterrupted_rank, 2, out, stage)
+        finals[stage] = out / "final.pt"
+    return finals
 
 
 def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tmp_path, uninterrupted):
@@ -117,7 +128,7 @@ def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tmp_pat
     _run(tmp_path, "--stage", "2")  # the next launch resumes from last.ckpt
     resumed_at = json.loads((tmp_path / "times-0.json").read_text())["resumed_at"]
     assert resumed_at == step, resumed_at
-    _assert_same(tmp_path / "final.pt", uninterrupted)
+    _assert_same(tmp_path / "final.pt", uninterrupted[2])
 
 
 def test_slurm_requeue_signal_to_one_rank_requeues_and_resumes_exactly(tmp_path, uninterrupted):
@@ -139,7 +150,7 @@ def test_slurm_requeue_signal_to_one_rank_requeues_and_resumes_exactly(tmp_path,
     _run(out, "--stage", "2", slurm=True, path=path)  # the requeued job: Lightning names hpc_ckpt_2, we take 1
     assert "hpc_ckpt_2.ckpt does not exist (an interrupted save); resuming from" in _log(out, 0)
     assert json.loads((out / "times-0.json").read_text())["resumed_at"] == step
-    _assert_same(out / "final.pt", uninterrupted)
+    _assert_same(out / "final.pt", uninterrupted[2])
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
@@ -168,10 +179,8 @@ def test_a_lost_rank_ends_the_survivor_with_one_line(tmp_path, fault):
     print(f"\n{fault}: rank 1 lost -> rank 0 exited in {elapsed:.2f} s: {lines[0]}")
 
 
-@pytest.mark.parametrize("stage", [2, 3])  # (stage 1's resume is bitwise-tested in test_resume_mid_epoch.py)
-def test_torchrun_restarts_after_kill_9_and_matches_an_uninterrupted_run(tmp_path, stage):
-    reference = tmp_path / "uninterrupted"
-    _run(reference, "--stage", str(stage))
+def test_torchrun_restarts_after_kill_9_and_matches_an_uninterrupted_run(tmp_path, uninterrupted):
+    stage = 3
     out = tmp_path / "run"
     out.mkdir()
     # Rank 1 dies: after step 5 (the newest checkpoint is step 4's, an epoch's end: step 5 is replayed), after
@@ -192,7 +201,7 @@ def test_torchrun_restarts_after_kill_9_and_matches_an_uninterrupted_run(tmp_pat
     assert text.count("lightning_zero: rank 0 of 2 stops") == 3, text[-4000:]
     times = [json.loads((out / f"times-{a}.json").read_text()) for a in range(4)]
     assert [t["resumed_at"] for t in times] == [0, 4, 6, 8]  # the step each attempt started from
-    _assert_same(out / "final.pt", reference / "final.pt")
+    _assert_same(out / "final.pt", uninterrupted[stage])
     for attempt in (1, 2, 3):
         killed = float((out / f"killed-{attempt - 1}").read_text())
         t = times[attempt]
@@ -200,41 +209,3 @@ def test_torchrun_restarts_after_kill_9_and_matches_an_uninterrupted_run(tmp_pat
             f"\nstage {stage}, restart {attempt}: death -> new processes {t['start'] - killed:.1f} s,"
             f" process start -> first resumed step {t['first_step'] - t['start']:.1f} s"
         )
-
-
-def test_peer_failures_are_told_from_other_errors():
-    """What gloo and NCCL say when a peer is gone, and errors that are not that (they keep their traceback)."""
-    gloo_reset = (
-        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:30115:"
-        " Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
-    )
-    assert peer_failure(RuntimeError(gloo_reset)) == "Read error [127.0.0.1]:30115: Connection reset by peer"
-    timeout = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
-    assert peer_failure(RuntimeError(timeout)) == "Timed out waiting 3000ms for recv operation to complete"
-    wrapped = ValueError("while saving")
-    wrapped.__cause__ = RuntimeError("Application timeout caused pair closure")
-    assert peer_failure(wrapped) == "Application timeout caused pair closure"
-    assert peer_failure(DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited")) is not None
-    mismatch = "[../third_party/gloo/gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 32 vs 16"
-    invalid = DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1, invalid usage, NCCL version 2.27")
-    for other in (RuntimeError("CUDA out of memory"), RuntimeError(mismatch), invalid, ValueError("bad")):
-        assert peer_failure(other) is None
-
-
-def test_preemption_callback_rejects_unknown_signals():
-    with pytest.raises(ValueError, match="unknown signal 'SIGNOPE': name one like 'SIGTERM' or 'SIGUSR1'"):
-        PreemptionCheckpoint(signals=("SIGNOPE",))
-
-
-def test_outside_training_a_signal_ends_the_process_at_once():
-    """validate/test/predict and the sanity check: no handler that runs a collective, no signal ignored."""
-    code = (
-        "import os, signal, time, types\n"
-        "from lightning.pytorch.trainer.states import TrainerFn\n"
-        "from lightning_zero.preemption import end_on_signal_outside_training\n"
-        "end_on_signal_outside_training(types.SimpleNamespace(state=types.SimpleNamespace(fn=TrainerFn.PREDICTING)))\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "time.sleep(30)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], env=_env(), timeout=60, capture_output=True)
-    assert result.returncode == -signal.SIGTERM, result.stderr.decode()[-2000:]

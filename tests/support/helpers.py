@@ -8,15 +8,19 @@ models) on one process group, whose timeout turns a hang into an error.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_zero
@@ -287,6 +291,68 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# --- the Hydra example, without its command line ----------------------------------------------------------
+def hydra_app_config(*overrides: str):
+    """examples/hydra_app.py's composed config for ``overrides``, and the app's function (undecorated): what
+    ``python examples/hydra_app.py OVERRIDES`` runs, minus Hydra's command line and run directory."""
+    import importlib.util
+
+    import hydra
+
+    spec = importlib.util.spec_from_file_location("hydra_app", REPO / "examples" / "hydra_app.py")
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    with hydra.initialize_config_dir(config_dir=str(REPO / "configs" / "hydra"), version_base=None):
+        config = hydra.compose("config", overrides=list(overrides))
+    return config, app.main.__wrapped__
+
+
+# --- DeepSpeed checkpoints (tests/fixtures/deepspeed/make_fixtures.py wrote them with DeepSpeed) ------------
+DEEPSPEED_FIXTURES = REPO / "tests" / "fixtures" / "deepspeed"
+
+
+def deepspeed_expected(name: str) -> dict:
+    """What converting the fixture ``name`` must give (saved next to it when it was made)."""
+    return torch.load(DEEPSPEED_FIXTURES / f"{name}-expected.pt", weights_only=True)
+
+
+# --- in this process ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def world_of_one() -> Iterator[None]:
+    """A gloo process group of this process alone, destroyed after: what a Trainer on one device joins, so a
+    test can train in the pytest process itself. Nothing is left behind: neither the group nor what Lightning
+    sets for one (LOCAL_RANK, MASTER_PORT, OMP_NUM_THREADS and the thread count, the seed's variables), which
+    a command launched later would inherit (a LOCAL_RANK makes Lightning wait for ranks it never starts)."""
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+
+
+def save_stage2_checkpoint(root: Path) -> Path:
+    """A real stage-2 checkpoint of BlocksNet after one step, saved by ModelCheckpoint into ``root``."""
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=1)]
+    trainer = make_trainer(zero_strategy(2), 1, steps=1, accumulate=1, callbacks=callbacks, enable_checkpointing=True)
+    with world_of_one():
+        pl.seed_everything(0)
+        trainer.fit(EquivalenceModule("blocks", steps=1, accumulate=1))
+    (ckpt,) = root.iterdir()
+    return ckpt
+
+
+def snapshot_files(root: Path) -> dict[str, str | None]:
+    """Every path under ``root`` with its content's hash (None for directories)."""
+    return {
+        str(p.relative_to(root)): None if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+    }
 
 
 # --- checkpoints ---------------------------------------------------------------------------------

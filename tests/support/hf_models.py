@@ -95,3 +95,9 @@ class HFModule(pl.LightningModule):
         world, rank = self.trainer.world_size, self.trainer.global_rank
         sampler = DistributedSampler(self.data, num_replicas=world, rank=rank, shuffle=False)
         return DataLoader(self.data, batch_size=self.global_batch // world, sampler=sampler)
+
+
+def pretrained_state() -> dict:
+    """A llama's weights made with seed 123: what the pretrained-loading tests load."""
+    torch.manual_seed(123)
+    return {k: v.clone() for k, v in build("llama").state_dict().items()}

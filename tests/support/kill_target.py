@@ -59,4 +59,4 @@ def train(rank: int, world: int, dirpath: str, steps: int, ckpt: str | None) -> 
 
 
 if __name__ == "__main__":
-    spawn_local_ranks(train, 2, str(Path(sys.argv[1])), STEPS, None)
+    spawn_local_ranks(train, 2, str(Path(sys.argv[1])), STEPS, None, start_method="fork")  # imports once

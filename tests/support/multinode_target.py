@@ -25,14 +25,16 @@ HALF = 3  # optimizer steps per epoch; the run takes two epochs
 RUNS = [("z1", 1, {}), ("z2", 2, {}), ("z3", 3, {}), ("z2-node", 2, {"shard_group_size": "node"})]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One rank of a node (``argv`` None: the command line; the test's one-node resume calls it on the shared
+    ranks)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--save", type=Path, help="write a checkpoint per stage under this directory")
     parser.add_argument("--resume", type=Path, help="resume each stage from the checkpoint under this directory")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = {}
     for name, stage, extra in RUNS:
         pl.seed_everything(0)

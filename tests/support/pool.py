@@ -10,7 +10,8 @@ Every task gets a default process group of its own (gloo, over a fresh prefix of
 process keeps), destroyed when the task ends with every group made from it: collectives a task left
 unmatched cannot pair with the next task's. Before each task a rank is put back the way a fresh process
 spawned now would be: the pytest process's environment as it is now (a test's ``monkeypatch.setenv``
-reaches the ranks, as it reached spawned ones) plus the rank's own variables, its working directory, RNG
+reaches the ranks, as it reached spawned ones) plus the rank's own variables, its working directory and
+``sys.argv``, RNG
 states (torch's default seed, as at start-up), thread count, default dtype, grad mode,
 deterministic-algorithms flag, warning filters and signal handlers, Dynamo's caches and lightning_zero's
 own ``functools`` caches (some hold what the environment said, e.g. whether host kernels are on). What cannot be
@@ -126,6 +127,7 @@ class _FreshState:
         import torch
 
         self.cwd = os.getcwd()
+        self.argv = list(sys.argv)
         self.seed = torch.initial_seed()
         self.threads = torch.get_num_threads()
         self.dtype = torch.get_default_dtype()
@@ -173,6 +175,7 @@ class _FreshState:
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(self.cwd)
+        sys.argv[:] = self.argv
         torch.manual_seed(self.seed)
         random.seed(0)
         np.random.seed(0)
@@ -351,6 +354,7 @@ class RankPools:
         )
 
     def close(self) -> None:
+        """At the end of the run: the ranks hold nothing worth a clean exit (seconds each), so they are killed."""
         for world in self.worlds.values():
-            world.close()
+            world.close(kill=True)
         self.worlds = {}

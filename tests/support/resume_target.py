@@ -56,7 +56,9 @@ class Faults(pl.Callback):
             time.sleep(0.3)  # the signal arrives during the next steps, not after the run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One rank's run (``argv`` None: the command line; the tests' uninterrupted runs call it on the shared
+    ranks, with the same model, data and settings a launch has)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--stage", type=int, default=2)
@@ -66,7 +68,7 @@ def main() -> None:
     parser.add_argument("--stop-at", type=int)
     parser.add_argument("--signal-after", type=int)
     parser.add_argument("--timeout", type=float, default=60)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     pl.seed_everything(0)
     trainer = make_trainer(

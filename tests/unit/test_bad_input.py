@@ -9,24 +9,19 @@ few run the real console script to show it answers the same.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.cli import DEBUG_ENV, InputError, ZeroCLI, main
-from tests.support.helpers import EquivalenceModule, Poison, make_trainer, poison_checkpoint, zero_strategy
+from tests.support.helpers import Poison, poison_checkpoint, snapshot_files
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = str(ROOT / "configs" / "gpt.yaml")
@@ -258,26 +253,7 @@ ESTIMATE_CASES = [
 ]
 
 
-# --- a real checkpoint, and what is done to copies of it ----------------------------------------------------
-def _save_checkpoint(rank: int, world: int, root: Path) -> None:
-    pl.seed_everything(0)
-    callbacks = [ModelCheckpoint(root, every_n_train_steps=1)]
-    trainer = make_trainer(
-        zero_strategy(2), world, steps=1, accumulate=1, callbacks=callbacks, enable_checkpointing=True
-    )
-    trainer.fit(EquivalenceModule("blocks", steps=1, accumulate=1))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(rank_pools, tmp_path_factory) -> Path:
-    """A stage-2 checkpoint, saved once for the module (cases damage copies of it). One rank: the cheapest
-    to make, in a process of its own (the tests' process must not hold a process group)."""
-    root = tmp_path_factory.mktemp("saved")
-    rank_pools.run(_save_checkpoint, 1, root)
-    (ckpt,) = root.iterdir()
-    return ckpt
-
-
+# --- what is done to copies of a real checkpoint (the stage2_checkpoint fixture) --------------------------------
 def _edit_metadata(edit: Callable[[dict], None]) -> Callable[[Path], None]:
     def damage(ckpt: Path) -> None:
         meta = json.loads((ckpt / "metadata.json").read_text())
@@ -434,14 +410,6 @@ CHECKPOINT_CASES = [
 
 
 # --- running a case ---------------------------------------------------------------------------------------
-def _snapshot(root: Path) -> dict[str, str | None]:
-    """Every path under ``root`` with its content's hash (None for directories)."""
-    return {
-        str(p.relative_to(root)): None if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-    }
-
-
 @pytest.fixture
 def ran(monkeypatch) -> list:
     """The CLIs whose subcommand would have run (training, validating, ...): the bad cases must stop before."""
@@ -474,12 +442,12 @@ def _one_line_error(args: list[str], capsys) -> str:
 
 def _check(case: Case, tmp: Path, checkpoint: Path | None, capsys, ran: list) -> None:
     args = _prepare(case, tmp, checkpoint)
-    before = _snapshot(tmp)
+    before = snapshot_files(tmp)
     err = _one_line_error(args, capsys)
     prog = f"lightning-zero {args[0]}" if args[0] in COMMANDS else "lightning-zero"
     assert err.startswith(f"{prog}: error: "), err
     assert case.message.format(tmp=tmp) in err, err
-    assert _snapshot(tmp) == before, "a file was written or deleted"
+    assert snapshot_files(tmp) == before, "a file was written or deleted"
     assert ran == [] and not torch.distributed.is_initialized()
 
 
@@ -489,17 +457,17 @@ def test_bad_config_argument_or_deepspeed_config(case, tmp_path, capsys, ran):
 
 
 @pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=str)
-def test_bad_checkpoint(case, checkpoint, tmp_path, capsys, ran):
-    _check(case, tmp_path, checkpoint, capsys, ran)
+def test_bad_checkpoint(case, stage2_checkpoint, tmp_path, capsys, ran):
+    _check(case, tmp_path, stage2_checkpoint, capsys, ran)
     if case.damage in (_poison, _poisoned_plain_file):
         assert not (tmp_path / "marker").exists(), "unpickling ran the checkpoint's code"
 
 
-def test_poisoned_pickle_names_the_switch(checkpoint, tmp_path, capsys, ran):
+def test_poisoned_pickle_names_the_switch(stage2_checkpoint, tmp_path, capsys, ran):
     """The refusal names weights_only and the consolidate switch; with --trust-pickles the (trusted) pickle
     is loaded as it is, which here runs its code."""
     case = next(c for c in CHECKPOINT_CASES if c.damage is _poison)
-    args = _prepare(case, tmp_path, checkpoint)
+    args = _prepare(case, tmp_path, stage2_checkpoint)
     err = _one_line_error(args, capsys)
     assert "weights_only" in err and err.endswith("; here: --trust-pickles"), err
     assert not (tmp_path / "marker").exists()
@@ -535,27 +503,3 @@ def test_a_bug_keeps_its_traceback(monkeypatch, ran):
     monkeypatch.setattr("lightning_zero.cli_estimate.estimate", broken)
     with pytest.raises(ValueError, match="a bug, not bad input"):
         main(["estimate", "--params", "1e6"])
-
-
-def test_the_console_script_answers_the_same(checkpoint, tmp_path):
-    """The real command line: one line on stderr (not even Lightning's), exit code 2; run side by side."""
-    shutil.copytree(checkpoint, tmp_path / "run.ckpt")
-    _poison(tmp_path / "run.ckpt")
-    fit = [SCRIPT, "fit", "--config", GPT, "--zero.stage", "4"]
-    consolidate = [sys.executable, "-m", "lightning_zero.cli", "consolidate", "run.ckpt", "out.pt"]
-    expected = [
-        (fit, f"lightning-zero fit: error: unrecognized arguments: --zero.stage 4 {STAGE_HINT}"),
-        (consolidate, "lightning-zero consolidate: error: "),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(DEBUG_ENV, None)
-    before = _snapshot(tmp_path)
-    runs = [
-        (subprocess.Popen(list(map(str, command)), cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True), line)
-        for command, line in expected
-    ]
-    for process, line in runs:
-        _, err = process.communicate(timeout=240)
-        assert process.returncode == 2 and len(err.strip().splitlines()) == 1 and line in err, err
-    assert "--trust-pickles" in err and not (tmp_path / "marker").exists()
-    assert _snapshot(tmp_path) == before

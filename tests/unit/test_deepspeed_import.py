@@ -5,30 +5,23 @@ Lightning's own DeepSpeedStrategy wrote. DeepSpeed itself is not needed here."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from tests.support.helpers import make_trainer, zero_strategy
 
 from lightning_zero.checkpoint import deepspeed_import
 from lightning_zero.checkpoint.deepspeed_import import convert
 from lightning_zero.checkpoint.format import CheckpointError, write_atomically
 from lightning_zero.cli import main
+from tests.support.helpers import DEEPSPEED_FIXTURES, deepspeed_expected
 
-FIXTURES = Path(__file__).parents[1] / "fixtures" / "deepspeed"
 TRAINED = [["emb.weight", "body.weight", "out.weight"], ["body.bias", "norm.weight", "norm.bias", "out.bias"]]
 REFUSAL = (
     ": DeepSpeed checkpoints are pickles that can run code when loaded; pass --trust-pickles (trust_pickles=True)"
     " only for a checkpoint you trust"
 )
-
-
-def _expected(name: str) -> dict:
-    return torch.load(FIXTURES / f"{name}-expected.pt", weights_only=True)
 
 
 def _check(converted: dict, expected: dict, prefix: str = "") -> None:
@@ -53,15 +46,15 @@ def _check(converted: dict, expected: dict, prefix: str = "") -> None:
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero2-aligned", "zero2-roundrobin", "zero2-bf16"])
 def test_every_stage_converts_exactly(tmp_path, name):
     out = tmp_path / "out.ckpt"
-    convert(FIXTURES / name, out, trust_pickles=True)
+    convert(DEEPSPEED_FIXTURES / name, out, trust_pickles=True)
     converted = torch.load(out, weights_only=True)  # the file itself needs no trust
-    _check(converted, _expected(name))
+    _check(converted, deepspeed_expected(name))
     assert converted["state_dict"]["head.weight"] is converted["state_dict"]["emb.weight"]  # still tied
     assert (converted["global_step"], converted["epoch"], converted["note"]) == (2, 1, "client state")
     assert converted["optimizer_states"][0]["param_groups"][1]["lr"] == 5e-3
     # The tag directory itself converts the same.
     again = tmp_path / "again.ckpt"
-    convert(FIXTURES / name / "global_step2", again, trust_pickles=True)
+    convert(DEEPSPEED_FIXTURES / name / "global_step2", again, trust_pickles=True)
     assert torch.equal(
         torch.load(again, weights_only=True)["state_dict"]["out.weight"], converted["state_dict"]["out.weight"]
     )
@@ -72,14 +65,14 @@ def test_pickles_are_refused_without_trust(tmp_path):
     # The model states of stages 1/2 hold only tensors and containers and load safely; the optimizer files hold
     # DeepSpeed's own classes (its loss scaler, its stage enum), so they need trust.
     with pytest.raises(CheckpointError) as raised:
-        convert(FIXTURES / "zero2", tmp_path / "out.ckpt", trust_pickles=False)
-    optim = FIXTURES / "zero2" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        convert(DEEPSPEED_FIXTURES / "zero2", tmp_path / "out.ckpt", trust_pickles=False)
+    optim = DEEPSPEED_FIXTURES / "zero2" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     assert str(raised.value) == f"{optim}{REFUSAL}"
     assert not any(tmp_path.iterdir())
 
 
 def _copy(tmp_path: Path, name: str) -> Path:
-    return Path(shutil.copytree(FIXTURES / name, tmp_path / name))
+    return Path(shutil.copytree(DEEPSPEED_FIXTURES / name, tmp_path / name))
 
 
 def _rewrite(path: Path, edit) -> None:
@@ -114,10 +107,10 @@ def _bad_inputs(tmp_path: Path):
     yield z2, f"{rank1}: missing (the checkpoint was saved by 2 ranks)"
     shutil.copy(tag3 / rank1.name, rank1)  # stage 3's rank 1 next to stage 2's rank 0
     yield z2, f"{rank1}: not of the same save as zero_pp_rank_0_mp_rank_00_optim_states.pt (ZeRO stage 2, 2 ranks)"
-    shutil.copy(FIXTURES / "zero2" / "global_step2" / rank1.name, rank1)
+    shutil.copy(DEEPSPEED_FIXTURES / "zero2" / "global_step2" / rank1.name, rank1)
     _rewrite(rank1, lambda f: f["optimizer_state_dict"].update(partition_count=[4, 4]))
     yield z2, f"{rank1}: not of the same save"
-    shutil.copy(FIXTURES / "zero2" / "global_step2" / rank1.name, rank1)
+    shutil.copy(DEEPSPEED_FIXTURES / "zero2" / "global_step2" / rank1.name, rank1)
     extra = tag2 / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
     shutil.copy(rank1, extra)
     yield z2, f"{extra}: not of the same save"
@@ -152,14 +145,14 @@ def test_bad_inputs_fail_with_one_line_naming_the_file(tmp_path):
 
 
 def test_command_line(tmp_path, capsys):
-    main(["convert-deepspeed", str(FIXTURES / "zero3"), str(tmp_path / "out.ckpt"), "--trust-pickles"])
+    main(["convert-deepspeed", str(DEEPSPEED_FIXTURES / "zero3"), str(tmp_path / "out.ckpt"), "--trust-pickles"])
     assert capsys.readouterr().out == (
         f"{tmp_path / 'out.ckpt'}: ZeRO stage 3 checkpoint of 2 ranks, 11 tensors, with optimizer state\n"
     )
     with pytest.raises(SystemExit) as exited:
-        main(["convert-deepspeed", str(FIXTURES / "zero3"), str(tmp_path / "refused.ckpt")])
+        main(["convert-deepspeed", str(DEEPSPEED_FIXTURES / "zero3"), str(tmp_path / "refused.ckpt")])
     assert exited.value.code == 2
-    optim = FIXTURES / "zero3" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optim = DEEPSPEED_FIXTURES / "zero3" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     assert capsys.readouterr().err == f"lightning-zero convert-deepspeed: error: {optim}{REFUSAL}\n"
 
 
@@ -177,7 +170,7 @@ def test_weights_convert_where_the_optimizer_state_cannot(tmp_path, capsys):
     )
     converted = torch.load(tmp_path / "out.ckpt", weights_only=True)
     assert "optimizer_states" not in converted
-    assert torch.equal(converted["state_dict"]["out.weight"], _expected("zero2")["weights"]["out.weight"])
+    assert torch.equal(converted["state_dict"]["out.weight"], deepspeed_expected("zero2")["weights"]["out.weight"])
 
 
 def test_a_step_kept_in_the_param_group_moves_to_each_parameter(tmp_path):
@@ -196,70 +189,11 @@ def test_a_step_kept_in_the_param_group_moves_to_each_parameter(tmp_path):
 
 
 def test_lightning_deepspeed_checkpoint_keeps_lightning_state(tmp_path):
-    convert(FIXTURES / "lightning.ckpt", tmp_path / "out.ckpt", trust_pickles=True)
+    convert(DEEPSPEED_FIXTURES / "lightning.ckpt", tmp_path / "out.ckpt", trust_pickles=True)
     converted = torch.load(tmp_path / "out.ckpt")
-    expected = _expected("lightning")
+    expected = deepspeed_expected("lightning")
     _check(converted, expected, prefix="net.")
     assert converted["global_step"] == expected["step"] == 3
     assert converted["loops"]["fit_loop"]["epoch_loop.state_dict"] == {"_batches_that_stepped": 3}
     assert converted["lr_schedulers"][0]["last_epoch"] == 3
     assert [g["lr"] for g in converted["optimizer_states"][0]["param_groups"]] == expected["lr"]
-
-
-def _tiny_module():
-    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TinyModule
-
-
-class _CheckRestored(pl.Callback):
-    """Before the first step after resuming: the weights, Adam's state and the LR schedule are DeepSpeed's."""
-
-    def __init__(self, expected: dict) -> None:
-        self.expected = expected
-        self.checked = False
-
-    def on_train_start(self, trainer, pl_module):
-        expected = self.expected
-        module = trainer.strategy.gather_module()
-        for name, value in module.state_dict().items():
-            assert torch.equal(value, expected["weights"][name]), name
-        assert trainer.global_step == expected["step"]
-        assert [g["lr"] for g in trainer.optimizers[0].param_groups] == expected["lr"]
-        states = list(trainer.optimizers[0].optimizer.state.values())
-        for key in ("exp_avg", "exp_avg_sq"):
-            total = sum(float(s[key].double().square().sum()) for s in states)
-            want = sum(float(v.double().square().sum()) for v in expected[key].values())
-            assert total == pytest.approx(want, rel=1e-12), key
-        assert {float(s["step"]) for s in states} == {expected["step"]}
-        self.checked = True
-
-
-def _with_frozen_in_groups(tiny_module):
-    """The same module, its optimizer given every parameter (the frozen one too, as people often write):
-    DeepSpeed's groups leave it out, so the state is matched by the names the converted groups carry."""
-
-    class AllParameters(tiny_module):
-        def configure_optimizers(self):
-            config = super().configure_optimizers()
-            frozen = [p for p in self.parameters() if not p.requires_grad]
-            config["optimizer"].param_groups[0]["params"].extend(frozen)
-            return config
-
-    return AllParameters
-
-
-def _resume_worker(rank: int, world: int, converted: Path) -> None:
-    expected = _expected("lightning")
-    for stage, module in ((1, _tiny_module()), (3, _tiny_module()), (2, _with_frozen_in_groups(_tiny_module()))):
-        check = _CheckRestored(expected)
-        trainer = make_trainer(zero_strategy(stage), world, steps=expected["step"] + 1, accumulate=1, callbacks=[check])
-        trainer.fit(module(), ckpt_path=converted)
-        assert check.checked and trainer.global_step == expected["step"] + 1
-
-
-def test_lightning_zero_resumes_from_a_converted_checkpoint(ranks, tmp_path):
-    converted = tmp_path / "converted.ckpt"
-    convert(FIXTURES / "lightning.ckpt", converted, trust_pickles=True)
-    ranks(_resume_worker, 1, converted)

@@ -1,0 +1,95 @@
+"""The checkpoint directory's own rules, in one process: latest() skips what is incomplete or changed, leftovers of
+killed saves and removals are recognised (a user's hidden directory never touched), and a linked last.ckpt is
+replaced and removed as a link."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_zero.checkpoint.format import (
+    CheckpointError,
+    Metadata,
+    latest,
+    read_metadata,
+    write_atomically,
+)
+from lightning_zero.checkpoint.save import OURS, remove
+from lightning_zero.checkpoint.save import _prepare as prepare
+from lightning_zero.checkpoint.save import _publish as publish
+from tests.support.helpers import (
+    verify_checkpoint,
+)
+
+
+def _fake_checkpoint(path: Path, step: int) -> None:
+    """A complete one-rank checkpoint with no units, written the way a save writes its files."""
+    path.mkdir()
+    files = {
+        name: write_atomically(path / name, lambda f: torch.save({"state_dict": {}}, f))
+        for name in ("lightning.pt", "rank-00000.pt")
+    }
+    meta = Metadata(
+        stage=2,
+        world_size=1,
+        global_step=step,
+        epoch=0,
+        units=[],
+        optimizers=[],
+        state_dict_keys=[],
+        weights_only=False,
+        files=files,
+    )
+    (path / "metadata.json").write_text(meta.to_json())
+    (path / "COMPLETE").write_text("")
+
+
+def test_latest_skips_checkpoints_whose_files_are_missing_or_resized(tmp_path):
+    for step in (1, 2, 3):
+        _fake_checkpoint(tmp_path / f"step{step}", step)
+    _fake_checkpoint(tmp_path / ".step9.partial", 9)  # hidden: a save in progress, or one moved aside
+    assert latest(tmp_path) == tmp_path / "step3"
+    (tmp_path / "step3" / "rank-00000.pt").unlink()
+    assert latest(tmp_path) == tmp_path / "step2"
+    with open(tmp_path / "step2" / "lightning.pt", "ab") as f:
+        f.write(b"x")
+    assert latest(tmp_path) == tmp_path / "step1"
+
+
+def test_leftovers_of_killed_saves_and_removals_are_recognised(tmp_path):
+    """What a kill can leave, as the next save into the directory finds it (rank 0's preparation)."""
+    half_deleted = tmp_path / ".old.ckpt.removing"  # a removal killed mid-delete: COMPLETE already gone
+    _fake_checkpoint(half_deleted, 1)
+    (half_deleted / OURS).touch()  # what a deletion marks first
+    (half_deleted / "COMPLETE").unlink()
+    _fake_checkpoint(tmp_path / ".gone.ckpt.replaced", 2)  # killed between the two renames of a replacement
+    (tmp_path / ".new.ckpt.partial").mkdir()  # killed before its directory was marked
+    prepare(tmp_path / "new.ckpt", tmp_path / ".new.ckpt.partial")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".new.ckpt.partial", "gone.ckpt"]
+    assert latest(tmp_path) == tmp_path / "gone.ckpt"  # the old checkpoint is back under its name
+
+    foreign = tmp_path / ".mine.partial"  # a hidden directory of the user's: never touched
+    foreign.mkdir()
+    (foreign / "data.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"\.mine\.partial: exists and was not made by lightning_zero"):
+        prepare(tmp_path / "mine", foreign)
+    assert (foreign / "data.txt").read_text() == "mine"
+
+
+def test_a_linked_last_checkpoint_is_replaced_and_removed_as_a_link(tmp_path):
+    """ModelCheckpoint(save_last="link") makes last.ckpt a link to the newest checkpoint."""
+    _fake_checkpoint(tmp_path / "step1.ckpt", 1)
+    (tmp_path / "last.ckpt").symlink_to(tmp_path / "step1.ckpt")
+    partial = tmp_path / ".last.ckpt.partial"
+    prepare(tmp_path / "last.ckpt", partial)
+    _fake_checkpoint(tmp_path / "new", 2)
+    for f in (tmp_path / "new").iterdir():
+        f.rename(partial / f.name)
+    publish(partial, tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").is_symlink() and read_metadata(tmp_path / "last.ckpt").global_step == 2
+    assert verify_checkpoint(tmp_path / "step1.ckpt") == 1  # the link's target is untouched
+    (tmp_path / "link.ckpt").symlink_to(tmp_path / "step1.ckpt")
+    remove(tmp_path / "link.ckpt", rank=0)
+    assert not (tmp_path / "link.ckpt").exists() and verify_checkpoint(tmp_path / "step1.ckpt") == 1
