@@ -42,12 +42,28 @@ def _configs(module: DynamicModule):
     yield "zero3-tight", 3, {"param_persistence_threshold": 0, "max_live_parameters": _unit_budget(module)}
 
 
+class SameLaunchOrder(pl.Callback):
+    """After each optimizer step, before the next backward launches anything: every rank launches its gradient
+    buckets' reduce-scatters in the same order (grad_reduce.py's order, agreed after the first backward; a
+    rank-dependent order issues mismatched collectives, which gloo answers with an abort or a hang)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        order = [(unit.names[0], bucket.start) for unit, bucket in trainer.strategy._reducer.order]
+        orders = collectives.all_gather_object(order)
+        first = next((k for k in range(len(order)) if len({o[k] for o in orders}) > 1), None)
+        assert first is None, (
+            f"the ranks launch reduce-scatters in different bucket orders at step {trainer.global_step}: the"
+            f" {first}-th launch is {[o[first] for o in orders]} (rank by rank)"
+        )
+
+
 def _worker(rank: int, world: int, out_dir) -> None:
     for kind in KINDS:
         for name, stage, config in _configs(DynamicModule(kind)):
             pl.seed_everything(0)
             module = DynamicModule(kind, steps=STEPS)
-            trainer = make_trainer(zero_strategy(stage, **config), world, steps=STEPS, clip=CLIP)
+            callbacks = [SameLaunchOrder()]
+            trainer = make_trainer(zero_strategy(stage, **config), world, steps=STEPS, clip=CLIP, callbacks=callbacks)
             dynamic_models.trace.clear()
             with collectives.record() as log:
                 trainer.fit(module)

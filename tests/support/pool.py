@@ -40,7 +40,6 @@ import pkgutil
 import random
 import signal
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -67,7 +66,7 @@ class RankFailure(AssertionError):
 
 
 # --- the rank processes --------------------------------------------------------------------------
-def _serve(rank: int, world_size: int, store_port: int, conn: Connection, stack_path: str) -> None:
+def _serve(rank: int, world_size: int, store_port: int, conn: Connection, scratch: str) -> None:
     """A rank's life: run tasks until the pipe closes."""
     import torch
     import torch.distributed as dist
@@ -84,7 +83,7 @@ def _serve(rank: int, world_size: int, store_port: int, conn: Connection, stack_
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    stacks = open(stack_path, "w")  # open for the process's life
+    stacks = open(f"{scratch}.stacks", "w")  # open for the process's life
     faulthandler.enable(stacks)  # a crash writes its stack here
     faulthandler.register(STACK_SIGNAL, stacks, all_threads=True)
     store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timedelta(seconds=60))
@@ -97,7 +96,7 @@ def _serve(rank: int, world_size: int, store_port: int, conn: Connection, stack_
         if task is None:
             return
         number, fn, args, timeout_s, environ = task
-        with fresh.restored({**environ, **own}), _captured_output() as output:
+        with fresh.restored({**environ, **own}), _captured_output(f"{scratch}.out") as output:
             dist.init_process_group(
                 "gloo",
                 store=dist.PrefixStore(f"task/{number}", store),
@@ -194,13 +193,14 @@ class _Output:
 
 
 @contextmanager
-def _captured_output():
-    """File descriptors 1 and 2 go to a temporary file inside the block; its text is ``.text`` after."""
+def _captured_output(path: str):
+    """File descriptors 1 and 2 go to ``path`` inside the block (so a rank that dies leaves its last words
+    there for the report); its text is ``.text`` after."""
     output = _Output()
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    with tempfile.TemporaryFile() as file:
+    with open(path, "w+b") as file:
         os.dup2(file.fileno(), 1)
         os.dup2(file.fileno(), 2)
         try:
@@ -231,10 +231,9 @@ class RankWorld:
         context = multiprocessing.get_context("spawn")
         for rank in range(self.world_size):
             ours, theirs = context.Pipe()
-            stack_path = self.scratch / f"world{self.world_size}-rank{rank}.stacks"
             process = context.Process(
                 target=_serve,
-                args=(rank, self.world_size, self.store.port, theirs, str(stack_path)),
+                args=(rank, self.world_size, self.store.port, theirs, str(self._scratch(rank))),
                 name=f"rank {rank} of {self.world_size}",
                 daemon=True,
             )
@@ -272,7 +271,7 @@ class RankWorld:
                     self.processes[rank].join(timeout=5)
                     code = self.processes[rank].exitcode
                     died[rank] = code
-                    outcomes[rank] = ("died", f"rank {rank} died (exit code {code})\n{self._stacks(rank)}", "")
+                    outcomes[rank] = ("died", f"rank {rank} died (exit code {code})\n{self._last_words(rank)}", "")
                 if outcomes[rank][0] != "ok" and first_failure is None:
                     first_failure = time.monotonic()
         for rank, (_, _, text) in sorted(outcomes.items()):
@@ -297,16 +296,26 @@ class RankWorld:
                 if kind != "ok":
                     lines.append(f"----- rank {rank}: {'raised' if kind == 'error' else 'died'} -----\n{detail}")
             else:
-                lines.append(f"----- rank {rank}: still running after {deadline_s:.0f} s; its stacks -----")
-                lines.append(self._stacks(rank))
+                lines.append(f"----- rank {rank}: still running after {deadline_s:.0f} s -----")
+                lines.append(self._last_words(rank))
         ok = [r for r, o in outcomes.items() if o[0] == "ok"]
         if ok:
             lines.append(f"(ranks {ok} finished)")
         return "\n".join(lines)
 
+    def _scratch(self, rank: int) -> Path:
+        """Where a rank keeps its stacks (``.stacks``) and the running task's output (``.out``)."""
+        return self.scratch / f"world{self.world_size}-rank{rank}"
+
     def _stacks(self, rank: int) -> str:
-        path = self.scratch / f"world{self.world_size}-rank{rank}.stacks"
+        path = self._scratch(rank).with_suffix(".stacks")
         return path.read_text(errors="replace")[-20_000:] if path.exists() else "(no stacks)"
+
+    def _last_words(self, rank: int) -> str:
+        """A dead rank's output in its last task and the stacks it dumped (a crash writes them)."""
+        out = self._scratch(rank).with_suffix(".out")
+        text = out.read_text(errors="replace")[-5_000:] if out.exists() else ""
+        return f"its output:\n{text}\n{self._stacks(rank)}"
 
     def close(self, *, kill: bool = False) -> None:
         for conn in self.conns:
@@ -324,7 +333,8 @@ class RankWorld:
                 process.kill()
                 process.join()
         for rank in range(len(self.processes)):
-            (self.scratch / f"world{self.world_size}-rank{rank}.stacks").unlink(missing_ok=True)
+            for suffix in (".stacks", ".out"):
+                self._scratch(rank).with_suffix(suffix).unlink(missing_ok=True)
         self.processes, self.conns = [], []
 
 
