@@ -113,16 +113,15 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _offload(key: str, section: Any, zero: dict[str, Any], no_effect: list[str]) -> None:
-    """``zero_optimization.offload_optimizer`` / ``offload_param``: {device, pin_memory, ratio, NVMe settings}."""
+def _offload(key: str, section: Any, zero: dict[str, Any], no_effect: list[str], unsupported: list[str]) -> None:
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: {device, pin_memory, ratio, NVMe settings}.
+    What is not supported goes to ``unsupported`` (one error names them all)."""
     if not isinstance(section, dict):
         raise ValueError(f'DeepSpeed config: {key} must be an object such as {{"device": "cpu"}}, got {section!r}')
     device = section.get("device", "none")
     if device not in ("none", "cpu"):
-        raise ValueError(
-            f"DeepSpeed config: {key}.device {device!r} is not supported (NVMe offload is not implemented); use"
-            " 'cpu' or 'none'"
-        )
+        unsupported.append(f"{key}.device {device!r} (NVMe offload is not implemented; use 'cpu' or 'none')")
+        return
     if zero.setdefault(OFFLOAD_SECTIONS[key], device) != device:
         raise ValueError(f"DeepSpeed config: {key} and zero_optimization.cpu_offload disagree")
     for name, value in section.items():
@@ -132,14 +131,11 @@ def _offload(key: str, section: Any, zero: dict[str, Any], no_effect: list[str])
             if zero.setdefault("offload_pin_memory", value) != value:
                 raise ValueError("DeepSpeed config: offload_optimizer.pin_memory and offload_param.pin_memory differ")
         elif name == "ratio" and value != 1 and device == "cpu":
-            raise ValueError(
-                f"DeepSpeed config: {key}.ratio {value!r} (partial offload) is not supported; remove it to offload"
-                " all of it"
-            )
+            unsupported.append(f"{key}.ratio {value!r} (partial offload; remove it to offload all of it)")
         elif name in OFFLOAD_NVME_KEYS or (name in ("pin_memory", "ratio") and device == "none"):
             no_effect.append(f"{key}.{name} (no NVMe offload here)" if name in OFFLOAD_NVME_KEYS else f"{key}.{name}")
         elif name not in ("device", "pin_memory", "ratio"):
-            raise ValueError(f"DeepSpeed config: {key}.{name} is not supported")
+            unsupported.append(f"{key}.{name}")
     if device == "none":
         no_effect.append(f"{key} (device 'none': nothing is offloaded)")
 
@@ -211,7 +207,7 @@ def read_deepspeed_config(
         elif key in NO_EFFECT:
             no_effect.append(f"{key} ({NO_EFFECT[key]})")
         elif key in OFFLOAD_SECTIONS:
-            _offload(key, value, zero, no_effect)
+            _offload(key, value, zero, no_effect, unsupported)
         elif key == "zero_optimization.mics_shard_size":  # MiCS: shard within groups, replicate across
             size = _number(key, value, int)
             if size != -1:  # -1: off (DeepSpeed's default)

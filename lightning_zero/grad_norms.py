@@ -5,7 +5,7 @@
   (``grad_{p}_norm/<name>`` per parameter and ``grad_{p}_norm_total``), computed from the shards with
   one all-reduce of per-parameter partial sums. Collective: call it on every rank.
 - Inside ``on_before_optimizer_step`` each trainable parameter's ``.grad`` is a ``ShardedGrad``:
-  ``p.grad.norm(p)`` (what Lightning's own ``grad_norm`` utility does) returns the true norm, and any
+  ``p.grad.norm(norm_type)`` (what Lightning's own ``grad_norm`` utility does) returns the true norm, and any
   other use raises an error that says what to do instead, rather than silently seeing nothing.
 """
 
@@ -47,8 +47,8 @@ class ShardedGrad(Tensor):
                 return func(*args, **kwargs)
         raise RuntimeError(
             f"the gradient of {args[0].param_name!r} is sharded across ranks by the ZeRO strategy, so `{name}` cannot"
-            " read it. Use `p.grad.norm(p)` or `lightning_zero.grad_norm(self)` for norms, the optimizer's"
-            " `grad_norm()` for the global norm, and Trainer(gradient_clip_val=...) to clip"
+            " read it. Use `p.grad.norm(2)` (any norm type) or `lightning_zero.grad_norm(self)` for norms, the"
+            " optimizer's `grad_norm()` for the global norm, and Trainer(gradient_clip_val=...) to clip"
         )
 
 

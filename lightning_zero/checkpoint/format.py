@@ -31,6 +31,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -226,25 +227,34 @@ def fsync_dir(path: Path) -> None:
 
 
 class _HashingFile:
-    """A binary file that hashes and counts what is written to it (no second read to checksum)."""
+    """A binary file that hashes and counts what is written to it (no second read to checksum), and keeps the
+    OS's error if a write fails (torch's zip writer replaces it with its own, about stream positions)."""
 
     def __init__(self, file) -> None:
         self.file = file
         self.sha256 = hashlib.sha256()
         self.bytes = 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
+        try:
+            written = self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
         self.sha256.update(data)
         self.bytes += len(data)
-        return self.file.write(data)
+        return written
 
     def flush(self) -> None:
         self.file.flush()
 
 
 def write_atomically(path: Path, write: Callable[[Any], None]) -> dict[str, Any]:
-    """``write(file)`` into a temporary file, fsync, rename to ``path``; returns the file's size and sha256."""
+    """``write(file)`` into a temporary file, fsync, rename to ``path``; returns the file's size and sha256. A
+    full device raises one CheckpointError saying so, with the bytes written and free."""
     tmp = path.with_name(f".{path.name}.tmp")
+    hashing = None
     try:
         with open(tmp, "wb") as f:
             hashing = _HashingFile(f)
@@ -252,8 +262,16 @@ def write_atomically(path: Path, write: Callable[[Any], None]) -> dict[str, Any]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         tmp.unlink(missing_ok=True)
+        cause = hashing.error if hashing is not None and hashing.error is not None else error
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            written = hashing.bytes if hashing is not None else 0
+            free = shutil.disk_usage(path.parent).free
+            raise CheckpointError(
+                f"{path}: no space left on device ({cause.strerror}): {written:,} bytes of it were written when the"
+                f" device filled, {free:,} bytes are free in {path.parent}; free space or save elsewhere"
+            ) from error
         raise
     return {"bytes": hashing.bytes, "sha256": hashing.sha256.hexdigest()}
 

@@ -3,8 +3,8 @@ elsewhere, one op for each forward and each backward.
 
 Each op takes activations of any leading shape in fp32, fp16 or bf16; parameters (weight, bias) may be
 in any float dtype: the kernels read them as fp32 and their gradients come back in their own dtype.
-Split as kernels.md advises: kernel source (``cuda_kernels/``) / host launch (``launchers.py``) / the
-ops and their autograd (here).
+Split in three, as apex and DeepSpeed's op builders split theirs: kernel source (``cuda_kernels/``) / host
+launch (``launchers.py``) / the ops and their autograd (here).
 
 [Note: custom ops]
 Every forward and backward is a ``torch.library.custom_op`` (namespace ``lightning_zero``) with a fake

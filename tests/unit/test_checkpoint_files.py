@@ -4,6 +4,8 @@ replaced and removed as a link."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,26 @@ def test_a_linked_last_checkpoint_is_replaced_and_removed_as_a_link(tmp_path):
     (tmp_path / "link.ckpt").symlink_to(tmp_path / "step1.ckpt")
     remove(tmp_path / "link.ckpt", rank=0)
     assert not (tmp_path / "link.ckpt").exists() and verify_checkpoint(tmp_path / "step1.ckpt") == 1
+
+
+@pytest.fixture
+def tiny_device(tmp_path):
+    """A 64 KiB tmpfs: a device that fills up (mounting needs root, which these machines and CI give)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a full tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_device_is_named_with_the_bytes_written_and_free(tiny_device):
+    """torch's zip writer reports a full disk as "unexpected pos 768 vs 662": the error says what happened."""
+    message = (
+        r"tiny/x\.pt: no space left on device \(No space left on device\): [\d,]+ bytes of it were written when"
+        r" the device filled, [\d,]+ bytes are free in .*tiny; free space or save elsewhere"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        write_atomically(tiny_device / "x.pt", lambda f: torch.save({"a": torch.zeros(100_000)}, f))
+    assert list(tiny_device.iterdir()) == []  # the temporary file is gone

@@ -192,6 +192,17 @@ def test_unsupported_keys_are_listed_in_one_error():
         "DeepSpeed config: these keys are not supported: activation_checkpointing, optimizer,"
         " zero_optimization.zero_quantized_weights."
     )
+    # unsupported values (NVMe, partial offload) are named in the same error as unsupported keys
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/local"}
+    config["zero_optimization"]["offload_param"] = {"device": "cpu", "ratio": 0.5}
+    with pytest.raises(ValueError) as info:
+        read_deepspeed_config(config)
+    assert str(info.value).startswith(
+        "DeepSpeed config: these keys are not supported: activation_checkpointing, optimizer,"
+        " zero_optimization.offload_optimizer.device 'nvme' (NVMe offload is not implemented; use 'cpu' or"
+        " 'none'), zero_optimization.offload_param.ratio 0.5 (partial offload; remove it to offload all of it),"
+        " zero_optimization.zero_quantized_weights."
+    ), str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -206,14 +217,20 @@ def test_unsupported_keys_are_listed_in_one_error():
         ({"communication_data_type": "int8"}, "communication_data_type must be one of fp32, fp16, bf16, got 'int8'"),
         (
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
-            r"offload_optimizer.ratio 0.3 \(partial offload\) is not supported",
+            r"not supported: zero_optimization.offload_optimizer.ratio 0.3 \(partial offload; remove it",
         ),
         (
             {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
             "zero.offload_param must be none unless zero.stage is 3 and zero.offload_optimizer is cpu, got 'cpu'",
         ),
-        ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param.device 'nvme' is not supported"),
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "foo": 1}}}, "offload_optimizer.foo is not"),
+        (
+            {"zero_optimization": {"offload_param": {"device": "nvme"}}},
+            r"not supported: zero_optimization.offload_param.device 'nvme' \(NVMe offload is not implemented",
+        ),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu", "foo": 1}}},
+            "not supported: zero_optimization.offload_optimizer.foo",
+        ),
     ],
 )
 def test_bad_deepspeed_values(config, message):
