@@ -11,9 +11,12 @@ from contextlib import contextmanager
 
 import lightning.pytorch as pl
 import torch
+from torch.nn import Module, Parameter
 
 from lightning_zero.precision import stage3_param_dtype
+from lightning_zero.sharding import collectives
 from lightning_zero.sharding.construct import ShardedConstruction
+from lightning_zero.sharding.flat_unit import UnitIndex
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import (
     ShardedModule,
@@ -82,6 +85,35 @@ class Stage3Hooks:
             group=self.topology.shard_group,
         )
         self._stage3.install_access_hooks(module)
+
+    @contextmanager
+    def gathered_parameters(
+        self, *targets: Module | Parameter, modifier_rank: int | None = None
+    ) -> Generator[list[Parameter], None, None]:
+        """The parameters of ``targets`` (modules, with their submodules, or parameters) whole inside the block,
+        outside the steps too, like DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``.
+        Collective: enter it on every rank with the same targets (stage 3 gathers their units, one
+        all-gather each, and frees them after; stages 1 and 2 hold every parameter whole already). Changes
+        made inside are dropped, unless ``modifier_rank`` names the (global) rank whose values every rank
+        then takes, master weights included. Yields the parameters."""
+        params = list(dict.fromkeys(p for t in targets for p in (t.parameters() if isinstance(t, Module) else [t])))
+        if self._stage3 is None:
+            yield params
+            if modifier_rank is not None:
+                unit_location = UnitIndex.of(self.lightning_module)
+                for p in params:
+                    collectives.broadcast(p.data, src=modifier_rank)
+                    located = unit_location(p)
+                    if located is not None:
+                        located[0].write_owned(located[1], p.data)  # the master too
+            return
+        with self._stage3.gathered_params(params) as units:
+            yield params
+            if modifier_rank is not None:
+                for unit in units:  # whole units: every rank then keeps its own pieces of them
+                    collectives.broadcast(unit.flat_param, src=modifier_rank)
+                    for index, p in enumerate(unit.params):
+                        unit.write_owned(index, p.data)
 
     def gather_module(self, device: str | torch.device = "cpu") -> pl.LightningModule:
         """Stage 3, after ``fit``/``validate``/...: makes the LightningModule whole on ``device``, one unit

@@ -8,11 +8,12 @@ decides from them alone which unit to gather, free or reduce, identically on eve
 
 [Note: what a freed parameter looks like]
 While its unit is freed, the flat buffer has no storage and a parameter's ``.data`` is one NaN
-expanded to the parameter's shape (stride 0): code that looks at shapes (param groups by
-``p.dim()``, parameter counts) works as on the whole model, writing into it fails, and reading it
-outside a step gives NaN, never stale or plausible numbers. Autograd holds the parameter objects
-and views of the flat buffer, whose storage is the same object again (resized) once the schedule
-gathers the unit for its backward.
+expanded to the parameter's shape (stride 0), and its class a ``ShardedParameter``: code that looks at
+shapes (param groups by ``p.dim()``, parameter counts) works as on the whole model, and code that reads
+its values gathers it inside a step or gets one clear error elsewhere (sharded_param.py's [Note: reading
+a sharded parameter]); never NaN, stale or plausible numbers. Autograd holds the parameter objects and
+views of the flat buffer, whose storage is the same object again (resized) once the schedule gathers the
+unit for its backward.
 
 [Note: when a unit is gathered]
 - the root unit (parameters of no unit module, e.g. embeddings tied to the output head) for a whole
@@ -47,6 +48,7 @@ from torch.nn import Module
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd, in_backward
 from lightning_zero.sharding.flat_unit import FlatUnit, unshard_together
+from lightning_zero.sharding.sharded_param import ShardedParameter, original_class, read_error
 from lightning_zero.sharding.stage3_schedule import Schedule
 
 
@@ -112,6 +114,8 @@ class Stage3Runtime:
         self.scheduled = [by_module[id(m)] for m in self._modules]  # the flat units of each scheduled module
         self._index = {id(u): k for k, group_ in enumerate(self.scheduled) for u in group_}
         self._owner = {id(p): u for u in units for p in u.params}
+        self._names = {id(p): name for u in units for p, name in zip(u.params, u.names)}
+        self._classes: dict[type, type] = {}  # a parameter's own class -> its ShardedParameter class here
         sizes = [sum(u.layout.total_numel for u in group_) for group_ in self.scheduled]
         persistent = {k for k, size in enumerate(sizes) if size <= param_persistence_threshold}
         self.schedule = Schedule(sizes, persistent, max_live_parameters, self, prefetch_bucket_size)
@@ -129,6 +133,8 @@ class Stage3Runtime:
             self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, k)))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, k)))
         unshard_together([u for k in sorted(persistent) for u in self.scheduled[k]], group=group)
+        for unit in self.units:
+            (self.mark_whole if unit.gathered else self._mark_sharded)(unit)
         self.peak_gathered_bytes = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
 
     @property
@@ -169,11 +175,44 @@ class Stage3Runtime:
     def _wait(self, unit: FlatUnit) -> None:
         if id(unit) in self._inflight:
             collectives.wait(self._inflight.pop(id(unit)))
+        if unit.gathered:
+            self.mark_whole(unit)
 
     def _free(self, unit: FlatUnit) -> None:
         self._wait(unit)
         if unit.gathered:
             unit.reshard()
+            self._mark_sharded(unit)
+
+    # --- reading a parameter whose unit is not here (sharded_param.py) -------------------------------
+    def mark_whole(self, unit: FlatUnit) -> None:
+        """``unit``'s parameters hold their values: their own class again."""
+        for p in unit.params:
+            p.__class__ = original_class(p)
+
+    def _mark_sharded(self, unit: FlatUnit) -> None:
+        for p in unit.params:
+            original = original_class(p)
+            if original not in self._classes:
+                self._classes[original] = ShardedParameter.of(original, self)
+            p.__class__ = self._classes[original]
+
+    def can_read(self) -> bool:
+        return self.in_step and not in_backward()
+
+    def read(self, param: Tensor) -> None:
+        """A sharded parameter's values are read: inside a step its unit is gathered there and kept until the
+        step ends (as ``on_access``); anywhere else this raises."""
+        unit = self._owner[id(param)]
+        if not self.can_read():
+            raise read_error(self.describe(param), "in backward" if self.in_step else "outside a step")
+        if unit in self.root:  # gathered for the whole step by begin_step
+            self._wait(unit)
+        else:
+            self.schedule.access(self._index[id(unit)])
+
+    def describe(self, param: Tensor) -> str:
+        return self._names.get(id(param), "a parameter")
 
     def gather(self, k: int) -> None:
         for unit in self.scheduled[k]:
@@ -271,6 +310,24 @@ class Stage3Runtime:
         self.in_step = False
 
     @contextmanager
+    def gathered_params(self, params: Sequence[Tensor]) -> Iterator[list[FlatUnit]]:
+        """Keeps the units holding ``params`` gathered inside the block, in unit order (collective: every
+        rank the same ``params``); yields them. Units gathered already (by the step) stay as they were."""
+        ids = {id(p) for p in params}
+        units = [u for u in self.units if any(id(p) in ids for p in u.params)]
+        before = {id(u) for u in units if u.gathered}
+        for unit in units:
+            self._start(unit)
+        for unit in units:
+            self._wait(unit)
+        try:
+            yield units
+        finally:
+            for unit in units:
+                if id(unit) not in before:
+                    self._free(unit)
+
+    @contextmanager
     def gathered(self, unit: FlatUnit) -> Iterator[None]:
         """Keeps ``unit`` gathered inside the block (outside the step hooks, e.g. for a state dict)."""
         was_gathered = unit.gathered
@@ -280,4 +337,4 @@ class Stage3Runtime:
             yield
         finally:
             if not was_gathered:
-                unit.reshard()
+                self._free(unit)

@@ -330,6 +330,7 @@ def gather_module(runtime: Stage3Runtime, device: torch.device) -> None:
     for unit in runtime.units:
         with runtime.gathered(unit):
             whole = [p.data.to(device, copy=True) for p in unit.params]
+        runtime.mark_whole(unit)
         for p, value in zip(unit.params, whole):
             p.data = value
 

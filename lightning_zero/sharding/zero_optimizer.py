@@ -29,10 +29,18 @@ step skips on it there (fused_step.py); only a step in which some unit takes the
 
 Its state is saved and loaded per rank by ``lightning_zero.checkpoint`` (sharded checkpoints that
 load at any world size), never gathered in one place.
+
+[Note: an Optimizer to whoever asks]
+A ZeroOptimizer is a ``torch.optim.Optimizer`` to the code that checks (torch's LR schedulers and SWALR,
+Lightning's LR finder and callbacks), without ``Optimizer.__init__``, which would take the parameters as
+its own: ``param_groups`` are the views below, ``state`` and ``defaults`` the wrapped optimizer's, and the
+step hooks torch's ``register_step_pre_hook``/``register_step_post_hook`` add run around ``step`` as they
+run around torch's own.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +106,17 @@ class ParamGroupView(MutableMapping):
         return repr({k: (f"<{len(self.params)} parameters>" if k == "params" else v) for k, v in self.items()})
 
 
-class ZeroOptimizer:
+_HOOKS = (  # what Optimizer.__init__ makes for its hook registrations (see [Note: an Optimizer to whoever asks])
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+class ZeroOptimizer(Optimizer):
     def __init__(
         self,
         optimizer: Optimizer,
@@ -118,6 +136,8 @@ class ZeroOptimizer:
                 f"the optimizer {type(optimizer).__name__} already holds state before sharding; create it fresh in"
                 " `configure_optimizers`"
             )
+        for hooks in _HOOKS:
+            setattr(self, hooks, OrderedDict())
         self.optimizer = optimizer
         self.reducer = reducer
         self.gathers = gathers  # stages 1 and 2
@@ -346,6 +366,14 @@ class ZeroOptimizer:
                 unit.step_grad.mul_(multiplier)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (closure,), {})
+        loss = self._step(closure)
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (closure,), {})
+        return loss
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -391,6 +419,12 @@ class ZeroOptimizer:
         raise RuntimeError(
             "a ZeroOptimizer's state is sharded across ranks: save it with trainer.save_checkpoint(...), which"
             " writes each rank's part (lightning_zero.checkpoint)"
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "a ZeroOptimizer's state is sharded across ranks: load it with trainer.fit(..., ckpt_path=...), which"
+            " reads each rank's part (lightning_zero.checkpoint)"
         )
 
     def state_nbytes(self) -> int:

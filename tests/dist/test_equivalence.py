@@ -54,7 +54,7 @@ class RanksAgree(pl.Callback):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         self.state = trainer.strategy.lightning_module_state_dict()
-        assert list(self.state) == list(pl_module.state_dict())
+        assert list(self.state) == list(pl_module.state_dict(keep_vars=True))  # (the keys: no value read)
         flat = torch.cat([v.reshape(-1).float() for v in self.state.values()])
         gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]
         dist.all_gather(gathered, flat)

@@ -86,10 +86,13 @@ def _save_worker(rank: int, world: int, root) -> None:
     # (as Lightning's state dict would) adds 64 MiB.
     allowed = 2 * probe.shard_bytes + probe.unit_bytes + 2**20
     assert probe.peak <= allowed, f"saving allocated {probe.peak / 2**20:.1f} MiB, allowed {allowed / 2**20:.1f}"
-    # Teardown gathered nothing and left the parameters sharded (NaN placeholders without storage).
+    # Teardown gathered nothing and left the parameters sharded (placeholders without storage, which raise
+    # when read rather than give NaN).
     assert probe.traffic.elements["all_gather"] == probe.gathers_at_end
-    for layer in module.layers:
-        assert layer.weight.stride() == (0, 0) and torch.isnan(layer.weight).all()
+    for k, layer in enumerate(module.layers):
+        assert layer.weight.stride() == (0, 0)
+        with pytest.raises(RuntimeError, match=rf"'layers.{k}.weight' is sharded .* not gathered outside a step"):
+            layer.weight.sum()
     # Made whole on request, one unit at a time: the last step's values.
     whole = trainer.strategy.gather_module("cpu")
     for key, value in whole.state_dict().items():

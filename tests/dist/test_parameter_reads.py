@@ -1,0 +1,169 @@
+"""User code that reads parameters, as under ``ddp``, with stage 3 really sharding (every unit gathered only
+when used): never a NaN.
+
+- Inside ``training_step``, iterating ``self.parameters()`` / ``named_parameters()`` sees the real values: an
+  L2 penalty over every parameter added to the loss, and a weight norm logged from ``named_parameters()``,
+  equal ddp's (and one process's) under every stage.
+- Between steps a read of a sharded parameter raises one error naming the parameter and the ways to read it
+  (an EMA over ``self.parameters()`` in ``on_train_batch_end``, ``pl_module.state_dict()`` in a callback, a
+  frozen parameter read in ``on_train_end``, rank 0 alone reading after ``fit`` without waiting for the
+  others); inside ``lightning_zero.gathered_parameters(pl_module)`` the same code (and ddp's, unchanged)
+  sees the real values: the EMA equals ddp's, the frozen parameter its constructor's value, and
+  ``trainer.strategy.lightning_module_state_dict()`` equals ddp's state dict.
+- ``gathered_parameters(..., modifier_rank=0)`` writes rank 0's values into every rank's shards and master
+  weights: training goes on from them.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_zero
+from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
+
+STEPS = 6
+PENALTY = 1e-3
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
+READ_ERROR = r"is sharded across ranks by the ZeRO strategy \(stage 3\) and is not gathered outside a step"
+
+
+class Reads(EquivalenceModule):
+    """BlocksNet with an L2 penalty over every parameter, a logged weight norm, and a frozen scale."""
+
+    def __init__(self) -> None:
+        super().__init__("blocks", steps=STEPS)
+        self.frozen_scale = torch.nn.Parameter(torch.linspace(1.0, 2.0, 9), requires_grad=False)
+        self.norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        norm = torch.stack([p.detach().norm() for _, p in self.named_parameters()]).norm()
+        self.norms.append(float(norm))
+        self.log("param_norm", norm)
+        return loss + PENALTY * sum(p.pow(2).sum() for p in self.parameters() if p.requires_grad)
+
+
+class ReadsBetweenSteps(pl.Callback):
+    """An EMA of every parameter, a state dict and the frozen parameter, read the way a ddp user reads them."""
+
+    def __init__(self, sharded: bool) -> None:
+        self.sharded = sharded  # stage 3: the plain reads must raise
+        self.ema: list[torch.Tensor] | None = None
+        self.errors: list[str] = []
+
+    def _plain(self, read) -> None:
+        if not self.sharded:
+            read()
+            return
+        with pytest.raises(RuntimeError, match=READ_ERROR) as info:
+            read()
+        self.errors.append(str(info.value).split("'")[1])  # the parameter it names
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._plain(lambda: [p.detach().clone() for p in pl_module.parameters()])
+        with lightning_zero.gathered_parameters(pl_module) as params:
+            values = [p.detach().clone() for p in params]
+        self.ema = values if self.ema is None else [0.9 * e + 0.1 * v for e, v in zip(self.ema, values)]
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._plain(lambda: pl_module.state_dict())
+        self.state = trainer.strategy.lightning_module_state_dict()
+
+    def on_train_end(self, trainer, pl_module):
+        self._plain(lambda: pl_module.frozen_scale.sum())
+        with lightning_zero.gathered_parameters(pl_module, pl_module.frozen_scale):
+            self.frozen = pl_module.frozen_scale.detach().clone()
+
+
+def _strategy(name: str):
+    if name in ("ddp", "auto"):
+        return name
+    return zero_strategy(int(name[-1]), param_persistence_threshold=0, reduce_bucket_size=40)
+
+
+def _fit(name: str, world: int) -> tuple[Reads, ReadsBetweenSteps, pl.Trainer]:
+    pl.seed_everything(0)
+    module = Reads()
+    reads = ReadsBetweenSteps(sharded=name == "zero3")
+    trainer = make_trainer(_strategy(name), world, steps=STEPS, callbacks=[reads])
+    trainer.fit(module)
+    return module, reads, trainer
+
+
+def _worker(rank: int, world: int) -> dict:
+    results = {}
+    for name in STRATEGIES:
+        module, reads, trainer = _fit(name, world)
+        if name == "zero3":
+            assert set(reads.errors) == {"frozen_scale"}, reads.errors  # the first parameter read, named
+            assert len(reads.errors) == STEPS * 2 + 2, reads.errors  # each batch, the epoch's end, the train's end
+            if rank == 0:  # rank 0 alone, after fit: an error, and nothing waits for rank 1
+                with pytest.raises(RuntimeError, match=READ_ERROR):
+                    module.state_dict()
+        results[name] = {
+            "state": {k: v.float() for k, v in trainer.strategy.lightning_module_state_dict().items()},
+            "epoch_state": {k: v.float() for k, v in reads.state.items()},
+            "norms": module.norms,
+            "ema": reads.ema,
+            "frozen": reads.frozen,
+        }
+    return results
+
+
+def _modified_worker(rank: int, world: int) -> dict:
+    """Rank 0 re-initializes block 1 between steps; every rank trains on from its values."""
+    pl.seed_everything(0)
+    module = EquivalenceModule("blocks", steps=STEPS)
+
+    class Reinitialize(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and batch_idx % 2 == 1:
+                lin = pl_module.net.blocks[1].lin
+                with lightning_zero.gathered_parameters(pl_module, lin, modifier_rank=0):
+                    if trainer.global_rank == 0:
+                        lin.weight.data.fill_(0.01)
+                with lightning_zero.gathered_parameters(pl_module, lin):
+                    self.seen = lin.weight.detach().clone()
+
+    watch = Reinitialize()
+    strategy = zero_strategy(3, param_persistence_threshold=0)
+    make_trainer(strategy, world, steps=STEPS, callbacks=[watch]).fit(module)
+    return {"seen": watch.seen, "state": strategy.lightning_module_state_dict()}
+
+
+def _reference() -> dict:
+    """One process, the same global batches."""
+    module, reads, trainer = _fit("auto", 1)
+    return {"state": module.state_dict(), "norms": module.norms, "ema": reads.ema, "frozen": reads.frozen}
+
+
+def test_parameters_read_in_and_between_steps_equal_ddp(ranks):
+    results = ranks(_worker, 2)
+    reference = _reference()
+    ddp = results[0]["ddp"]
+    for name in STRATEGIES:
+        for rank, result in enumerate(results):
+            run = result[name]
+            for key, value in ddp["state"].items():
+                assert torch.equal(run["state"][key], results[0][name]["state"][key]), (name, key, rank)
+                err = relative_error(run["state"][key], value)
+                assert err <= 1e-5, f"{name} rank {rank}: {key} differs from ddp's by {err:.2e}"
+                err = relative_error(run["epoch_state"][key], ddp["epoch_state"][key])
+                assert err <= 1e-5, f"{name}: the state dict at the epoch's end differs from ddp's by {err:.2e}"
+                assert relative_error(value, reference["state"][key].float()) <= 1e-5, key
+            err = relative_error(torch.tensor(run["norms"]), torch.tensor(reference["norms"]))
+            assert err <= 1e-5, f"{name}: the logged norms differ from one process's by {err:.2e}"
+            for ema, ref in zip(run["ema"], reference["ema"], strict=True):
+                assert relative_error(ema, ref) <= 1e-5, f"{name}: the EMA differs from one process's"
+            assert torch.equal(run["frozen"], torch.linspace(1.0, 2.0, 9)), name
+
+
+def test_a_modifier_rank_writes_every_rank_s_shards(ranks):
+    results = ranks(_modified_worker, 2)
+    for result in results:
+        assert torch.equal(result["seen"], torch.full_like(result["seen"], 0.01))  # every rank sees rank 0's
+        assert torch.equal(result["state"]["net.blocks.1.lin.weight"], results[0]["state"]["net.blocks.1.lin.weight"])
+    moved = results[0]["state"]["net.blocks.1.lin.weight"]
+    assert not torch.equal(moved, torch.full_like(moved, 0.01))  # trained on from the written values
