@@ -258,15 +258,17 @@ class ZeroOptimizer(Optimizer):
         if self.replicate_group is not None:
             self._average_replicas([u.reduced for u in self.units])
         if self.units:
+            # The used flags first, even on a step that will be skipped: the collectives issued here never
+            # depend on the overflow flag, whatever a rank found in its own partitions.
+            flags = bytearray().join(u.used for u in self.units)  # the tensor below writes into it
+            collectives.all_reduce(
+                torch.frombuffer(flags, dtype=torch.uint8), dist.ReduceOp.MAX, group=self.world_host_group
+            )
             if check_finite:
                 overflow = torch.stack([u.nonfinite() for u in self.units]).amax(dim=0)
                 found = collectives.all_reduce(overflow, dist.ReduceOp.MAX, group=self._group_for(overflow))
                 self._found_inf = found if on_device else bool(found.item())
             if self._found_inf is not True:  # (a flag left on the device: gradients attached, step skips on it)
-                flags = bytearray().join(u.used for u in self.units)  # the tensor below writes into it
-                collectives.all_reduce(
-                    torch.frombuffer(flags, dtype=torch.uint8), dist.ReduceOp.MAX, group=self.world_host_group
-                )
                 start = 0
                 for unit in self.units:
                     unit.attach_grads(flags[start : start + len(unit.params)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,24 +17,37 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
 from lightning_zero.sharding.topology import make_topology
+from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 INJECT_AT, STEPS = 3, 6
 
 
 class InjectOnRankOne(EquivalenceModule):
-    """ToyNet whose rank 1 produces ``value`` in every gradient of optimizer step ``INJECT_AT``."""
+    """ToyNet whose rank 1 produces ``value`` in every gradient of optimizer step ``INJECT_AT`` or, with
+    ``one_element``, in one element of one gradient only: after the reduce-scatter only the rank owning
+    that element sees it, so the skip is global only through the overflow flag's all-reduce."""
 
-    def __init__(self, value: float) -> None:
+    def __init__(self, value: float, one_element: bool = False) -> None:
         super().__init__("toy", steps=STEPS)
-        self.value = value
+        self.value, self.one_element = value, one_element
+        self._hook = None
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self.net(x, use_branch=True)
         if self.trainer.global_rank == 1 and self.global_step == INJECT_AT:
-            logits.register_hook(lambda g: torch.full_like(g, self.value))
+            if self.one_element:
+                bias = self.net.out.bias
+                self._hook = bias.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), self.value))
+            else:
+                logits.register_hook(lambda g: torch.full_like(g, self.value))
         return F.cross_entropy(logits.float(), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 def _snapshot(trainer, module) -> dict[str, torch.Tensor]:
@@ -80,12 +94,23 @@ class WatchTheSkip(pl.Callback):
 def _overflow_worker(rank: int, world: int) -> None:
     # inf with hysteresis 1: the scale halves at once; nan with the default hysteresis 2: it holds.
     # With the optimizer offloaded the overflow is found in the host partitions.
+    # One element on one rank: the ranks must still agree (checked where the flag is returned, before the
+    # collectives that depend on it would issue different sequences and fail as a mismatch).
     cases = [
-        (float("inf"), LossScaleConfig(hysteresis=1), (2.0**15, 1), "none"),
-        (float("nan"), LossScaleConfig(), (2.0**16, 1), "none"),
-        (float("inf"), LossScaleConfig(hysteresis=1), (2.0**15, 1), "cpu"),
+        (float("inf"), LossScaleConfig(hysteresis=1), (2.0**15, 1), "none", False),
+        (float("nan"), LossScaleConfig(), (2.0**16, 1), "none", False),
+        (float("inf"), LossScaleConfig(hysteresis=1), (2.0**15, 1), "cpu", False),
+        (float("inf"), LossScaleConfig(hysteresis=1), (2.0**15, 1), "none", True),
     ]
-    for stage, (value, config, expected, offload) in itertools.product((1, 2, 3), cases):
+    prepare = ZeroOptimizer.prepare_grads
+
+    def agreed(self, **kwargs):
+        found = prepare(self, **kwargs)
+        flags = collectives.all_gather_object(bool(found))
+        assert len(set(flags)) == 1, f"the ranks disagree on skipping the fp16 step: found_inf by rank {flags}"
+        return found
+
+    for stage, (value, config, expected, offload, one_element) in itertools.product((1, 2, 3), cases):
         pl.seed_everything(0)
         trainer = make_trainer(
             zero_strategy(stage, reduce_bucket_size=50, offload_optimizer=offload),
@@ -94,7 +119,9 @@ def _overflow_worker(rank: int, world: int) -> None:
             plugins=[ZeroPrecision("16-mixed", loss_scale=config)],
             callbacks=[WatchTheSkip(*expected)],
         )
-        trainer.fit(InjectOnRankOne(value))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ZeroOptimizer, "prepare_grads", agreed)
+            trainer.fit(InjectOnRankOne(value, one_element))
         assert trainer.global_step == STEPS
 
 
