@@ -24,7 +24,7 @@ class Recorder:
         self.sequence.append(("gather", unit))
 
     def wait(self, unit: int) -> None:
-        assert unit in self.gathered
+        assert unit in self.gathered, f"waited on unit {unit}, which is not gathered (released before its use)"
 
     def free(self, unit: int) -> None:
         self.gathered.discard(unit)
@@ -44,7 +44,7 @@ def _run_rank(calls, sizes, persistent, max_live, *, pinned_at=None):
         if pinned_at is not None and position == pinned_at[0]:
             schedule.access(pinned_at[1])
         schedule.enter(unit)
-        assert unit in recorder.gathered
+        assert unit in recorder.gathered, f"unit {unit} is not gathered for its forward"
         assert schedule.live_numel() <= max(max_live, sizes[unit]) + (sizes[pinned_at[1]] if pinned_at else 0)
         tags.append((unit, schedule.exit(unit)))
     schedule.end_forward()
@@ -52,7 +52,9 @@ def _run_rank(calls, sizes, persistent, max_live, *, pinned_at=None):
     for unit, tag in reversed(tags):
         assert not any(op == ("reduce", unit) for op in recorder.sequence), f"unit {unit} reduced before its backward"
         schedule.backward(tag)
-        assert unit in recorder.gathered
+        assert unit in recorder.gathered, (
+            f"unit {unit} is not gathered for its backward (released while an entry of it still needs it)"
+        )
         reduced_at[unit] = len(recorder.sequence)
     schedule.end_backward()
     schedule.end_step()
