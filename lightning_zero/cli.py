@@ -6,8 +6,9 @@
   config into the strategy, the precision and the Trainer's arguments. Any LightningModule and
   LightningDataModule can be named by class path; ``configs/`` trains the package's GPT.
 - ``estimate``: per-rank memory of ddp / zero1 / zero2 / zero3 before a run.
-- ``consolidate CKPT_DIR OUT``: a plain state dict from a sharded checkpoint (``--trust-pickles``: only for
-  a checkpoint you trust, whose Lightning state safe loading refuses).
+- ``consolidate CKPT_DIR OUT``: the fp32 weights of a sharded checkpoint, as a Lightning checkpoint (``.ckpt``,
+  for ``load_from_checkpoint``) or a plain state dict (``.pt``, ``.safetensors``) (``--trust-pickles``: only
+  for a checkpoint you trust, whose Lightning state safe loading refuses).
 - ``convert-deepspeed DS_DIR OUT.ckpt --trust-pickles``: a DeepSpeed ZeRO checkpoint as a plain Lightning
   checkpoint file, to resume from under any stage (migration in).
 
@@ -183,10 +184,11 @@ def consolidate_main(args: list[str]) -> None:
     _checkpoint_command(
         args,
         prog="lightning-zero consolidate",
-        description="Write the plain fp32 state dict of a sharded checkpoint directory (streamed, parameter by"
-        " parameter). The output loads with torch.load (or safetensors) and module.load_state_dict.",
+        description="Write the fp32 weights of a sharded checkpoint directory (streamed, parameter by parameter):"
+        " a .ckpt loads with MyModule.load_from_checkpoint (hyper-parameters included), a .pt with torch.load and"
+        " module.load_state_dict, a .safetensors with safetensors.",
         source="a checkpoint directory written by the ZeRO strategies",
-        output="the output file: .pt, or .safetensors",
+        output="the output file: .ckpt (a Lightning checkpoint), .pt, or .safetensors",
         trust="unpickle the checkpoint's Lightning state (lightning.pt) without restrictions (weights_only=False),"
         " as checkpoints of older versions may need. Unpickling can run any code: only for a checkpoint you trust.",
         run=lambda source, output, trust: f"wrote {consolidate(source, output, weights_only=not trust)}",
@@ -225,7 +227,7 @@ def _run(argv: list[str], cli_args: list[str] | None) -> None:
             "lightning-zero: fit | validate | test | predict (Lightning's CLI, below), estimate, consolidate,"
             " convert-deepspeed\n"
             "  lightning-zero estimate --help           memory per rank for ddp / zero1 / zero2 / zero3\n"
-            "  lightning-zero consolidate --help        a plain state dict from a sharded checkpoint\n"
+            "  lightning-zero consolidate --help        the weights of a sharded checkpoint, for inference\n"
             "  lightning-zero convert-deepspeed --help  a DeepSpeed ZeRO checkpoint as a Lightning one\n"
             "  --debug (or LIGHTNING_ZERO_DEBUG=1) shows the traceback of an error about bad input\n"
         )

@@ -114,6 +114,10 @@ class ZeroConfig:
             step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
             the sequences when they differ): a rank that would issue a different collective fails with
             an error naming the first difference instead of hanging later.
+        save_consolidated: every checkpoint also holds ``consolidated.ckpt``, the whole model's weights in
+            fp32 with the hyper-parameters, which ``MyModule.load_from_checkpoint`` opens in a plain process;
+            rank 0 streams it from the shard files (about one parameter in memory), at every save. The
+            ``lightning-zero consolidate`` command writes the same from any checkpoint afterwards.
         checkpoint_on_signal: on SIGTERM or SIGUSR1 (SLURM's requeue signal) every rank finishes its
             optimizer step, writes a checkpoint and exits with 128 + the signal's number (see
             preemption.py: ``PreemptionCheckpoint`` sets where; under SLURM with auto-requeue the job is
@@ -139,6 +143,7 @@ class ZeroConfig:
     fused_step: str = "auto"
     shard_group_size: int | str | None = None
     check_collectives: bool = False
+    save_consolidated: bool = False
     checkpoint_on_signal: bool = True
 
     def __post_init__(self) -> None:
@@ -215,6 +220,9 @@ class ZeroConfig:
         _check(isinstance(pin, bool), "zero.offload_pin_memory", pin, "true or false")
         _check(
             isinstance(self.check_collectives, bool), "zero.check_collectives", self.check_collectives, "true or false"
+        )
+        _check(
+            isinstance(self.save_consolidated, bool), "zero.save_consolidated", self.save_consolidated, "true or false"
         )
         _check(
             isinstance(self.checkpoint_on_signal, bool),

@@ -28,7 +28,9 @@ ZERO_KEYS = {
     "stage3_max_live_parameters": "max_live_parameters",
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
     "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_gather_16bit_weights_on_model_save": "save_consolidated",  # (the weights in fp32 here)
 }
+ZERO_BOOL_KEYS = ("overlap_comm", "stage3_gather_16bit_weights_on_model_save")
 # keys that change nothing here, and why
 NO_EFFECT = {
     "zero_optimization.allgather_bucket_size": "parameters are all-gathered in the reduce buckets",
@@ -36,7 +38,6 @@ NO_EFFECT = {
     "zero_optimization.reduce_scatter": "gradients are always reduce-scattered",
     "zero_optimization.contiguous_gradients": "gradient storage is always contiguous",
     "zero_optimization.round_robin_gradients": "buckets are reduced in one fixed order",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoints are sharded; see consolidate",
     "zero_optimization.stage3_max_reuse_distance": "units are freed after use and gathered again when needed",
     "zero_optimization.sub_group_size": "the optimizer steps this rank's pieces directly",
     "zero_optimization.memory_efficient_linear": "no linear layers are patched",
@@ -181,7 +182,7 @@ def read_deepspeed_config(
         if value == "auto" or key in ("fp16.enabled", "bf16.enabled") or section in disabled:
             continue
         if section == "zero_optimization" and name in ZERO_KEYS:
-            kind = bool if name == "overlap_comm" else int
+            kind = bool if name in ZERO_BOOL_KEYS else int
             zero[ZERO_KEYS[name]] = value if kind is bool else _number(key, value, int)
             if name == "stage" and value == 0:
                 raise ValueError(

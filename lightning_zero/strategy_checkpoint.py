@@ -78,6 +78,7 @@ class CheckpointHooks:
             world_size=self.topology.shard_size,
             shard_rank=self.topology.shard_rank,
             writes_shards=self.topology.writes_checkpoint_shards,
+            consolidated=self.config.save_consolidated,
         )
 
     def remove_checkpoint(self, filepath: Any) -> None:

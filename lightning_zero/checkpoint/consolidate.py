@@ -1,26 +1,32 @@
-"""A plain fp32 state dict of the LightningModule from a sharded checkpoint, streamed parameter by parameter.
+"""The LightningModule's weights in fp32 from a sharded checkpoint, streamed parameter by parameter.
 
-The output (``.pt`` for ``torch.load``, ``.safetensors`` by name) has the keys of the module's own
-``state_dict()`` and loads with ``load_state_dict`` into the unsharded module, with no lightning_zero
-installed. Shapes and dtypes are all known from the metadata, so the output file's layout is fixed
-first and each parameter is then assembled from the ranks' shards and written into its place: peak
-memory is about one parameter (plus the small unsharded part: buffers and frozen parameters).
+By the output's name: a ``.ckpt`` is a Lightning checkpoint that ``MyModule.load_from_checkpoint(path)``
+loads in a plain process (the state dict, the hyper-parameters, Lightning's version, epoch and step; no
+optimizer or loop state: training resumes from the sharded checkpoint itself); a ``.pt`` (``.pth``,
+``.bin``) is the plain state dict for ``torch.load``; a ``.safetensors`` the same in safetensors. All
+load with no lightning_zero installed, with the keys of the module's own ``state_dict()``. Shapes and
+dtypes are all known from the metadata, so the output file's layout is fixed first and each parameter
+is then assembled from the ranks' shards and written into its place: peak memory is about one
+parameter (plus the small unsharded part: buffers and frozen parameters).
 
 [Note: writing a .pt without holding the model]
 torch.save needs every tensor in memory. Instead, a skeleton of the state dict made of FakeTensors is
 saved under ``torch.serialization.skip_data``, which reserves each storage's bytes without writing
 them (tied keys share one storage); each storage is then written at its offset in the (uncompressed)
-zip archive, found from the zip's local headers.
+zip archive, found from the zip's local headers. A ``.ckpt`` puts Lightning's entries (no tensors in
+them: checked) before the state dict, so the storages are still the state dict's, in its order.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_zero.checkpoint.format import (
     CheckpointError,
+    Metadata,
     check_files,
     fsync_dir,
     load_lightning_state,
@@ -51,12 +58,22 @@ _SAFETENSORS_DTYPES = {
 Source = tuple[str, Callable[[], Tensor], tuple[int, ...], torch.dtype]  # (identity, produce, shape, dtype)
 
 
-def _sources(directory: Path, weights_only: bool) -> list[tuple[str, Source]]:
+# What Lightning's load_from_checkpoint reads besides the state dict (and the epoch and step, for the record).
+LIGHTNING_KEYS = (
+    "epoch",
+    "global_step",
+    "pytorch-lightning_version",
+    "hparams_name",
+    "hyper_parameters",
+    "datamodule_hparams_name",
+    "datamodule_hyper_parameters",
+)
+
+
+def _sources(directory: Path, meta: Metadata, lightning: dict[str, Any]) -> list[tuple[str, Source]]:
     """(state-dict key, where its value comes from), in the module's key order; tied keys share a source."""
-    meta = read_metadata(directory)
-    check_files(directory, meta, checksum=True)
     reader = ShardReader(directory, meta, keep_open=False)
-    replicated = load_lightning_state(directory, weights_only=weights_only)["state_dict"]
+    replicated = lightning["state_dict"]
     by_key: dict[str, Source] = {}
     for unit in meta.units:
         for entry in unit.params:
@@ -76,11 +93,26 @@ def _unique(sources: list[tuple[str, Source]]) -> Iterator[Source]:
             yield source
 
 
-def _write_torch(path: Path, sources: list[tuple[str, Source]]) -> None:
+def _holds_storage(obj: Any) -> bool:
+    """Whether saving ``obj`` writes any tensor data (wherever a tensor hides in it)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        return any("/data/" in name for name in archive.namelist())
+
+
+def _write_torch(path: Path, sources: list[tuple[str, Source]], head: dict[str, Any] | None = None) -> None:
+    """The state dict alone, or (``head``: Lightning's entries) a Lightning checkpoint holding it."""
+    if head is not None and _holds_storage(head):
+        raise CheckpointError(
+            f"{path.name}: the checkpoint's hyper-parameters hold tensors, which a streamed .ckpt cannot take;"
+            " write a .pt (the state dict) and save the hyper-parameters yourself"
+        )
     with FakeTensorMode():
         fakes = {s[0]: torch.empty(s[2], dtype=s[3]) for s in _unique(sources)}
+    skeleton = {key: fakes[source[0]] for key, source in sources}
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save({key: fakes[source[0]] for key, source in sources}, path)
+        torch.save(skeleton if head is None else {**head, "state_dict": skeleton}, path)
     with zipfile.ZipFile(path) as archive:
         records = {i.filename.split("/", 1)[1]: i for i in archive.infolist()}
     with open(path, "r+b") as f:
@@ -120,27 +152,44 @@ def _write_safetensors(path: Path, sources: list[tuple[str, Source]]) -> None:
         os.fsync(f.fileno())
 
 
+SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
+
+
 def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, *, weights_only: bool = True) -> Path:
-    """Writes the plain fp32 state dict of a sharded checkpoint to ``output`` (.pt or .safetensors), atomically.
+    """Writes the fp32 weights of a sharded checkpoint to ``output`` (.ckpt, .pt or .safetensors: see the
+    module's docstring), atomically.
 
     ``weights_only=False`` unpickles the checkpoint's Lightning state without restrictions: only for a
     checkpoint you trust. Bad input raises a one-line CheckpointError before anything is written."""
     directory, output = Path(checkpoint), Path(output)
     if output.is_dir():
-        raise CheckpointError(f"{output}: is a directory; give the path of the file to write (.pt or .safetensors)")
+        raise CheckpointError(f"{output}: is a directory; give the path of the file to write (.ckpt, .pt, ...)")
     if output.exists():
         raise CheckpointError(f"{output}: exists (nothing is overwritten: remove it or choose another name)")
     if not output.parent.is_dir():
         raise CheckpointError(f"{output.parent}: no such directory to write {output.name} into")
-    if output.suffix not in (".pt", ".pth", ".bin", ".safetensors"):
-        raise CheckpointError(f"{output}: the output must end in .pt, .pth, .bin or .safetensors")
-    sources = _sources(directory, weights_only)
+    if output.suffix not in SUFFIXES:
+        raise CheckpointError(f"{output}: the output must end in {', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]}")
+    meta = read_metadata(directory)
+    check_files(directory, meta, checksum=True)
+    lightning = load_lightning_state(directory, weights_only=weights_only)
+    write_consolidated(directory, meta, lightning, output)
+    fsync_dir(output.parent)
+    return output
+
+
+def write_consolidated(directory: Path, meta: Metadata, lightning: dict[str, Any], output: Path) -> None:
+    """``output`` (by its suffix) from the checkpoint files in ``directory``, described by ``meta`` and
+    ``lightning`` (its Lightning state), checked already; atomically (nothing is left on failure)."""
+    sources = _sources(directory, meta, lightning)
     tmp = output.with_name(f".{output.name}.tmp")
     try:
-        (_write_safetensors if output.suffix == ".safetensors" else _write_torch)(tmp, sources)
+        if output.suffix == ".safetensors":
+            _write_safetensors(tmp, sources)
+        else:
+            head = {k: lightning[k] for k in LIGHTNING_KEYS if k in lightning} if output.suffix == ".ckpt" else None
+            _write_torch(tmp, sources, head)
         os.replace(tmp, output)
     except BaseException:
         tmp.unlink(missing_ok=True)  # nothing is left behind
         raise
-    fsync_dir(output.parent)
-    return output

@@ -14,6 +14,9 @@ A checkpoint is a directory::
         rank-00000.pt ...    what each rank owns: per unit its fp32 master partition and the
                              optimizer state of its pieces (elementwise state as partition-sized
                              tensors, scalars such as Adam's step per piece)
+        consolidated.ckpt    (with ``ZeroConfig(save_consolidated=True)``) the whole model's weights in
+                             fp32 as a Lightning checkpoint, for ``MyModule.load_from_checkpoint``
+                             (checkpoint/consolidate.py)
         COMPLETE             written last: a directory without it is not a checkpoint
 
 Every file is written under a temporary name, fsynced and renamed, and hashed as it is written; the
@@ -44,6 +47,7 @@ VERSION = 1
 METADATA = "metadata.json"
 LIGHTNING = "lightning.pt"
 COMPLETE = "COMPLETE"
+CONSOLIDATED = "consolidated.ckpt"  # optional: see the module's docstring
 
 
 def rank_file(rank: int) -> str:
@@ -144,10 +148,11 @@ def _validate(raw: dict[str, Any], where: Path) -> None:
     if not isinstance(files, dict):
         fail("files", files, "an object of file name -> size and sha256")
     # The count first: no set of a million names is built for a crafted world size.
-    wanted = {rank_file(r) for r in range(world)} | {LIGHTNING} if len(files) == world + 1 else set()
-    if set(files) != wanted:
-        odd = sorted(set(files) ^ wanted)[:3]
-        fail("files", odd, f"exactly {LIGHTNING} and rank-00000.pt .. {rank_file(world - 1)}")
+    optional = {CONSOLIDATED} & set(files)
+    wanted = {rank_file(r) for r in range(world)} | {LIGHTNING} if len(files) == world + 1 + len(optional) else set()
+    if set(files) - optional != wanted:
+        odd = sorted((set(files) - optional) ^ wanted)[:3]
+        fail("files", odd, f"exactly {LIGHTNING} and rank-00000.pt .. {rank_file(world - 1)} (and {CONSOLIDATED})")
     for name, entry in files.items():
         if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"}:
             fail(f"files[{name!r}]", entry, '{"bytes": ..., "sha256": ...}')

@@ -37,8 +37,10 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from lightning_zero.checkpoint.consolidate import write_consolidated
 from lightning_zero.checkpoint.format import (
     COMPLETE,
+    CONSOLIDATED,
     LIGHTNING,
     METADATA,
     CheckpointError,
@@ -49,6 +51,7 @@ from lightning_zero.checkpoint.format import (
     is_checkpoint,
     partial_dir,
     rank_file,
+    sha256_file,
     write_atomically,
 )
 from lightning_zero.sharding import collectives
@@ -235,11 +238,13 @@ def save(
     world_size: int,
     shard_rank: int | None = None,
     writes_shards: bool = True,
+    consolidated: bool = False,
 ) -> None:
     """Writes Lightning's ``checkpoint`` dict and the ranks' shards as the directory ``path`` (collective;
     see [Note: the save protocol]). ``world_size`` ranks hold the partitions, this one as ``shard_rank``
     (default: ``rank``); with hybrid sharding only the first shard group ``writes_shards`` (the others
-    hold replicas of the same partitions), and ``rank`` 0 coordinates."""
+    hold replicas of the same partitions), and ``rank`` 0 coordinates. ``consolidated``: rank 0 also writes
+    the whole model's fp32 weights as a Lightning checkpoint into it, from the shard files (format.py)."""
     path = Path(path)
     partial = partial_dir(path)
     problem = None
@@ -277,10 +282,13 @@ def save(
     if rank == 0:
         try:
             files = {n: e for n, e, _ in written if n is not None}
-            files[LIGHTNING] = write_atomically(
-                partial / LIGHTNING, lambda f: torch.save(_lightning(checkpoint, model, units, optimizers), f)
-            )
+            lightning = _lightning(checkpoint, model, units, optimizers)
+            files[LIGHTNING] = write_atomically(partial / LIGHTNING, lambda f: torch.save(lightning, f))
             meta = _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, files)
+            if consolidated:  # streamed from the shard files just written: about one parameter in memory
+                write_consolidated(partial, meta, lightning, partial / CONSOLIDATED)
+                size = (partial / CONSOLIDATED).stat().st_size
+                meta.files[CONSOLIDATED] = {"bytes": size, "sha256": sha256_file(partial / CONSOLIDATED)}
             write_atomically(partial / METADATA, lambda f: f.write(meta.to_json().encode()))
             _pause("metadata")
             write_atomically(partial / COMPLETE, lambda f: None)

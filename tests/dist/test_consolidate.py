@@ -1,5 +1,7 @@
 """`lightning-zero consolidate`: a plain fp32 state dict (.pt and .safetensors) equal to the gathered
-parameters, loadable without lightning_zero, written with about one parameter of memory."""
+parameters, loadable without lightning_zero, written with about one parameter of memory; a Lightning
+checkpoint (.ckpt) that ``MyModule.load_from_checkpoint`` opens in a plain process, also written at every
+save with ``ZeroConfig(save_consolidated=True)``."""
 
 from __future__ import annotations
 
@@ -58,6 +60,47 @@ def test_consolidated_state_dict_equals_the_gathered_parameters(ranks, tmp_path,
         f" print(len(torch.load({str(outputs[0])!r}, weights_only=True)), len(load_file({str(outputs[1])!r})))"
     )
     assert counts.split() == [str(len(gathered))] * 2
+
+
+class Inference(EquivalenceModule):
+    """A module with hyper-parameters, as users write them for ``load_from_checkpoint``."""
+
+    def __init__(self, lr: float = 1e-3, note: str = "") -> None:
+        super().__init__("blocks", steps=STEPS, lr=lr)
+        self.save_hyperparameters()
+
+
+def _fit_and_save_consolidated(rank: int, world: int, root) -> None:
+    for stage in (2, 3):
+        pl.seed_everything(0)
+        module = Inference(lr=2e-3, note=f"stage {stage}")
+        callbacks = [ModelCheckpoint(root / f"stage{stage}", every_n_train_steps=STEPS)]
+        strategy = zero_strategy(stage, param_persistence_threshold=0, save_consolidated=True)
+        trainer = make_trainer(strategy, world, steps=STEPS, callbacks=callbacks, enable_checkpointing=True)
+        trainer.fit(module)
+        state = trainer.strategy.lightning_module_state_dict()
+        if rank == 0:
+            torch.save(state, root / f"gathered{stage}.pt")
+
+
+def test_load_from_checkpoint_opens_the_consolidated_checkpoint(ranks, tmp_path, capsys):
+    ranks(_fit_and_save_consolidated, 2, tmp_path)
+    capsys.readouterr()
+    for stage in (2, 3):
+        (ckpt,) = (tmp_path / f"stage{stage}").iterdir()
+        gathered = torch.load(tmp_path / f"gathered{stage}.pt")
+        out = tmp_path / f"stage{stage}.ckpt"
+        main(["consolidate", str(ckpt), str(out)])
+        for path in (ckpt / "consolidated.ckpt", out):  # written at save time, and afterwards
+            module = Inference.load_from_checkpoint(path)  # a plain process: no strategy, no ranks
+            assert dict(module.hparams) == {"lr": 2e-3, "note": f"stage {stage}"}, path
+            state = module.state_dict()
+            assert list(state) == list(gathered), path
+            for key, value in gathered.items():
+                assert state[key].dtype == torch.float32 and torch.equal(state[key], value), (path, key)
+            raw = torch.load(path, weights_only=True)
+            assert (raw["global_step"], raw["pytorch-lightning_version"]) == (STEPS, pl.__version__), path
+            assert "optimizer_states" not in raw  # weights for inference; training resumes from the directory
 
 
 WIDTH, DEPTH = 512, 80  # 21M parameters, 84 MB in fp32; the largest is 1 MB

@@ -343,13 +343,13 @@ CHECKPOINT_CASES = [
     Case(
         "consolidate_metadata_dotdot_name",
         _consolidate(),
-        "files must be exactly lightning.pt and rank-00000.pt .. rank-00000.pt, got ",
+        "files must be exactly lightning.pt and rank-00000.pt .. rank-00000.pt (and consolidated.ckpt), got ",
         damage=_edit_metadata(_rename_file("rank-00000.pt", "../../x")),
     ),
     Case(
         "consolidate_metadata_absolute_path",
         _consolidate(),
-        "files must be exactly lightning.pt and rank-00000.pt .. rank-00000.pt, got ",
+        "files must be exactly lightning.pt and rank-00000.pt .. rank-00000.pt (and consolidated.ckpt), got ",
         damage=_edit_metadata(_rename_file("lightning.pt", "/etc/passwd")),
     ),
     Case(
@@ -378,7 +378,7 @@ CHECKPOINT_CASES = [
     Case(
         "consolidate_unknown_output_format",
         _consolidate(output="{tmp}/model.txt"),
-        "model.txt: the output must end in .pt, .pth, .bin or .safetensors",
+        "model.txt: the output must end in .ckpt, .pt, .pth, .bin or .safetensors",
     ),
     Case("consolidate_no_output", ["consolidate", "{ckpt}"], "the following arguments are required: output"),
     Case("fit_ckpt_path_missing", _fit("--ckpt_path", "{tmp}/absent.ckpt"), "{tmp}/absent.ckpt: no such checkpoint"),

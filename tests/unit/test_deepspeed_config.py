@@ -82,7 +82,12 @@ FP16_STATIC = {"fp16": {"enabled": True, "loss_scale": 128}, "zero_optimization"
             ZERO3,
             (),
             dict(
-                zero=ZeroConfig(stage=3, max_live_parameters=1_000_000_000, param_persistence_threshold=10_000),
+                zero=ZeroConfig(
+                    stage=3,
+                    max_live_parameters=1_000_000_000,
+                    param_persistence_threshold=10_000,
+                    save_consolidated=True,  # stage3_gather_16bit_weights_on_model_save (the weights in fp32)
+                ),
                 precision="bf16-mixed",
                 gradient_clip_val=1.0,
                 accumulate_grad_batches=4,
