@@ -122,9 +122,7 @@ class ZeroPrecision(Precision):
         self.last_grad_norm = None
         closure_result = closure()  # forward and backward; the strategy reduces gradients after backward
         scale = self._loss_scale()
-        # False, True (skip), or skipping on the device the flag itself, unread: the fused step skips on it
-        fp16 = dict(check_finite=self.scaler is not None, on_device=self.skip_on_device)
-        found_inf = zero.prepare_grads(loss_scale=scale, **fp16)
+        found_inf = self._prepare(zero)
         if found_inf is True:
             zero.skip_step()
             self.scaler.update(overflow=True)
@@ -158,9 +156,19 @@ class ZeroPrecision(Precision):
         if self.last_grad_norm is not None:
             model.log("grad_norm", self.last_grad_norm)
 
+    def _prepare(self, zero: ZeroOptimizer) -> bool | Tensor:
+        """Reduces the step's gradients (once per step: idempotent). Returns the fp16 overflow flag: False,
+        True (skip), or when skipping on the device the flag itself, unread (the fused step skips on it)."""
+        fp16 = dict(check_finite=self.scaler is not None, on_device=self.skip_on_device)
+        return zero.prepare_grads(loss_scale=self._loss_scale(), **fp16)
+
+    # Clipping reduces the gradients first: under manual optimization ``self.clip_gradients(opt, ...)`` comes
+    # before ``opt.step()``, which would otherwise reduce them after (and undo a clip factor kept pending).
+
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         zero = unwrap_optimizer(optimizer)
         if isinstance(zero, ZeroOptimizer):
+            self._prepare(zero)
             self.last_grad_norm = zero.clip_grad_norm_(float(clip_val))
         else:
             super().clip_grad_by_norm(optimizer, clip_val)
@@ -168,6 +176,7 @@ class ZeroPrecision(Precision):
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         zero = unwrap_optimizer(optimizer)
         if isinstance(zero, ZeroOptimizer):
+            self._prepare(zero)
             zero.unscale_()  # elementwise clipping needs the true values; sharding does not change it
             torch.nn.utils.clip_grad_value_(zero.pieces(), clip_val)
         else:

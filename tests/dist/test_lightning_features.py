@@ -1,0 +1,312 @@
+"""Lightning's features under zero1/zero2/zero3 (stage 3 really sharding: every unit gathered only when
+used) as under ddp, on 2 ranks, and against one process seeing the same global batches.
+
+- Callbacks on one Trainer, then ``test(ckpt_path="best")`` and ``predict`` on it: ModelCheckpoint
+  (monitor, top-k, best), EarlyStopping, LearningRateMonitor (a SequentialLR of warm-up and cosine),
+  GradientAccumulationScheduler, BackboneFinetuning (a frozen backbone whose parameter group is added to
+  the optimizer at epoch 1): the losses, learning rates, weights, best checkpoint and predictions equal
+  one process's (ddp cannot: see the test).
+- The Tuner: ``lr_find`` (its losses and suggestion; it saves and restores a checkpoint of each strategy's
+  kind) as under ddp; ``scale_batch_size`` refused by Lightning as under ddp (no distributed strategy).
+- Manual optimization with two optimizers, each clipped and stepped by hand (and a OneCycleLR).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.tuner import Tuner
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from tests.support.helpers import relative_error, zero_strategy
+
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
+GLOBAL_BATCH = 8
+SAMPLES = 64  # 8 global batches an epoch
+
+
+class Recorder(Logger):
+    """A logger that keeps what it is given (LearningRateMonitor needs one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.append((step, {k: float(v) for k, v in metrics.items()}))
+
+
+class Features(pl.LightningModule):
+    """A backbone and a head on fixed data that each rank splits explicitly (rank r of W takes samples r,
+    r + W, ...: together exactly one process's global batch)."""
+
+    def __init__(self, lr: float = 3e-3, batch_size: int = GLOBAL_BATCH, manual: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.lr, self.batch_size = lr, batch_size
+        self.automatic_optimization = not manual
+        self.backbone = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh())
+        self.head = nn.Linear(24, 3)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(SAMPLES, 12, generator=g)
+        self.data = TensorDataset(x, (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long())
+        self.losses: list[float] = []
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def _loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.losses.append(float(loss.detach()))
+        self.log("train_loss", loss, sync_dist=True)
+        if self.automatic_optimization:
+            return loss
+        # Manual: the backbone and the head have their own optimizer, each stepped on its own loss.
+        backbone_opt, head_opt = self.optimizers()
+        backbone_sched, head_sched = self.lr_schedulers()
+        for opt, sched, scale in ((backbone_opt, backbone_sched, 1.0), (head_opt, head_sched, 0.5)):
+            self.toggle_optimizer(opt)
+            self.manual_backward(scale * self._loss(batch))
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            self.untoggle_optimizer(opt)
+        return None
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        if not self.automatic_optimization:
+            backbone = torch.optim.AdamW(self.backbone.parameters(), lr=self.lr)
+            head = torch.optim.SGD(self.head.parameters(), lr=self.lr * 10, momentum=0.9)
+            total = self.trainer.estimated_stepping_batches
+            return [backbone, head], [
+                torch.optim.lr_scheduler.OneCycleLR(backbone, max_lr=self.lr * 3, total_steps=total),
+                torch.optim.lr_scheduler.StepLR(head, step_size=3, gamma=0.5),
+            ]
+        # BackboneFinetuning freezes the backbone before this runs: only what trains now is given.
+        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+        warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.2, total_iters=3)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
+        schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[3])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def _loader(self, data):
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(data, batch_size=max(1, self.batch_size // world), sampler=sampler)
+
+    def train_dataloader(self):
+        return self._loader(self.data)
+
+    def val_dataloader(self):
+        return self._loader(TensorDataset(*(t[:32] for t in self.data.tensors)))
+
+    test_dataloader = val_dataloader
+
+    def predict_dataloader(self):
+        return self._loader(TensorDataset(self.data.tensors[0][:16]))
+
+
+def _strategy(name: str):
+    if name in ("ddp", "auto", "ddp_find_unused_parameters_true"):
+        return name
+    return zero_strategy(int(name[-1]), param_persistence_threshold=0, reduce_bucket_size=100)
+
+
+def _trainer(name: str, world: int, root, **kwargs) -> pl.Trainer:
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        strategy=_strategy(name),
+        accelerator="cpu",
+        devices=world,
+        default_root_dir=root,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
+def _callbacks_run(name: str, world: int, root) -> dict:
+    pl.seed_everything(0)
+    module = Features()
+    logger = Recorder()
+    checkpoint = ModelCheckpoint(root / name, monitor="val_loss", save_top_k=2, mode="min")
+    stopping = EarlyStopping("val_loss", patience=1, min_delta=0.02)  # stops within the epochs given
+    callbacks = [
+        checkpoint,
+        stopping,
+        LearningRateMonitor("step"),
+        GradientAccumulationScheduler({0: 1, 2: 2}),
+        BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, backbone_initial_ratio_lr=0.5),
+    ]
+    trainer = _trainer(
+        name,
+        world,
+        root,
+        max_epochs=8,
+        callbacks=callbacks,
+        logger=logger,
+        enable_checkpointing=True,
+        log_every_n_steps=1,
+    )
+    trainer.fit(module)
+    fitted = _state(trainer)
+    tested = trainer.test(module, ckpt_path="best", verbose=False)
+    best = _state(trainer)
+    predictions = torch.cat(trainer.predict(module))
+    return {
+        "losses": module.losses,
+        "metrics": [(step, m) for step, m in logger.metrics if not any(k.startswith("test") for k in m)],
+        "state": fitted,
+        "best_state": best,
+        "best": (checkpoint.best_model_path.split("/")[-1], float(checkpoint.best_model_score)),
+        "top_k": sorted(p.split("/")[-1] for p in checkpoint.best_k_models),
+        "stopped_epoch": stopping.stopped_epoch,
+        "epochs": trainer.current_epoch,
+        "test": tested,
+        "predictions": predictions,
+        "groups": len(trainer.optimizers[0].param_groups),
+    }
+
+
+def _tuner_run(name: str, world: int, root) -> dict:
+    pl.seed_everything(0)
+    module = Features()
+    trainer = _trainer(name, world, root / f"tune-{name}", max_epochs=3)
+    finder = Tuner(trainer).lr_find(module, min_lr=1e-4, max_lr=1.0, num_training=20, early_stop_threshold=None)
+    trainer = _trainer(name, world, root / f"scale-{name}", max_epochs=1)
+    # Lightning refuses to tune the batch size under any distributed strategy, ddp included: the same here.
+    with pytest.raises(ValueError, match="Tuning the batch size is currently not supported with distributed"):
+        Tuner(trainer).scale_batch_size(module)
+    return {"lr_losses": finder.results["loss"], "suggestion": finder.suggestion(), "lr": module.lr}
+
+
+def _manual_run(name: str, world: int, root) -> dict:
+    pl.seed_everything(0)
+    module = Features(manual=True)
+    # toggle_optimizer freezes the other optimizer's parameters: ddp must be told some go unused.
+    name = "ddp_find_unused_parameters_true" if name == "ddp" else name
+    trainer = _trainer(name, world, root, max_epochs=2)
+    trainer.fit(module)
+    return {"losses": module.losses, "state": _state(trainer)}
+
+
+def _features(rank: int, world: int, root) -> dict:
+    return {name: {"callbacks": _callbacks_run(name, world, root)} for name in STRATEGIES[1:]}
+
+
+def _manual(rank: int, world: int, root) -> dict:
+    return {name: _manual_run(name, world, root) for name in STRATEGIES}
+
+
+def _tuning(rank: int, world: int, root) -> dict:
+    return {name: _tuner_run(name, world, root) for name in STRATEGIES}
+
+
+def _close(a, b, what: str, tol: float = 1e-5) -> None:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)}"
+    err = relative_error(a, b)
+    assert err <= tol, f"{what}: differs by {err:.2e} (relative)"
+
+
+def test_callbacks_checkpoints_test_and_predict_equal_one_process(ranks, tmp_path):
+    """Against one process, not ddp: ddp builds its reducer over the parameters that train at set-up, so
+    the backbone that BackboneFinetuning unfreezes later trains on each rank's own gradients (its losses
+    leave one process's at the first step of epoch 1); the ZeRO strategies reduce it with the rest."""
+    results = ranks(_features, 2, tmp_path)
+    single = _callbacks_run("auto", 1, tmp_path / "single")  # one process: the same global batches
+    assert single["groups"] == 2 and 1 <= single["stopped_epoch"] < 7, "the callbacks did not act: nothing is seen"
+    logged = {key for _, metrics in single["metrics"] for key in metrics}
+    assert {"lr-AdamW/pg1", "lr-AdamW/pg2", "val_loss"} <= logged, logged  # pg2: the backbone's, added at epoch 1
+    for name in STRATEGIES[1:]:
+        runs = [result[name]["callbacks"] for result in results]
+        # Each rank's loss is over half the global batch: their mean is one process's loss.
+        mean = (torch.tensor(runs[0]["losses"]) + torch.tensor(runs[1]["losses"])) / 2
+        _close(mean, single["losses"], f"{name}: the training losses")
+        for rank, run in enumerate(runs):
+            where = f"{name} rank {rank}"
+            assert [s for s, _ in run["metrics"]] == [s for s, _ in single["metrics"]], f"{where}: logged steps"
+            for (step, got), (_, want) in zip(run["metrics"], single["metrics"]):
+                assert set(got) == set(want), f"{where}: logged keys at step {step}: {set(got) ^ set(want)}"
+                for key in want:
+                    _close(got[key], want[key], f"{where}: {key} logged at step {step}")
+            for key, value in single["state"].items():
+                _close(run["state"][key], value, f"{where}: {key} after fit")
+                _close(run["best_state"][key], single["best_state"][key], f"{where}: {key} of the best checkpoint")
+            assert (run["best"][0], run["top_k"]) == (single["best"][0], single["top_k"]), where
+            _close(run["best"][1], single["best"][1], f"{where}: the best score")
+            assert (run["stopped_epoch"], run["epochs"], run["groups"]) == (
+                single["stopped_epoch"],
+                single["epochs"],
+                single["groups"],
+            ), where
+            _close(run["test"][0]["test_loss"], single["test"][0]["test_loss"], f"{where}: test_loss of the best")
+            _close(run["predictions"], single["predictions"][rank::2], f"{where}: the predictions")
+
+
+def test_manual_optimization_with_two_optimizers_equals_ddp(ranks, tmp_path):
+    """Each optimizer clipped by ``self.clip_gradients`` before its ``step()`` (the clip must hold)."""
+    results = ranks(_manual, 2, tmp_path)
+    single = _manual_run("auto", 1, tmp_path)
+    for name in STRATEGIES:
+        for rank, result in enumerate(results):
+            run, ddp = result[name], result["ddp"]
+            _close(run["losses"], ddp["losses"], f"{name} rank {rank}: the losses")
+            for key, value in ddp["state"].items():
+                _close(run["state"][key], value, f"{name} rank {rank}: {key} against ddp's")
+                _close(run["state"][key], single["state"][key], f"{name} rank {rank}: {key} against one process's")
+
+
+def test_the_tuner_finds_what_it_finds_under_ddp(ranks, tmp_path):
+    """lr_find runs its steps, saves a checkpoint of the strategy's kind and restores it."""
+    results = ranks(_tuning, 2, tmp_path)
+    ddp = results[0]["ddp"]
+    assert len(ddp["lr_losses"]) == 20 and ddp["lr"] == ddp["suggestion"] != 3e-3, "the Tuner did not search"
+    for name in STRATEGIES[1:]:
+        for rank, result in enumerate(results):
+            run = result[name]
+            _close(run["lr_losses"], ddp["lr_losses"], f"{name} rank {rank}: lr_find's losses")
+            _close(run["suggestion"], ddp["suggestion"], f"{name} rank {rank}: lr_find's suggestion")
+            assert run["lr"] == run["suggestion"], f"{name} rank {rank}: the suggestion was not applied"
