@@ -28,7 +28,7 @@ from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.checkpoint.format import latest
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.stage3_setup import full_state_dict
+from lightning_zero.sharding.full_state import full_state_dict, needs_masters
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
@@ -136,14 +136,17 @@ class CheckpointHooks:
         self._loaded = None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full, unsharded state dict on every rank; stage 3 gathers it unit by unit, on the CPU
-        (collective: call it on every rank). For Lightning's own checkpoint dump nothing is gathered: the
-        sharded checkpoint writes each rank's shards (see ``save_checkpoint``)."""
+        """The full, unsharded state dict on every rank, in fp32 where training is mixed (the masters; see
+        sharding/full_state.py), on the CPU (collective: call it on every rank). For Lightning's own checkpoint
+        dump nothing is gathered: the sharded checkpoint writes each rank's shards (see ``save_checkpoint``)."""
         self._settle()
-        if self._stage3 is None:
-            return super().lightning_module_state_dict()
         module = self.lightning_module
         if sys._getframe(1).f_code.co_name == "_get_lightning_module_state_dict":  # Trainer.save_checkpoint
+            if self._stage3 is None:
+                return super().lightning_module_state_dict()  # (references: nothing copied)
             sharded = {id(p) for u in self._units for p in u.params}
             return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) not in sharded}
-        return full_state_dict(module, self._stage3)
+        if self._stage3 is None and not any(needs_masters(u) for u in self._units):
+            return super().lightning_module_state_dict()  # every parameter whole and in fp32 already
+        group = self.topology.shard_group
+        return full_state_dict(module, self._units, self._stage3, group=group, host_group=self.topology.host(group))

@@ -312,18 +312,6 @@ def initialize_sharded(
     return peak
 
 
-def full_state_dict(model: Module, runtime: Stage3Runtime) -> dict[str, Tensor]:
-    """The unsharded state dict (keys as ``model.state_dict()``), on the CPU, gathering one unit at a time."""
-    entries = model.state_dict(keep_vars=True)
-    owner = {id(p): u for u in runtime.units for p in u.params}
-    out = {k: v.detach().to("cpu", copy=True) for k, v in entries.items() if id(v) not in owner}
-    for unit in runtime.units:
-        keys = [k for k, v in entries.items() if owner.get(id(v)) is unit]
-        with runtime.gathered(unit):
-            out.update({k: entries[k].detach().to("cpu", copy=True) for k in keys})
-    return {k: out[k] for k in entries}
-
-
 def gather_module(runtime: Stage3Runtime, device: torch.device) -> None:
     """Ends sharding: every parameter becomes a plain tensor on ``device`` with its full value, one unit
     gathered at a time (collective)."""

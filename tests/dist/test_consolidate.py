@@ -70,26 +70,35 @@ class Inference(EquivalenceModule):
         self.save_hyperparameters()
 
 
+RUNS = [(2, "32-true"), (3, "32-true"), (1, "bf16-mixed"), (3, "bf16-mixed")]  # (stage, precision)
+
+
 def _fit_and_save_consolidated(rank: int, world: int, root) -> None:
-    for stage in (2, 3):
+    for stage, precision in RUNS:
         pl.seed_everything(0)
         module = Inference(lr=2e-3, note=f"stage {stage}")
-        callbacks = [ModelCheckpoint(root / f"stage{stage}", every_n_train_steps=STEPS)]
+        callbacks = [ModelCheckpoint(root / f"{stage}-{precision}", every_n_train_steps=STEPS)]
         strategy = zero_strategy(stage, param_persistence_threshold=0, save_consolidated=True)
-        trainer = make_trainer(strategy, world, steps=STEPS, callbacks=callbacks, enable_checkpointing=True)
+        kwargs = dict(callbacks=callbacks, enable_checkpointing=True, precision=precision)
+        trainer = make_trainer(strategy, world, steps=STEPS, **kwargs)
         trainer.fit(module)
         state = trainer.strategy.lightning_module_state_dict()
         if rank == 0:
-            torch.save(state, root / f"gathered{stage}.pt")
+            torch.save(state, root / f"gathered-{stage}-{precision}.pt")
+        if stage < 3:
+            torch.save(module.state_dict(), root / f"module-{stage}-{precision}-{rank}.pt")
 
 
 def test_load_from_checkpoint_opens_the_consolidated_checkpoint(ranks, tmp_path, capsys):
+    """Under mixed precision the weights are the fp32 masters, as ``lightning_module_state_dict()`` returns
+    them (ddp's weights are fp32 too), not the 16-bit copies the forward reads."""
     ranks(_fit_and_save_consolidated, 2, tmp_path)
     capsys.readouterr()
-    for stage in (2, 3):
-        (ckpt,) = (tmp_path / f"stage{stage}").iterdir()
-        gathered = torch.load(tmp_path / f"gathered{stage}.pt")
-        out = tmp_path / f"stage{stage}.ckpt"
+    for stage, precision in RUNS:
+        run = f"{stage}-{precision}"
+        (ckpt,) = (tmp_path / run).iterdir()
+        gathered = torch.load(tmp_path / f"gathered-{run}.pt")
+        out = tmp_path / f"{run}.ckpt"
         main(["consolidate", str(ckpt), str(out)])
         for path in (ckpt / "consolidated.ckpt", out):  # written at save time, and afterwards
             module = Inference.load_from_checkpoint(path)  # a plain process: no strategy, no ranks
@@ -101,6 +110,14 @@ def test_load_from_checkpoint_opens_the_consolidated_checkpoint(ranks, tmp_path,
             raw = torch.load(path, weights_only=True)
             assert (raw["global_step"], raw["pytorch-lightning_version"]) == (STEPS, pl.__version__), path
             assert "optimizer_states" not in raw  # weights for inference; training resumes from the directory
+        if precision == "bf16-mixed":
+            weight = gathered["net.blocks.1.lin.weight"]
+            assert not torch.equal(weight, weight.bfloat16().float()), f"{run}: the 16-bit copy, not the master"
+        if stage < 3:  # the module's own parameters: the 16-bit copies of the same weights
+            for r in range(2):
+                own = torch.load(tmp_path / f"module-{run}-{r}.pt")
+                for key, value in gathered.items():
+                    assert torch.equal(own[key], value.to(own[key].dtype)), (run, r, key)
 
 
 WIDTH, DEPTH = 512, 80  # 21M parameters, 84 MB in fp32; the largest is 1 MB
