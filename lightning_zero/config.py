@@ -114,6 +114,10 @@ class ZeroConfig:
             step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
             the sequences when they differ): a rank that would issue a different collective fails with
             an error naming the first difference instead of hanging later.
+        broadcast_buffers: as ddp's default: every buffer (BatchNorm's running statistics) is broadcast from
+            rank 0 before a step's first training forward and before validation during ``fit``, so every rank
+            validates with the same statistics (sharding/buffer_sync.py). False: each rank keeps its own
+            (after the start), as ddp with ``broadcast_buffers=False``.
         save_consolidated: every checkpoint also holds ``consolidated.ckpt``, the whole model's weights in
             fp32 with the hyper-parameters, which ``MyModule.load_from_checkpoint`` opens in a plain process;
             rank 0 streams it from the shard files (about one parameter in memory), at every save. The
@@ -143,6 +147,7 @@ class ZeroConfig:
     fused_step: str = "auto"
     shard_group_size: int | str | None = None
     check_collectives: bool = False
+    broadcast_buffers: bool = True
     save_consolidated: bool = False
     checkpoint_on_signal: bool = True
 
@@ -220,6 +225,9 @@ class ZeroConfig:
         _check(isinstance(pin, bool), "zero.offload_pin_memory", pin, "true or false")
         _check(
             isinstance(self.check_collectives, bool), "zero.check_collectives", self.check_collectives, "true or false"
+        )
+        _check(
+            isinstance(self.broadcast_buffers, bool), "zero.broadcast_buffers", self.broadcast_buffers, "true or false"
         )
         _check(
             isinstance(self.save_consolidated, bool), "zero.save_consolidated", self.save_consolidated, "true or false"

@@ -42,6 +42,7 @@ from lightning_zero.precision import (
 from lightning_zero.preemption import end_on_signal_outside_training, ensure_preemption_callback
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
+from lightning_zero.sharding.buffer_sync import BufferSync
 from lightning_zero.sharding.build import (
     check_optimizer_params,
     trainable_units,
@@ -110,6 +111,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         self._load_hooks: list = []  # stages 1 and 2
         self._units: list[FlatUnit] = []
         self._stage3: Stage3Runtime | None = None
+        self._buffer_sync: BufferSync | None = None  # while fitting, with config.broadcast_buffers
+        self._blocked = False  # inside block_backward_sync: a micro-batch before the step's last
         self._backward_end = BackwardEnd()
         self.traffic = collectives.Traffic()  # what this strategy's collectives covered while it was set up
         self._observing = ExitStack()  # from set-up to teardown: self.traffic and, if asked, the collective log
@@ -185,6 +188,12 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             self.precision_plugin.device = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
+            if self.root_device.type == "cpu":  # (ddp fails at the first forward)
+                raise ValueError(
+                    "sync_batchnorm=True: torch's SyncBatchNorm runs on CUDA only, and this run is on the CPU;"
+                    " remove it (BatchNorm's running statistics are still rank 0's before every step and before"
+                    " validation: ZeroConfig(broadcast_buffers=True), as ddp's default)"
+                )
             self.model = self._layer_sync.apply(self.model)
         module = self.lightning_module
         sharded = ShardedModule.of(module)  # still sharded by an earlier stage-3 run
@@ -208,6 +217,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             skip = [n for n, p in module.named_parameters() if construction is not None and construction.owns(p)]
             torch_sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, 0, skip)
         self._backward_end = BackwardEnd()
+        self._buffer_sync = BufferSync(module) if fitting and self.config.broadcast_buffers else None
         self._observing.close()
         self._observing.enter_context(collectives.observing(self.traffic))
         if self.config.check_collectives:
@@ -274,6 +284,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     # happen inside it). The end of every backward reduces what is left (backward_end.py).
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_collectives()
+        if self._buffer_sync is not None:  # see [Note: when buffers are broadcast] in sharding/buffer_sync.py
+            self._buffer_sync.forward_starts(training=True, synchronized=not self._blocked)
         if self._stage3 is None:
             output = super().training_step(*args, **kwargs)
             self._settle()  # what the forward did not read (see [Note: post-step gathers])
@@ -289,14 +301,16 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's micro-batches before the step's last: stage 1 only accumulates gradients locally."""
-        if self._reducer is None:
-            yield
-            return
-        before, self._reducer.accumulating = self._reducer.accumulating, True
+        blocked, self._blocked = self._blocked, True
+        accumulating = self._reducer.accumulating if self._reducer is not None else None
+        if self._reducer is not None:
+            self._reducer.accumulating = True
         try:
             yield
         finally:
-            self._reducer.accumulating = before
+            self._blocked = blocked
+            if self._reducer is not None:
+                self._reducer.accumulating = accumulating
 
     def _settle(self) -> None:
         """Waits for the post-step parameter all-gathers still running (before anything reads parameters)."""
@@ -323,6 +337,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         """Stage 3: one forward-only step of a Join (see [Note: uneven inputs] in sharding/stage3.py)."""
         self._check_collectives()
         self._settle()
+        if self._buffer_sync is not None:
+            self._buffer_sync.forward_starts(training=False, synchronized=False)
         if self._stage3 is None:
             return step(*args, **kwargs)
         self._vote(1)
@@ -394,6 +410,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         if module is not None and self.config.stage < 3:  # stage 3's stay with the shards (ShardedModule)
             UnitIndex.detach(module)
         self._pending_rng = self._rng_after_step = None
+        self._buffer_sync = None
         self._observing.close()
         self._collective_log = None
         if module is not None and (self._stage3 is not None or any(p.is_meta for p in module.parameters())):

@@ -237,6 +237,15 @@ def broadcast(tensor: Tensor, *, src: int, group=None) -> Tensor:
     return tensor
 
 
+def broadcast_coalesced(tensors: list[Tensor], *, src: int, bucket_bytes: int, group=None) -> None:
+    """In-place blocking broadcast of ``tensors`` (any dtypes) from rank ``src`` of ``group``, packed into
+    buckets of about ``bucket_bytes`` (as ddp broadcasts module states)."""
+    for tensor in tensors:
+        _note("broadcast", tensor, tensor.numel(), group)
+    group = group or dist.group.WORLD
+    dist._broadcast_coalesced(group, tensors, bucket_bytes, dist.get_global_rank(group, src))
+
+
 def all_gather_object(obj: object, *, group=None) -> list:
     """Every rank's ``obj``, in rank order (for set-up checks, never on the hot path)."""
     out: list = [None] * dist.get_world_size(group)

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import (
     ModelCheckpoint,
 )
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -232,6 +233,64 @@ def _manual_run(name: str, world: int, root) -> dict:
     return {"losses": module.losses, "state": _state(trainer)}
 
 
+class Normed(Features):
+    """A BatchNorm in the backbone: running statistics each rank updates on its own batch. (The linear layer
+    before it has no bias, as usual: BatchNorm removes the mean, so that bias's true gradient is zero and
+    Adam would turn rounding noise into full-size updates, under ddp too.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        norm = nn.BatchNorm1d(24)
+        self.backbone = nn.Sequential(nn.Linear(12, 24, bias=False), norm, nn.Tanh(), nn.Linear(24, 24), nn.Tanh())
+
+
+class BufferTrace(pl.Callback):
+    """Each rank's running mean after every training micro-batch (before the next one's broadcast, if any)."""
+
+    def __init__(self) -> None:
+        self.means: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.means.append(pl_module.backbone[1].running_mean.clone())
+
+
+def _buffers_run(name: str, world: int, root, broadcast: bool) -> dict:
+    pl.seed_everything(0)
+    module = Normed()
+    if name == "ddp":
+        strategy = DDPStrategy(broadcast_buffers=broadcast)
+    else:
+        strategy = zero_strategy(int(name[-1]), param_persistence_threshold=0, broadcast_buffers=broadcast)
+    logger, trace = Recorder(), BufferTrace()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        callbacks=[trace],
+        accelerator="cpu",
+        devices=world,
+        default_root_dir=root,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        logger=logger,
+    )
+    trainer.fit(module)
+    val_losses = [m["val_loss"] for _, m in logger.metrics if "val_loss" in m]
+    buffers = {k: v.clone() for k, v in module.named_buffers()}
+    return {"val_loss": val_losses, "state": _state(trainer), "buffers": buffers, "trace": torch.stack(trace.means)}
+
+
+def _buffers(rank: int, world: int, root) -> dict:
+    results = {(name, b): _buffers_run(name, world, root, b) for name in STRATEGIES for b in (True, False)}
+    strategy = zero_strategy(2)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, sync_batchnorm=True, logger=False)
+    with pytest.raises(ValueError, match="sync_batchnorm=True: torch's SyncBatchNorm runs on CUDA only"):
+        trainer.fit(Normed())
+    return results
+
+
 def _features(rank: int, world: int, root) -> dict:
     return {name: {"callbacks": _callbacks_run(name, world, root)} for name in STRATEGIES[1:]}
 
@@ -297,6 +356,27 @@ def test_manual_optimization_with_two_optimizers_equals_ddp(ranks, tmp_path):
             for key, value in ddp["state"].items():
                 _close(run["state"][key], value, f"{name} rank {rank}: {key} against ddp's")
                 _close(run["state"][key], single["state"][key], f"{name} rank {rank}: {key} against one process's")
+
+
+def test_buffers_are_broadcast_as_ddp_broadcasts_them(ranks, tmp_path):
+    """BatchNorm without SyncBN: with broadcast_buffers (ddp's default, and ours) every rank validates with rank
+    0's running statistics, and without it with its own; either way each rank's buffers, the weights and the
+    logged val_loss equal ddp's under the same setting. sync_batchnorm=True is refused at set-up on the CPU."""
+    results = ranks(_buffers, 2, tmp_path)
+    for broadcast in (True, False):
+        for rank, result in enumerate(results):
+            ddp = result[("ddp", broadcast)]
+            for name in STRATEGIES[1:]:
+                run, where = result[(name, broadcast)], f"{name} rank {rank} broadcast_buffers={broadcast}"
+                _close(run["val_loss"], ddp["val_loss"], f"{where}: the logged val_loss")
+                _close(run["trace"], ddp["trace"], f"{where}: the running mean after each micro-batch")
+                for key, value in ddp["buffers"].items():
+                    _close(run["buffers"][key], value, f"{where}: {key}")
+                for key, value in ddp["state"].items():
+                    _close(run["state"][key], value, f"{where}: {key}")
+    # The setting matters here (else this test could not tell them apart):
+    with_, without = results[1][("ddp", True)], results[1][("ddp", False)]
+    assert relative_error(torch.tensor(with_["val_loss"]), torch.tensor(without["val_loss"])) > 1e-4
 
 
 def test_the_tuner_finds_what_it_finds_under_ddp(ranks, tmp_path):
