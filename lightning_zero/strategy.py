@@ -60,7 +60,7 @@ from lightning_zero.sharding.stage3_setup import (
 )
 from lightning_zero.sharding.topology import Topology, make_topology
 from lightning_zero.strategy_checkpoint import CheckpointHooks
-from lightning_zero.strategy_stage3 import Stage3Hooks
+from lightning_zero.strategy_stage3 import Stage3Hooks, refuse_weight_averaging
 
 
 class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
@@ -195,6 +195,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
                     " validation: ZeroConfig(broadcast_buffers=True), as ddp's default)"
                 )
             self.model = self._layer_sync.apply(self.model)
+        if fitting and self.config.stage == 3:
+            refuse_weight_averaging(trainer.callbacks)
         module = self.lightning_module
         sharded = ShardedModule.of(module)  # still sharded by an earlier stage-3 run
         construction = self._construction if self._construction is not None and self._construction.managed else None

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint import save as checkpoint_save
-from lightning_zero.checkpoint.format import latest
+from lightning_zero.checkpoint.format import AVERAGED, CURRENT, latest
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.full_state import full_state_dict, needs_masters
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
@@ -127,6 +127,9 @@ class CheckpointHooks:
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         self._settle()
         checkpoint_io.load_model(self._loaded, self.lightning_module, self._units, group=self.topology.shard_group)
+        averaged = checkpoint.pop(AVERAGED, None)
+        if averaged is not None:  # WeightAveraging's swap (checkpoint/format.py), as its on_load_checkpoint reads it
+            checkpoint["state_dict"], checkpoint[CURRENT] = averaged, self.lightning_module.state_dict()
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         zero_optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]

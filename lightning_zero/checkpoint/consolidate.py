@@ -33,6 +33,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_zero.checkpoint.format import (
+    AVERAGED,
     CheckpointError,
     Metadata,
     check_files,
@@ -79,9 +80,10 @@ def _sources(directory: Path, meta: Metadata, lightning: dict[str, Any]) -> list
         for entry in unit.params:
             source = (entry.name, lambda n=entry.name: reader.full(n), tuple(entry.shape), torch.float32)
             by_key.update({key: source for key in entry.keys})
-    for key, value in replicated.items():
+    averaged = lightning.get(AVERAGED, {})  # WeightAveraging's weights, which Lightning exports (format.py)
+    for key, value in {**replicated, **averaged}.items():
         dtype = torch.float32 if value.is_floating_point() else value.dtype
-        by_key[key] = (key, lambda v=value, d=dtype: v.to(d), tuple(value.shape), dtype)
+        by_key[key] = (f"{id(value)}", lambda v=value, d=dtype: v.to(d), tuple(value.shape), dtype)
     return [(key, by_key[key]) for key in meta.state_dict_keys]
 
 

@@ -48,6 +48,11 @@ METADATA = "metadata.json"
 LIGHTNING = "lightning.pt"
 COMPLETE = "COMPLETE"
 CONSOLIDATED = "consolidated.ckpt"  # optional: see the module's docstring
+# Lightning's WeightAveraging saves the averaged weights as the checkpoint's "state_dict" and the model's own
+# as CURRENT. The model's own are the shards here: lightning.pt keeps the averaged ones (whole, as the
+# callback holds them) under AVERAGED, and loading gives the callback back what it saved (strategy_checkpoint.py).
+CURRENT = "current_model_state"
+AVERAGED = "averaged_state_dict"
 
 
 def rank_file(rank: int) -> str:

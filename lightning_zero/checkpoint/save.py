@@ -39,8 +39,10 @@ from torch.nn import Module
 
 from lightning_zero.checkpoint.consolidate import write_consolidated
 from lightning_zero.checkpoint.format import (
+    AVERAGED,
     COMPLETE,
     CONSOLIDATED,
+    CURRENT,
     LIGHTNING,
     METADATA,
     CheckpointError,
@@ -305,7 +307,9 @@ def save(
 def _lightning(checkpoint: dict, model: Module, units: Sequence[FlatUnit], optimizers: Sequence[ZeroOptimizer]) -> dict:
     """Lightning's own state, with the parameters and buffers that are not sharded."""
     sharded = {id(p) for u in units for p in u.params}
-    lightning = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+    lightning = {k: v for k, v in checkpoint.items() if k not in ("state_dict", CURRENT)}
+    if CURRENT in checkpoint:  # WeightAveraging's swap (see format.py)
+        lightning[AVERAGED] = {k: v.detach() for k, v in checkpoint["state_dict"].items()}
     lightning["state_dict"] = {
         k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in sharded
     }

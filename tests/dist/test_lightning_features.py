@@ -20,9 +20,11 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     EarlyStopping,
+    EMAWeightAveraging,
     GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
+    StochasticWeightAveraging,
 )
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy
@@ -30,6 +32,7 @@ from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_zero.cli import main
 from tests.support.helpers import relative_error, zero_strategy
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
@@ -289,6 +292,70 @@ def _buffers(rank: int, world: int, root) -> dict:
     with pytest.raises(ValueError, match="sync_batchnorm=True: torch's SyncBatchNorm runs on CUDA only"):
         trainer.fit(Normed())
     return results
+
+
+AVERAGING = {
+    "ema": lambda: EMAWeightAveraging(decay=0.9),
+    "swa": lambda: StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1, annealing_epochs=1),
+}
+
+
+def _averaging_run(name: str, world: int, root, kind: str, epochs: int = 3, resume: str | None = None) -> dict:
+    pl.seed_everything(0)
+    module = Features()
+    checkpoints = ModelCheckpoint(root / f"{kind}-{name}", save_top_k=-1, filename="{epoch}")
+    logger = Recorder()
+    callbacks = [AVERAGING[kind](), checkpoints]
+    trainer = _trainer(
+        name, world, root, max_epochs=epochs, callbacks=callbacks, logger=logger, enable_checkpointing=True
+    )
+    trainer.fit(module, ckpt_path=resume)
+    val_losses = [m["val_loss"] for _, m in logger.metrics if "val_loss" in m]
+    return {"val_loss": val_losses, "state": _state(trainer), "losses": module.losses}
+
+
+def _averaging(rank: int, world: int, root) -> dict:
+    out = {(kind, name): _averaging_run(name, world, root, kind) for kind in AVERAGING for name in STRATEGIES[:3]}
+    for name in STRATEGIES[:3]:  # the EMA resumed from the end of epoch 1 (averaged weights saved, then loaded)
+        resume = root / f"ema-{name}" / "epoch=1.ckpt"
+        out[("ema-resumed", name)] = _averaging_run(name, world, root / "resumed", "ema", resume=str(resume))
+    ddp_checkpoint = str(root / "ema-ddp" / "epoch=1.ckpt")  # a ddp EMA checkpoint resumed here (migration in)
+    out[("ema-from-ddp", "zero2")] = _averaging_run("zero2", world, root / "from-ddp", "ema", resume=ddp_checkpoint)
+    for kind in AVERAGING:
+        with pytest.raises(ValueError, match="does not work with zero3: it keeps a whole copy of the model"):
+            _averaging_run("zero3", world, root, kind)
+    return out
+
+
+def test_weight_averaging_equals_ddp_at_stages_1_and_2(ranks, tmp_path):
+    """EMAWeightAveraging and StochasticWeightAveraging (the averaged weights swapped in for validation and
+    copied in at the end) equal ddp's; an EMA checkpoint keeps the averaged weights: resuming from it equals
+    the run that went on, under ddp and here (and a ddp EMA checkpoint resumed under zero2 equals ddp's run
+    that went on), and ``consolidate`` exports the averaged weights, as ddp's
+    checkpoint holds them. Stage 3 refuses them at set-up."""
+    results = ranks(_averaging, 2, tmp_path)
+    for rank, result in enumerate(results):
+        migrated = result[("ema-from-ddp", "zero2")]
+        for kind in ("ema", "swa", "ema-resumed"):
+            ddp = result[(kind, "ddp")]
+            for name in STRATEGIES[1:3]:
+                run, where = result[(kind, name)], f"{kind} {name} rank {rank}"
+                _close(run["val_loss"], ddp["val_loss"], f"{where}: the logged val_loss")
+                for key, value in ddp["state"].items():
+                    _close(run["state"][key], value, f"{where}: {key} at the end")
+        for name, resumed in [*((n, result[("ema-resumed", n)]) for n in STRATEGIES[:3]), ("ddp", migrated)]:
+            went_on = result[("ema", name)]
+            _close(resumed["val_loss"], went_on["val_loss"][-1:], f"{name} rank {rank}: val_loss after the resume")
+            for key, value in went_on["state"].items():
+                _close(resumed["state"][key], value, f"{name} rank {rank}: {key} resumed against went on")
+    ddp_saved = torch.load(tmp_path / "ema-ddp" / "epoch=1.ckpt", weights_only=True)
+    assert "current_model_state" in ddp_saved  # (the swap this test is about)
+    for name in STRATEGIES[1:3]:
+        out = tmp_path / f"ema-{name}.pt"
+        main(["consolidate", str(tmp_path / f"ema-{name}" / "epoch=1.ckpt"), str(out)])
+        exported = torch.load(out, weights_only=True)
+        for key, value in ddp_saved["state_dict"].items():
+            _close(exported[key], value, f"{name}: the exported {key} against ddp's saved average")
 
 
 def _features(rank: int, world: int, root) -> dict:
