@@ -52,7 +52,7 @@ from lightning_zero.sharding.build import (
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
 from lightning_zero.sharding.grad_reduce import GradReducer
-from lightning_zero.sharding.param_gather import ParamGathers
+from lightning_zero.sharding.param_gather import ParamGathers, runs_compiled_code
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import (
     ShardedModule,
@@ -254,7 +254,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             if self._stage3 is not None:
                 self._stage3.reducer = self._reducer
             if self._gathers is not None:  # see [Note: post-step gathers]
-                self._gathers.overlap = self.config.overlap_param_gather
+                # torch.compile would trace the mode that overlaps them and recompile as it comes and goes
+                self._gathers.overlap = self.config.overlap_param_gather and not runs_compiled_code(module)
             # stage 1 reduces in the backward of a step's last micro-batch, which only automatic optimization tells
             self._reducer.accumulating = not module.automatic_optimization
             if self.precision_plugin.skip_on_device:  # schedulers then step as under torch's GradScaler

@@ -157,6 +157,7 @@ class GradReducer:
                 self._handles.append(module.register_forward_pre_hook(self._make_forward_hook(params)))
 
     def _make_forward_hook(self, params: list[Parameter]):
+        @torch._dynamo.disable  # kept out of compiled graphs, as stage 3's hooks (stage3.py: [Note: compiled models])
         def hook(module: Module, args) -> None:
             for p in params:
                 self._forward_used.setdefault(id(p), len(self._forward_used))

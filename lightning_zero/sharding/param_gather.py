@@ -9,7 +9,9 @@ its bucket is first used: from the launch to the end of the next training step a
 mode sees every op's arguments and waits for a pending bucket before the first op that reads one of
 its parameters, be it inside a module's forward, a functional call on a parameter, a regulariser
 over ``self.parameters()`` or a callback averaging weights between steps. The gathers thus run while
-the forward of the earlier layers computes, and results are bitwise those of gathering at once.
+the forward of the earlier layers computes, and results are bitwise those of gathering at once. A model
+that runs code compiled by ``torch.compile`` waits for them at once instead: Dynamo would trace the
+mode's ``__torch_function__`` into every graph and recompile whenever the mode comes or goes.
 
 Whatever is still pending at the end of the next training step, and before anything that reads
 parameters without ops of its own (validation steps, checkpoints, state dicts, the next optimizer
@@ -100,6 +102,13 @@ class ParamGathers:
     def remove_hooks(self) -> None:
         self.wait_all()
         self.reducer.check_param_read = None
+
+
+def runs_compiled_code(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds modules compiled by ``torch.compile`` (or is a LightningModule compiled whole, which
+    Lightning unwraps and marks)."""
+    compiled = torch._dynamo.eval_frame.OptimizedModule
+    return getattr(model, "_compiler_ctx", None) is not None or any(isinstance(m, compiled) for m in model.modules())
 
 
 def _top_mode() -> TorchFunctionMode | None:

@@ -25,6 +25,12 @@ unit for its backward.
 Prefetching never takes more than ``max_live_parameters`` elements of gathered units (the root and
 persistent units not counted); a unit that is about to run is gathered regardless.
 
+[Note: compiled models]
+The hooks run eagerly (``torch._dynamo.disable``): a module compiled with ``torch.compile`` breaks its graph
+at them, and its graphs never hold the schedule's state (which changes every step and would fail their
+guards, recompiling each step until Dynamo gives up and falls back to eager). Between the hooks a unit
+is whole, with its parameters' own class, so each graph is traced once per shape.
+
 [Note: uneven inputs]
 Validation, test and predict loops can give ranks different numbers of batches (Lightning's predict
 sampler does not pad). A rank that has run out keeps issuing what the others' forwards issue until
@@ -232,6 +238,7 @@ class Stage3Runtime:
                 self.reducer.reduce_unit(unit)
 
     # --- hooks ------------------------------------------------------------------------------------
+    @torch._dynamo.disable
     def _pre_forward(self, k: int, module: Module, args: Any) -> None:
         if not self.in_step:  # a forward outside the Trainer's steps: gathered for the call (every rank alike)
             self.gather(k)
@@ -241,6 +248,7 @@ class Stage3Runtime:
         else:
             self.schedule.enter(k)
 
+    @torch._dynamo.disable
     def _post_forward(self, k: int, module: Module, args: Any, output: Any) -> None:
         if not self.in_step:
             if k not in self.schedule.persistent:
@@ -252,10 +260,12 @@ class Stage3Runtime:
                 if tensor.requires_grad:
                     tensor.register_hook(partial(self._pre_backward, entry))
 
+    @torch._dynamo.disable
     def _pre_backward(self, entry: int, grad: Tensor) -> None:
         self.backward_end.arm()
         self.schedule.backward(entry)
 
+    @torch._dynamo.disable
     def on_access(self, param: Tensor) -> None:
         unit = self._owner.get(id(param))
         if unit is None or unit in self.root or not self.in_step or in_backward():

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_zero.cli import main
-from tests.support.helpers import relative_error, zero_strategy
+from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 GLOBAL_BATCH = 8
@@ -358,6 +358,40 @@ def test_weight_averaging_equals_ddp_at_stages_1_and_2(ranks, tmp_path):
             _close(exported[key], value, f"{name}: the exported {key} against ddp's saved average")
 
 
+class CompiledGPT(EquivalenceModule):
+    """The GPT's network compiled with a backend that counts the graphs Dynamo hands it (and runs them as
+    traced: the numbers are eager's)."""
+
+    def __init__(self) -> None:
+        super().__init__("gpt", steps=8)
+        self.graphs = 0
+        self.per_step: list[int] = []
+
+    def configure_model(self):
+        def counting(graph, inputs):
+            self.graphs += 1
+            return graph.forward
+
+        if not isinstance(self.net, torch._dynamo.eval_frame.OptimizedModule):
+            self.net = torch.compile(self.net, backend=counting)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.per_step.append(self.graphs)
+
+
+def _compiled(rank: int, world: int) -> dict:
+    out = {}
+    for name in STRATEGIES:
+        torch._dynamo.reset()
+        pl.seed_everything(0)
+        module = CompiledGPT()
+        strategy = name if name == "ddp" else zero_strategy(int(name[-1]), param_persistence_threshold=0)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # (no silent fall back to eager)
+            make_trainer(strategy, world, steps=8).fit(module)
+        out[name] = {"per_step": module.per_step, "state": _state(module.trainer), "losses": module.losses}
+    return out
+
+
 def _features(rank: int, world: int, root) -> dict:
     return {name: {"callbacks": _callbacks_run(name, world, root)} for name in STRATEGIES[1:]}
 
@@ -444,6 +478,21 @@ def test_buffers_are_broadcast_as_ddp_broadcasts_them(ranks, tmp_path):
     # The setting matters here (else this test could not tell them apart):
     with_, without = results[1][("ddp", True)], results[1][("ddp", False)]
     assert relative_error(torch.tensor(with_["val_loss"]), torch.tensor(without["val_loss"])) > 1e-4
+
+
+def test_compiled_models_compile_once(ranks):
+    """torch.compile under every stage (stage 3 gathering every unit around its forward): graphs are made in
+    the first steps only (each module once per shape, the hooks eager between them), never again, no frame
+    gives up to eager, and the training equals ddp's compiled."""
+    results = ranks(_compiled, 2)
+    for rank, result in enumerate(results):
+        for name in STRATEGIES:
+            run, ddp, where = result[name], result["ddp"], f"{name} rank {rank}"
+            counts = run["per_step"]
+            assert counts[0] > 0 and counts[3:] == [counts[2]] * len(counts[3:]), f"{where}: graphs {counts}"
+            _close(run["losses"], ddp["losses"], f"{where}: the losses against ddp's")
+            for key, value in ddp["state"].items():
+                _close(run["state"][key], value, f"{where}: {key} against ddp's")
 
 
 def test_the_tuner_finds_what_it_finds_under_ddp(ranks, tmp_path):
