@@ -119,7 +119,6 @@ class ZeroPrecision(Precision):
         zero = unwrap_optimizer(optimizer)
         if not isinstance(zero, ZeroOptimizer):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
-        self.last_grad_norm = None
         closure_result = closure()  # forward and backward; the strategy reduces gradients after backward
         scale = self._loss_scale()
         found_inf = self._prepare(zero)
@@ -153,8 +152,9 @@ class ZeroPrecision(Precision):
                     f"fp16 gradients overflowed: {skipped} steps skipped so far, loss scale {float(seen[SCALE]):g}"
                     f" as of step {model.trainer.global_step - HOST_LAG}"
                 )
-        if self.last_grad_norm is not None:
+        if self.last_grad_norm is not None:  # (clipped in this step: by the closure, or by hand before it)
             model.log("grad_norm", self.last_grad_norm)
+            self.last_grad_norm = None
 
     def _prepare(self, zero: ZeroOptimizer) -> bool | Tensor:
         """Reduces the step's gradients (once per step: idempotent). Returns the fp16 overflow flag: False,

@@ -59,8 +59,8 @@ from lightning_zero.sharding.stage3_setup import (
     install_load_hooks,
 )
 from lightning_zero.sharding.topology import Topology, make_topology
-from lightning_zero.strategy_checkpoint import CheckpointHooks
-from lightning_zero.strategy_stage3 import Stage3Hooks, refuse_weight_averaging
+from lightning_zero.strategy_checkpoint import CheckpointHooks, refuse_weight_averaging
+from lightning_zero.strategy_stage3 import Stage3Hooks
 
 
 class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
@@ -172,6 +172,11 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self.config.stage == 3:
+            # before the callbacks' setup, in which they copy the whole model
+            why = "it keeps a whole copy of the model and writes every parameter between steps, which zero3 shards"
+            refuse_weight_averaging(trainer.callbacks, why)
         if self.topology.world is not _get_default_group():  # made once per process group (fit, then test...)
             self.topology = make_topology(  # collective with hybrid sharding: every rank, here, in one order
                 self.config.shard_group_size,
@@ -195,8 +200,6 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
                     " validation: ZeroConfig(broadcast_buffers=True), as ddp's default)"
                 )
             self.model = self._layer_sync.apply(self.model)
-        if fitting and self.config.stage == 3:
-            refuse_weight_averaging(trainer.callbacks)
         module = self.lightning_module
         sharded = ShardedModule.of(module)  # still sharded by an earlier stage-3 run
         construction = self._construction if self._construction is not None and self._construction.managed else None
@@ -251,6 +254,12 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             )
             for optimizer in self.optimizers:
                 optimizer.activate = self._activate  # add_param_group
+            if any(u.master is not None for u in self._units):  # (stages 1-2: the flat buffer is the master)
+                why = (
+                    "it copies the averaged weights into the parameters, not into their separate fp32 master weights"
+                    " (precision 16-mixed, or offload), which train and which checkpoints hold"
+                )
+                refuse_weight_averaging(trainer.callbacks, why)
             if self._stage3 is not None:
                 self._stage3.reducer = self._reducer
             if self._gathers is not None:  # see [Note: post-step gathers]

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+import lightning.pytorch.callbacks as lightning_callbacks
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -30,6 +32,26 @@ from lightning_zero.checkpoint.format import AVERAGED, CURRENT, latest
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.full_state import full_state_dict, needs_masters
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+
+AVERAGING = ("StochasticWeightAveraging", "WeightAveraging")  # (WeightAveraging: Lightning 2.6 on)
+
+
+def averaging_callbacks(callbacks: list[pl.Callback], kinds: tuple[str, ...] = AVERAGING) -> list[pl.Callback]:
+    """Lightning's weight-averaging callbacks among ``callbacks``."""
+    classes = tuple(getattr(lightning_callbacks, n) for n in kinds if hasattr(lightning_callbacks, n))
+    return [c for c in callbacks if isinstance(c, classes)]
+
+
+def refuse_weight_averaging(callbacks: list[pl.Callback], why: str) -> None:
+    """Lightning's weight-averaging callbacks keep a whole copy of the module and copy it into the parameters
+    (``p.data``) between steps: refused at set-up where that cannot be right (``why``), with one line."""
+    found = averaging_callbacks(callbacks)
+    if found:
+        raise ValueError(
+            f"{type(found[0]).__name__} does not work here: {why}. It works as under ddp with zero1 or zero2 in"
+            " 32-true or bf16-mixed; or keep an average yourself inside `with trainer.strategy.gathered_parameters("
+            "pl_module):` (README: Stage 3)"
+        )
 
 
 def _complete_hpc_checkpoint(path: Any) -> Any:
@@ -127,9 +149,15 @@ class CheckpointHooks:
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         self._settle()
         checkpoint_io.load_model(self._loaded, self.lightning_module, self._units, group=self.topology.shard_group)
-        averaged = checkpoint.pop(AVERAGED, None)
-        if averaged is not None:  # WeightAveraging's swap (checkpoint/format.py), as its on_load_checkpoint reads it
+        averaged = checkpoint.pop(AVERAGED, None)  # WeightAveraging's swap (checkpoint/format.py)
+        trainer = self.lightning_module.trainer
+        if averaged is None:
+            return
+        if trainer.state.fn == TrainerFn.FITTING and averaging_callbacks(trainer.callbacks, ("WeightAveraging",)):
+            # what its on_load_checkpoint reads: it loads the average into its copy, the model from CURRENT (itself)
             checkpoint["state_dict"], checkpoint[CURRENT] = averaged, self.lightning_module.state_dict()
+        else:  # as ddp, whose checkpoint's state_dict holds the averaged weights: the model evaluates them
+            self.lightning_module.load_state_dict(averaged)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         zero_optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]

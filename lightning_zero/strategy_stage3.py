@@ -10,7 +10,6 @@ from collections.abc import Generator
 from contextlib import contextmanager
 
 import lightning.pytorch as pl
-import lightning.pytorch.callbacks as lightning_callbacks
 import torch
 from torch.nn import Module, Parameter
 
@@ -26,22 +25,6 @@ from lightning_zero.sharding.stage3_setup import (
     initialize_sharded,
     shard_module,
 )
-
-AVERAGING = ("StochasticWeightAveraging", "WeightAveraging")  # (WeightAveraging: Lightning 2.6 on)
-
-
-def refuse_weight_averaging(callbacks: list[pl.Callback]) -> None:
-    """Lightning's weight-averaging callbacks keep a whole copy of the module and read and write every parameter
-    between steps, which stage 3 does not hold: refused at set-up (they work at stages 1 and 2, equal to ddp)."""
-    kinds = tuple(getattr(lightning_callbacks, n) for n in AVERAGING if hasattr(lightning_callbacks, n))
-    found = [type(c).__name__ for c in callbacks if isinstance(c, kinds)]
-    if found:
-        raise ValueError(
-            f"{found[0]} does not work with zero3: it keeps a whole copy of the model and reads and writes every"
-            " parameter between steps, which stage 3 shards. Use zero2 (or zero1), where it works as under ddp,"
-            " or keep an average yourself inside `with trainer.strategy.gathered_parameters(pl_module):` (README:"
-            " Stage 3)"
-        )
 
 
 class Stage3Hooks:

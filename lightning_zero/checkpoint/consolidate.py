@@ -83,7 +83,7 @@ def _sources(directory: Path, meta: Metadata, lightning: dict[str, Any]) -> list
     averaged = lightning.get(AVERAGED, {})  # WeightAveraging's weights, which Lightning exports (format.py)
     for key, value in {**replicated, **averaged}.items():
         dtype = torch.float32 if value.is_floating_point() else value.dtype
-        by_key[key] = (f"{id(value)}", lambda v=value, d=dtype: v.to(d), tuple(value.shape), dtype)
+        by_key[key] = (f"{id(value)}", lambda v=value, d=dtype: v.to("cpu", d), tuple(value.shape), dtype)
     return [(key, by_key[key]) for key in meta.state_dict_keys]
 
 

@@ -1,15 +1,16 @@
 """The whole model's state dict from its flat units, gathered one unit at a time (collective).
 
-A parameter that trains under mixed precision is taken from its fp32 master partitions (what the
-optimizer steps and what checkpoints hold), as ddp returns its fp32 weights: the 16-bit copy the forward
-reads would lose the low bits of every weight. Any other parameter is taken as it is, stage 3 gathering
-its unit for the moment of the copy. Peak memory: the state dict on the CPU plus one unit.
+A parameter that trains in 16 bits is taken from its fp32 master partitions (what the optimizer steps and
+what checkpoints hold), as ddp returns its fp32 weights: the 16-bit copy the forward reads would lose the
+low bits of every weight. Any other parameter is taken as it is (a frozen one cast to 16 bits by stage 3
+stays so: it has no master), stage 3 gathering its unit for the moment of the copy. Peak memory: the
+state dict on the CPU plus one unit (one bucket, for masters).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -25,21 +26,20 @@ def needs_masters(unit: FlatUnit) -> bool:
     return unit.master is not None and unit.param_dtype != torch.float32
 
 
-def gather_masters(unit: FlatUnit, *, group=None) -> Tensor:
-    """The unit's fp32 master weights, every rank's partition, laid out as its flat buffer, on the CPU.
-
-    Rank r's partition is chunk r of every bucket, bucket after bucket (layout.py): after one all-gather
-    of the partitions each bucket's chunks are copied back into place."""
+def gather_masters(unit: FlatUnit, *, group=None) -> Iterator[tuple[int, Tensor]]:
+    """(index in the unit, the parameter's whole fp32 master weights, flat, on the CPU), one bucket's all-gather at a
+    time: every rank's chunk of a bucket, in rank order, is the bucket's flat values, and a parameter lies in
+    one bucket (layout.py). Memory: one bucket on the device and on the CPU besides the values yielded."""
     partition = unit.master_partition()
-    world = unit.layout.world_size
-    gathered = torch.empty(world * partition.numel(), dtype=torch.float32, device=partition.device)
-    collectives.all_gather(gathered, partition, async_op=False, group=group)
-    by_rank = gathered.view(world, -1).cpu()  # [world, partition_numel]
-    flat = torch.empty(unit.layout.total_numel, dtype=torch.float32)
-    for bucket in unit.layout.buckets:
-        chunks = by_rank[:, bucket.partition_offset : bucket.partition_offset + bucket.chunk_numel]
-        flat[bucket.start : bucket.start + bucket.numel].view(world, -1).copy_(chunks)
-    return flat
+    layout = unit.layout
+    for bucket in layout.buckets:
+        chunk = partition[bucket.partition_offset : bucket.partition_offset + bucket.chunk_numel]
+        gathered = torch.empty(bucket.numel, dtype=torch.float32, device=partition.device)
+        collectives.all_gather(gathered, chunk, async_op=False, group=group)
+        values = gathered.cpu()
+        for i in range(bucket.first_param, bucket.end_param):
+            lo = layout.offsets[i] - bucket.start
+            yield i, values[lo : lo + layout.numels[i]].clone()
 
 
 def full_state_dict(
@@ -55,9 +55,9 @@ def full_state_dict(
         keys = {k: owner[id(v)][1] for k, v in entries.items() if owner.get(id(v), (None,))[0] is unit}
         if needs_masters(unit):
             on_host = unit.master_partition().device.type == "cpu"
-            flat = gather_masters(unit, group=host_group if on_host else group)
-            offsets, numels = unit.layout.offsets, unit.layout.numels
-            values = {i: flat[offsets[i] : offsets[i] + numels[i]].view(unit.shapes[i]) for i in set(keys.values())}
+            values = {
+                i: v.view(unit.shapes[i]) for i, v in gather_masters(unit, group=host_group if on_host else group)
+            }
         else:
             with runtime.gathered(unit) if runtime is not None else contextlib.nullcontext():
                 values = {i: unit.params[i].detach().to("cpu", copy=True) for i in set(keys.values())}

@@ -105,10 +105,12 @@ class ParamGathers:
 
 
 def runs_compiled_code(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds modules compiled by ``torch.compile`` (or is a LightningModule compiled whole, which
-    Lightning unwraps and marks)."""
+    """Whether ``model`` holds modules compiled by ``torch.compile`` or ``module.compile()`` (or is a LightningModule
+    compiled whole, which Lightning unwraps and marks)."""
     compiled = torch._dynamo.eval_frame.OptimizedModule
-    return getattr(model, "_compiler_ctx", None) is not None or any(isinstance(m, compiled) for m in model.modules())
+    return getattr(model, "_compiler_ctx", None) is not None or any(
+        isinstance(m, compiled) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+    )
 
 
 def _top_mode() -> TorchFunctionMode | None:

@@ -32,6 +32,7 @@ from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_zero import ZeroPrecision
 from lightning_zero.cli import main
 from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 
@@ -146,8 +147,8 @@ class Features(pl.LightningModule):
         return self._loader(TensorDataset(self.data.tensors[0][:16]))
 
 
-def _strategy(name: str):
-    if name in ("ddp", "auto", "ddp_find_unused_parameters_true"):
+def _strategy(name):
+    if not isinstance(name, str) or name in ("ddp", "auto", "ddp_find_unused_parameters_true"):
         return name
     return zero_strategy(int(name[-1]), param_persistence_threshold=0, reduce_bucket_size=100)
 
@@ -321,9 +322,18 @@ def _averaging(rank: int, world: int, root) -> dict:
         out[("ema-resumed", name)] = _averaging_run(name, world, root / "resumed", "ema", resume=str(resume))
     ddp_checkpoint = str(root / "ema-ddp" / "epoch=1.ckpt")  # a ddp EMA checkpoint resumed here (migration in)
     out[("ema-from-ddp", "zero2")] = _averaging_run("zero2", world, root / "from-ddp", "ema", resume=ddp_checkpoint)
+    for name in STRATEGIES[:3]:  # an EMA checkpoint tested without the callback: the averaged weights, as ddp
+        trainer = _trainer(name, world, root / "tested", logger=False)
+        (tested,) = trainer.test(Features(), ckpt_path=str(root / f"ema-{name}" / "epoch=1.ckpt"), verbose=False)
+        out[("ema-tested", name)] = tested["test_loss"]
     for kind in AVERAGING:
-        with pytest.raises(ValueError, match="does not work with zero3: it keeps a whole copy of the model"):
+        with pytest.raises(ValueError, match="does not work here: it keeps a whole copy of the model"):
             _averaging_run("zero3", world, root, kind)
+        strategy = zero_strategy(2)  # fp16 parameters with fp32 masters: the callback would write the copies only
+        plugins = [ZeroPrecision("16-mixed")]  # (on the CPU Lightning would turn precision="16-mixed" into bf16)
+        trainer = _trainer(strategy, world, root, max_epochs=1, callbacks=[AVERAGING[kind]()], plugins=plugins)
+        with pytest.raises(ValueError, match="not into their separate fp32 master weights"):
+            trainer.fit(Features())
     return out
 
 
@@ -336,6 +346,8 @@ def test_weight_averaging_equals_ddp_at_stages_1_and_2(ranks, tmp_path):
     results = ranks(_averaging, 2, tmp_path)
     for rank, result in enumerate(results):
         migrated = result[("ema-from-ddp", "zero2")]
+        for name in STRATEGIES[1:3]:
+            _close(result[("ema-tested", name)], result[("ema-tested", "ddp")], f"{name}: test on the EMA checkpoint")
         for kind in ("ema", "swa", "ema-resumed"):
             ddp = result[(kind, "ddp")]
             for name in STRATEGIES[1:3]:
@@ -407,6 +419,7 @@ def _tuning(rank: int, world: int, root) -> dict:
 def _close(a, b, what: str, tol: float = 1e-5) -> None:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)}"
+    assert a.numel() > 0, f"{what}: nothing to compare"
     err = relative_error(a, b)
     assert err <= tol, f"{what}: differs by {err:.2e} (relative)"
 
