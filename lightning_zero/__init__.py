@@ -7,7 +7,7 @@ registry, so ``Trainer(strategy="zero2")`` works after ``import lightning_zero``
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.config import LossScaleConfig, ZeroConfig
-from lightning_zero.gathered import gathered_parameters
+from lightning_zero.gathered import gathered_parameters, parameter_norms
 from lightning_zero.grad_norms import grad_norm
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.preemption import Preempted, PreemptionCheckpoint
@@ -26,6 +26,7 @@ __all__ = [
     "gathered_parameters",
     "grad_norm",
     "load_pretrained",
+    "parameter_norms",
     "resumable_loader",
 ]
 __version__ = "0.1.0"

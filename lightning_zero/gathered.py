@@ -1,4 +1,5 @@
-"""``gathered_parameters``: read (or write) whole parameters under any strategy, in the same code.
+"""``gathered_parameters``: read (or write) whole parameters under any strategy, in the same code; and
+``parameter_norms``, which needs no gathering.
 
 Under stage 3 a parameter read outside a step raises (sharding/sharded_param.py); code that must read one
 there (an EMA kept in a callback, a weight norm logged at an epoch's end, initializing a layer from a
@@ -14,9 +15,25 @@ from collections.abc import Generator
 from contextlib import contextmanager
 
 import lightning.pytorch as pl
+import torch
+from torch import Tensor
 from torch.nn import Module, Parameter
 
 from lightning_zero.strategy import ZeroStrategy
+
+
+def parameter_norms(module: pl.LightningModule, norm_type: float | int = 2.0) -> dict[str, Tensor]:
+    """Each parameter's ``norm_type``-norm and their total (``weight_{p}_norm/<name>``, ``weight_{p}_norm_total``,
+    as Lightning's ``grad_norm`` names gradients'), under any strategy: under the ZeRO strategies from the shards,
+    with one all-reduce and nothing gathered (collective: on every rank, in or between steps); elsewhere from
+    the whole parameters."""
+    strategy = module.trainer.strategy if module._trainer is not None else None
+    if isinstance(strategy, ZeroStrategy):
+        return strategy.parameter_norms(norm_type)
+    key = f"weight_{float(norm_type)}_norm"
+    out = {f"{key}/{n}": p.detach().norm(norm_type) for n, p in module.named_parameters()}
+    out[f"{key}_total"] = torch.stack(list(out.values())).norm(norm_type)
+    return out
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.checkpoint.format import AVERAGED, CURRENT, latest
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.full_state import full_state_dict, needs_masters
+from lightning_zero.sharding.full_state import full_state_dict, needs_masters, parameter_norms
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 AVERAGING = ("StochasticWeightAveraging", "WeightAveraging")  # (WeightAveraging: Lightning 2.6 on)
@@ -158,6 +158,13 @@ class CheckpointHooks:
             checkpoint["state_dict"], checkpoint[CURRENT] = averaged, self.lightning_module.state_dict()
         else:  # as ddp, whose checkpoint's state_dict holds the averaged weights: the model evaluates them
             self.lightning_module.load_state_dict(averaged)
+
+    def parameter_norms(self, norm_type: float = 2.0) -> dict[str, Any]:
+        """Each parameter's norm and the total, from the shards: nothing is gathered (sharding/full_state.py).
+        Collective: call it on every rank, anywhere (between steps and after ``fit`` too)."""
+        self._settle()
+        host = self.topology.host(self.topology.shard_group)
+        return parameter_norms(self.lightning_module, self._units, float(norm_type), group=host)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         zero_optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]

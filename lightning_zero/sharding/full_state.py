@@ -1,4 +1,5 @@
-"""The whole model's state dict from its flat units, gathered one unit at a time (collective).
+"""The whole model's state dict from its flat units, gathered one unit at a time, and its parameters' norms,
+gathered not at all (collectives both).
 
 A parameter that trains in 16 bits is taken from its fp32 master partitions (what the optimizer steps and
 what checkpoints hold), as ddp returns its fp32 weights: the 16-bit copy the forward reads would lose the
@@ -13,6 +14,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
@@ -63,3 +65,33 @@ def full_state_dict(
                 values = {i: unit.params[i].detach().to("cpu", copy=True) for i in set(keys.values())}
         out.update({k: values[i] for k, i in keys.items()})
     return {k: out[k] for k in entries}
+
+
+def parameter_norms(model: Module, units: Sequence[FlatUnit], norm_type: float, *, group=None) -> dict[str, Tensor]:
+    """Each parameter's ``norm_type``-norm and their total, keyed as Lightning's ``grad_norm`` keys its results
+    (``weight_{p}_norm/<name>``, ``weight_{p}_norm_total``), with nothing gathered: every rank sums its pieces
+    (the fp32 masters of what trains, the shards of what stage 3 keeps frozen) and one all-reduce of the
+    partial sums, on the host over ``group`` (a CPU group), adds them up. Parameters of no unit are whole on
+    every rank and read in place. Collective: call it on every rank."""
+    if not 0 < norm_type < float("inf"):
+        raise ValueError(f"norm_type must be a finite number > 0, got {norm_type!r}")
+    names, partials = [], []
+    for unit in units:
+        sums = torch.zeros(len(unit.params), dtype=torch.float64)
+        for piece in unit.layout.pieces(unit.rank):
+            lo, n = piece.partition_offset, piece.numel
+            values = unit.master_view(lo, n) if unit.trainable else unit.param_shard[lo : lo + n]
+            sums[piece.param] += values.double().abs().pow(norm_type).sum().cpu()
+        names += unit.names
+        partials.append(sums)
+    summed = torch.cat(partials) if partials else torch.zeros(0, dtype=torch.float64)
+    collectives.all_reduce(summed, dist.ReduceOp.SUM, group=group)
+    owned = {id(p) for u in units for p in u.params}
+    whole = [(n, p) for n, p in model.named_parameters() if id(p) not in owned]
+    names += [n for n, _ in whole]
+    local = [p.detach().double().abs().pow(norm_type).sum().cpu().reshape(1) for _, p in whole]
+    summed = torch.cat([summed, *local])
+    key = f"weight_{float(norm_type)}_norm"
+    out = {f"{key}/{name}": s.pow(1.0 / norm_type).float() for name, s in zip(names, summed)}
+    out[f"{key}_total"] = summed.sum().pow(1.0 / norm_type).float()
+    return out

@@ -7,9 +7,10 @@ when used): never a NaN.
 - Between steps a read of a sharded parameter raises one error naming the parameter and the ways to read it
   (an EMA over ``self.parameters()`` in ``on_train_batch_end``, ``pl_module.state_dict()`` in a callback, a
   frozen parameter read in ``on_train_end``, rank 0 alone reading after ``fit`` without waiting for the
-  others); inside ``lightning_zero.gathered_parameters(pl_module)`` the same code (and ddp's, unchanged)
-  sees the real values: the EMA equals ddp's, the frozen parameter its constructor's value, and
-  ``trainer.strategy.lightning_module_state_dict()`` equals ddp's state dict.
+  others); ``lightning_zero.parameter_norms(pl_module)`` there gives every parameter's norm, as one process
+  computes them, with no all-gather; inside ``lightning_zero.gathered_parameters(pl_module)`` the same
+  code (and ddp's, unchanged) sees the real values: the EMA equals ddp's, the frozen parameter its
+  constructor's value, and ``trainer.strategy.lightning_module_state_dict()`` equals ddp's state dict.
 - ``gathered_parameters(..., modifier_rank=0)`` writes rank 0's values into every rank's shards and master
   weights: training goes on from them.
 """
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import lightning_zero
+from lightning_zero.sharding import collectives
 from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 
 STEPS = 6
@@ -70,6 +72,9 @@ class ReadsBetweenSteps(pl.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         self._plain(lambda: pl_module.state_dict())
         self.state = trainer.strategy.lightning_module_state_dict()
+        with collectives.record() as issued:  # (the ZeRO strategies' collectives)
+            self.weight_norms = lightning_zero.parameter_norms(pl_module)
+        self.gathers = [c for c in issued if c[0] == "all_gather"]
 
     def on_train_end(self, trainer, pl_module):
         self._plain(lambda: pl_module.frozen_scale.sum())
@@ -102,7 +107,9 @@ def _worker(rank: int, world: int) -> dict:
             if rank == 0:  # rank 0 alone, after fit: an error, and nothing waits for rank 1
                 with pytest.raises(RuntimeError, match=READ_ERROR):
                     module.state_dict()
+        assert not reads.gathers, f"{name}: parameter_norms gathered {reads.gathers}"
         results[name] = {
+            "weight_norms": reads.weight_norms,
             "state": {k: v.float() for k, v in trainer.strategy.lightning_module_state_dict().items()},
             "epoch_state": {k: v.float() for k, v in reads.state.items()},
             "norms": module.norms,
@@ -136,7 +143,13 @@ def _modified_worker(rank: int, world: int) -> dict:
 def _reference() -> dict:
     """One process, the same global batches."""
     module, reads, trainer = _fit("auto", 1)
-    return {"state": module.state_dict(), "norms": module.norms, "ema": reads.ema, "frozen": reads.frozen}
+    return {
+        "state": module.state_dict(),
+        "norms": module.norms,
+        "ema": reads.ema,
+        "frozen": reads.frozen,
+        "weight_norms": reads.weight_norms,
+    }
 
 
 def test_parameters_read_in_and_between_steps_equal_ddp(ranks):
@@ -155,6 +168,10 @@ def test_parameters_read_in_and_between_steps_equal_ddp(ranks):
                 assert relative_error(value, reference["state"][key].float()) <= 1e-5, key
             err = relative_error(torch.tensor(run["norms"]), torch.tensor(reference["norms"]))
             assert err <= 1e-5, f"{name}: the logged norms differ from one process's by {err:.2e}"
+            assert set(run["weight_norms"]) == set(reference["weight_norms"]), name
+            for key, ref in reference["weight_norms"].items():
+                err = relative_error(run["weight_norms"][key], ref)
+                assert err <= 1e-5, f"{name}: parameter_norms()[{key!r}] differs from one process's by {err:.2e}"
             for ema, ref in zip(run["ema"], reference["ema"], strict=True):
                 assert relative_error(ema, ref) <= 1e-5, f"{name}: the EMA differs from one process's"
             assert torch.equal(run["frozen"], torch.linspace(1.0, 2.0, 9)), name
