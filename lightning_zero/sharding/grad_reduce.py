@@ -179,6 +179,12 @@ class GradReducer:
         def hook(param: Tensor) -> None:
             grad = param.grad
             param.grad = None
+            if unit.step_grad is not None:  # (the same on every rank: the same program runs everywhere)
+                raise RuntimeError(
+                    f"parameter {unit.names[index]!r} got a gradient after this step's gradients were reduced for"
+                    " the optimizer (by clip_gradients, or the optimizer's grad_norm/step preparation): call every"
+                    " backward of a step before clipping and stepping"
+                )
             unit.used[index] = 1
             self.backward_end.arm()
             if self.check_param_read is not None:

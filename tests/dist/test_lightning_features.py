@@ -408,8 +408,25 @@ def _features(rank: int, world: int, root) -> dict:
     return {name: {"callbacks": _callbacks_run(name, world, root)} for name in STRATEGIES[1:]}
 
 
+class BackwardAfterClip(Features):
+    """A backward after clipping, before the step: the clip has reduced the step's gradients already."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+
+    def training_step(self, batch, batch_idx):
+        backbone, _ = self.optimizers()
+        self.manual_backward(self._loss(batch))
+        self.clip_gradients(backbone, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        self.manual_backward(self._loss(batch))
+
+
 def _manual(rank: int, world: int, root) -> dict:
-    return {name: _manual_run(name, world, root) for name in STRATEGIES}
+    results = {name: _manual_run(name, world, root) for name in STRATEGIES}
+    for name in STRATEGIES[1:]:  # what ddp does (the later gradients unclipped) cannot be had: one clear error
+        with pytest.raises(RuntimeError, match="got a gradient after this step's gradients were reduced"):
+            _trainer(name, world, root, max_steps=1).fit(BackwardAfterClip())
+    return results
 
 
 def _tuning(rank: int, world: int, root) -> dict:
