@@ -41,6 +41,7 @@ from lightning_zero.loss_scaler import HOST_LAG, SCALE, SKIPPED_STEPS, DynamicLo
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed")
+GRAD_NORM_KEY = "zero/grad_norm"  # the global gradient norm, logged in steps that clip by norm
 
 
 def validate_precision(precision: str) -> None:
@@ -153,7 +154,7 @@ class ZeroPrecision(Precision):
                     f" as of step {model.trainer.global_step - HOST_LAG}"
                 )
         if self.last_grad_norm is not None:  # (clipped in this step: by the closure, or by hand before it)
-            model.log("grad_norm", self.last_grad_norm)
+            model.log(GRAD_NORM_KEY, self.last_grad_norm)  # (a key of ours: never over a metric the user logs)
             self.last_grad_norm = None
 
     def _prepare(self, zero: ZeroOptimizer) -> bool | Tensor:

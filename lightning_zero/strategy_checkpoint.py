@@ -49,7 +49,7 @@ def refuse_weight_averaging(callbacks: list[pl.Callback], why: str) -> None:
     if found:
         raise ValueError(
             f"{type(found[0]).__name__} does not work here: {why}. It works as under ddp with zero1 or zero2 in"
-            " 32-true or bf16-mixed; or keep an average yourself inside `with trainer.strategy.gathered_parameters("
+            " 32-true or bf16-mixed; or keep an average yourself inside `with lightning_zero.gathered_parameters("
             "pl_module):` (README: Stage 3)"
         )
 

@@ -157,8 +157,9 @@ class GradReducer:
                 self._handles.append(module.register_forward_pre_hook(self._make_forward_hook(params)))
 
     def _make_forward_hook(self, params: list[Parameter]):
-        @torch._dynamo.disable  # kept out of compiled graphs, as stage 3's hooks (stage3.py: [Note: compiled models])
         def hook(module: Module, args) -> None:
+            if torch.compiler.is_compiling():  # a compiled module's forward: traced as nothing (no graph break,
+                return  # no guard on these parameters); backward then expects what autograd will run (_expect)
             for p in params:
                 self._forward_used.setdefault(id(p), len(self._forward_used))
 

@@ -14,7 +14,7 @@ works as on the whole model. Whatever reads its values goes through ``__torch_fu
   backward finds them still gathered. Collective, like every gather: every rank reads the same parameters
   in the same order (the same code on every rank does);
 - anywhere else (callbacks between steps, after ``fit``, rank 0 alone) it raises one error that names the
-  parameter and the ways to read it: ``trainer.strategy.gathered_parameters(...)`` on every rank,
+  parameter and the ways to read it: ``lightning_zero.gathered_parameters(pl_module, ...)`` on every rank,
   ``trainer.strategy.lightning_module_state_dict()`` or, after ``fit``, ``gather_module()``. A NaN
   never reaches user code.
 
@@ -108,7 +108,7 @@ def read_error(name: str, where: str) -> RuntimeError:
     return RuntimeError(
         f"{name!r} is sharded across ranks by the ZeRO strategy (stage 3) and is not gathered {where}: its values"
         " can be read inside a training/validation/test/predict step, inside `with"
-        " trainer.strategy.gathered_parameters(module_or_params):` entered on every rank, through"
+        " lightning_zero.gathered_parameters(pl_module, *modules_or_params):` entered on every rank, through"
         " trainer.strategy.lightning_module_state_dict() (every rank), or after fit through"
-        " trainer.strategy.gather_module()"
+        " trainer.strategy.gather_module(); lightning_zero.parameter_norms(pl_module) needs no gathering"
     )

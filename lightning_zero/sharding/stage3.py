@@ -26,10 +26,13 @@ Prefetching never takes more than ``max_live_parameters`` elements of gathered u
 persistent units not counted); a unit that is about to run is gathered regardless.
 
 [Note: compiled models]
-The hooks run eagerly (``torch._dynamo.disable``): a module compiled with ``torch.compile`` breaks its graph
-at them, and its graphs never hold the schedule's state (which changes every step and would fail their
-guards, recompiling each step until Dynamo gives up and falls back to eager). Between the hooks a unit
-is whole, with its parameters' own class, so each graph is traced once per shape.
+The module hooks run eagerly (``torch._dynamo.disable``): a unit compiled with ``torch.compile`` breaks its
+graph at them (or they run outside it), and its graphs never hold the schedule's state (which changes every
+step and would fail their guards, recompiling each step until Dynamo gives up and falls back to eager).
+Attribute access inside a compiled graph is traced as a plain read, with no hook: the unit's forward hook has
+gathered it already, and a parameter read outside its unit that is not whole when the graph runs fails the
+graph's guards (a placeholder's class and strides differ), so that call runs eagerly, through the hook.
+Between the hooks a unit is whole, with its parameters' own class, so each graph is traced once per shape.
 
 [Note: uneven inputs]
 Validation, test and predict loops can give ranks different numbers of batches (Lightning's predict
@@ -88,7 +91,8 @@ class _GatherOnAccess(dict):
 
     def __getitem__(self, name: str) -> Any:
         param = super().__getitem__(name)
-        self.runtime.on_access(param)
+        if not torch.compiler.is_compiling():  # see [Note: compiled models]
+            self.runtime.on_access(param)
         return param
 
 
@@ -265,7 +269,6 @@ class Stage3Runtime:
         self.backward_end.arm()
         self.schedule.backward(entry)
 
-    @torch._dynamo.disable
     def on_access(self, param: Tensor) -> None:
         unit = self._owner.get(id(param))
         if unit is None or unit in self.root or not self.in_step or in_backward():

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.tuner import Tuner
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -104,6 +105,10 @@ class Features(pl.LightningModule):
             sched.step()
             self.untoggle_optimizer(opt)
         return None
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.automatic_optimization:  # the user's own "grad_norm", the head's (the strategy's: "zero/grad_norm")
+            self.log("grad_norm", grad_norm(self.head, 2)["grad_2.0_norm_total"])
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self._loss(batch), sync_dist=True)
@@ -194,6 +199,7 @@ def _callbacks_run(name: str, world: int, root) -> dict:
         logger=logger,
         enable_checkpointing=True,
         log_every_n_steps=1,
+        gradient_clip_val=1.0,
     )
     trainer.fit(module)
     fitted = _state(trainer)
@@ -202,7 +208,11 @@ def _callbacks_run(name: str, world: int, root) -> dict:
     predictions = torch.cat(trainer.predict(module))
     return {
         "losses": module.losses,
-        "metrics": [(step, m) for step, m in logger.metrics if not any(k.startswith("test") for k in m)],
+        "metrics": [
+            (step, {k: v for k, v in m.items() if not k.startswith("zero/")})  # (the strategy's own)
+            for step, m in logger.metrics
+            if not any(k.startswith("test") for k in m)
+        ],
         "state": fitted,
         "best_state": best,
         "best": (checkpoint.best_model_path.split("/")[-1], float(checkpoint.best_model_score)),
@@ -371,8 +381,8 @@ def test_weight_averaging_equals_ddp_at_stages_1_and_2(ranks, tmp_path):
 
 
 class CompiledGPT(EquivalenceModule):
-    """The GPT's network compiled with a backend that counts the graphs Dynamo hands it (and runs them as
-    traced: the numbers are eager's)."""
+    """The GPT's blocks compiled one by one (as FSDP2 recommends; under stage 3 each block is a unit), with a
+    backend that counts the graphs Dynamo hands it (and runs them as traced: the numbers are eager's)."""
 
     def __init__(self) -> None:
         super().__init__("gpt", steps=8)
@@ -384,8 +394,10 @@ class CompiledGPT(EquivalenceModule):
             self.graphs += 1
             return graph.forward
 
-        if not isinstance(self.net, torch._dynamo.eval_frame.OptimizedModule):
-            self.net = torch.compile(self.net, backend=counting)
+        blocks = self.net.blocks
+        for i, block in enumerate(blocks):
+            if not isinstance(block, torch._dynamo.eval_frame.OptimizedModule):
+                blocks[i] = torch.compile(block, backend=counting)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.per_step.append(self.graphs)
@@ -449,7 +461,8 @@ def test_callbacks_checkpoints_test_and_predict_equal_one_process(ranks, tmp_pat
     single = _callbacks_run("auto", 1, tmp_path / "single")  # one process: the same global batches
     assert single["groups"] == 2 and 1 <= single["stopped_epoch"] < 7, "the callbacks did not act: nothing is seen"
     logged = {key for _, metrics in single["metrics"] for key in metrics}
-    assert {"lr-AdamW/pg1", "lr-AdamW/pg2", "val_loss"} <= logged, logged  # pg2: the backbone's, added at epoch 1
+    # pg2: the backbone's group, added at epoch 1
+    assert {"lr-AdamW/pg1", "lr-AdamW/pg2", "val_loss", "grad_norm"} <= logged, logged
     for name in STRATEGIES[1:]:
         runs = [result[name]["callbacks"] for result in results]
         # Each rank's loss is over half the global batch: their mean is one process's loss.
@@ -511,15 +524,16 @@ def test_buffers_are_broadcast_as_ddp_broadcasts_them(ranks, tmp_path):
 
 
 def test_compiled_models_compile_once(ranks):
-    """torch.compile under every stage (stage 3 gathering every unit around its forward): graphs are made in
-    the first steps only (each module once per shape, the hooks eager between them), never again, no frame
-    gives up to eager, and the training equals ddp's compiled."""
+    """torch.compile under every stage (stage 3 gathering every unit around its forward): as many graphs as
+    under ddp (no graph break of ours inside a block), made in the first steps only, no frame gives up to
+    eager, and the training equals ddp's compiled."""
     results = ranks(_compiled, 2)
     for rank, result in enumerate(results):
         for name in STRATEGIES:
             run, ddp, where = result[name], result["ddp"], f"{name} rank {rank}"
             counts = run["per_step"]
             assert counts[0] > 0 and counts[3:] == [counts[2]] * len(counts[3:]), f"{where}: graphs {counts}"
+            assert counts[-1] == ddp["per_step"][-1], f"{where}: {counts[-1]} graphs, ddp {ddp['per_step'][-1]}"
             _close(run["losses"], ddp["losses"], f"{where}: the losses against ddp's")
             for key, value in ddp["state"].items():
                 _close(run["state"][key], value, f"{where}: {key} against ddp's")

@@ -51,7 +51,7 @@ def test_metrics_reach_the_logger(ranks, tmp_path):
         "peak_mem_GiB",
         "loss_scale",
         "skipped_steps",
-        "grad_norm",
+        "zero/grad_norm",
         "memory/rank0_parameters_bytes",
         "memory/rank0_gradients_bytes",
         "memory/rank0_optimizer_state_bytes",
