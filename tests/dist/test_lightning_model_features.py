@@ -1,0 +1,244 @@
+"""What a model holds under zero1/zero2/zero3 as under ddp, on 2 ranks (stage 3 really sharding):
+
+- BatchNorm's buffers broadcast from rank 0 where ddp broadcasts them (``broadcast_buffers``), or not;
+  ``sync_batchnorm=True`` refused on the CPU;
+- Lightning's weight averaging (EMAWeightAveraging, StochasticWeightAveraging) at stages 1 and 2, with its
+  checkpoints, resume, test and export; refused at stage 3 and where parameters have separate masters;
+- torch.compile: as many graphs as under ddp, compiled once.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+
+from lightning_zero import ZeroPrecision
+from lightning_zero.cli import main
+from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
+from tests.support.lightning_features import (
+    STRATEGIES,
+    Features,
+    Recorder,
+    assert_close,
+    feature_trainer,
+    whole_state,
+)
+
+
+class Normed(Features):
+    """A BatchNorm in the backbone: running statistics each rank updates on its own batch. (The linear layer
+    before it has no bias, as usual: BatchNorm removes the mean, so that bias's true gradient is zero and
+    Adam would turn rounding noise into full-size updates, under ddp too.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        norm = nn.BatchNorm1d(24)
+        self.backbone = nn.Sequential(nn.Linear(12, 24, bias=False), norm, nn.Tanh(), nn.Linear(24, 24), nn.Tanh())
+
+
+class BufferTrace(pl.Callback):
+    """Each rank's running mean after every training micro-batch (before the next one's broadcast, if any)."""
+
+    def __init__(self) -> None:
+        self.means: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.means.append(pl_module.backbone[1].running_mean.clone())
+
+
+def _buffers_run(name: str, world: int, root, broadcast: bool) -> dict:
+    pl.seed_everything(0)
+    module = Normed()
+    if name == "ddp":
+        strategy = DDPStrategy(broadcast_buffers=broadcast)
+    else:
+        strategy = zero_strategy(int(name[-1]), param_persistence_threshold=0, broadcast_buffers=broadcast)
+    logger, trace = Recorder(), BufferTrace()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        callbacks=[trace],
+        accelerator="cpu",
+        devices=world,
+        default_root_dir=root,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        logger=logger,
+    )
+    trainer.fit(module)
+    val_losses = [m["val_loss"] for _, m in logger.metrics if "val_loss" in m]
+    buffers = {k: v.clone() for k, v in module.named_buffers()}
+    return {
+        "val_loss": val_losses,
+        "state": whole_state(trainer),
+        "buffers": buffers,
+        "trace": torch.stack(trace.means),
+    }
+
+
+def _buffers(rank: int, world: int, root) -> dict:
+    results = {(name, b): _buffers_run(name, world, root, b) for name in STRATEGIES for b in (True, False)}
+    strategy = zero_strategy(2)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, sync_batchnorm=True, logger=False)
+    with pytest.raises(ValueError, match="sync_batchnorm=True: torch's SyncBatchNorm runs on CUDA only"):
+        trainer.fit(Normed())
+    return results
+
+
+AVERAGING = {
+    "ema": lambda: EMAWeightAveraging(decay=0.9),
+    "swa": lambda: StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1, annealing_epochs=1),
+}
+
+
+def _averaging_run(name: str, world: int, root, kind: str, epochs: int = 3, resume: str | None = None) -> dict:
+    pl.seed_everything(0)
+    module = Features()
+    checkpoints = ModelCheckpoint(root / f"{kind}-{name}", save_top_k=-1, filename="{epoch}")
+    logger = Recorder()
+    callbacks = [AVERAGING[kind](), checkpoints]
+    trainer = feature_trainer(
+        name, world, root, max_epochs=epochs, callbacks=callbacks, logger=logger, enable_checkpointing=True
+    )
+    trainer.fit(module, ckpt_path=resume)
+    val_losses = [m["val_loss"] for _, m in logger.metrics if "val_loss" in m]
+    return {"val_loss": val_losses, "state": whole_state(trainer), "losses": module.losses}
+
+
+def _averaging(rank: int, world: int, root) -> dict:
+    out = {(kind, name): _averaging_run(name, world, root, kind) for kind in AVERAGING for name in STRATEGIES[:3]}
+    for name in STRATEGIES[:3]:  # the EMA resumed from the end of epoch 1 (averaged weights saved, then loaded)
+        resume = root / f"ema-{name}" / "epoch=1.ckpt"
+        out[("ema-resumed", name)] = _averaging_run(name, world, root / "resumed", "ema", resume=str(resume))
+    ddp_checkpoint = str(root / "ema-ddp" / "epoch=1.ckpt")  # a ddp EMA checkpoint resumed here (migration in)
+    out[("ema-from-ddp", "zero2")] = _averaging_run("zero2", world, root / "from-ddp", "ema", resume=ddp_checkpoint)
+    for name in STRATEGIES[:3]:  # an EMA checkpoint tested without the callback: the averaged weights, as ddp
+        trainer = feature_trainer(name, world, root / "tested", logger=False)
+        (tested,) = trainer.test(Features(), ckpt_path=str(root / f"ema-{name}" / "epoch=1.ckpt"), verbose=False)
+        out[("ema-tested", name)] = tested["test_loss"]
+    for kind in AVERAGING:
+        with pytest.raises(ValueError, match="does not work here: it keeps a whole copy of the model"):
+            _averaging_run("zero3", world, root, kind)
+        strategy = zero_strategy(2)  # fp16 parameters with fp32 masters: the callback would write the copies only
+        plugins = [ZeroPrecision("16-mixed")]  # (on the CPU Lightning would turn precision="16-mixed" into bf16)
+        trainer = feature_trainer(strategy, world, root, max_epochs=1, callbacks=[AVERAGING[kind]()], plugins=plugins)
+        with pytest.raises(ValueError, match="not into their separate fp32 master weights"):
+            trainer.fit(Features())
+    return out
+
+
+def test_weight_averaging_equals_ddp_at_stages_1_and_2(ranks, tmp_path):
+    """EMAWeightAveraging and StochasticWeightAveraging (the averaged weights swapped in for validation and
+    copied in at the end) equal ddp's; an EMA checkpoint keeps the averaged weights: resuming from it equals
+    the run that went on, under ddp and here (and a ddp EMA checkpoint resumed under zero2 equals ddp's run
+    that went on), and ``consolidate`` exports the averaged weights, as ddp's
+    checkpoint holds them. Stage 3 refuses them at set-up."""
+    results = ranks(_averaging, 2, tmp_path)
+    for rank, result in enumerate(results):
+        migrated = result[("ema-from-ddp", "zero2")]
+        for name in STRATEGIES[1:3]:
+            assert_close(
+                result[("ema-tested", name)], result[("ema-tested", "ddp")], f"{name}: test on the EMA checkpoint"
+            )
+        for kind in ("ema", "swa", "ema-resumed"):
+            ddp = result[(kind, "ddp")]
+            for name in STRATEGIES[1:3]:
+                run, where = result[(kind, name)], f"{kind} {name} rank {rank}"
+                assert_close(run["val_loss"], ddp["val_loss"], f"{where}: the logged val_loss")
+                for key, value in ddp["state"].items():
+                    assert_close(run["state"][key], value, f"{where}: {key} at the end")
+        for name, resumed in [*((n, result[("ema-resumed", n)]) for n in STRATEGIES[:3]), ("ddp", migrated)]:
+            went_on = result[("ema", name)]
+            assert_close(
+                resumed["val_loss"], went_on["val_loss"][-1:], f"{name} rank {rank}: val_loss after the resume"
+            )
+            for key, value in went_on["state"].items():
+                assert_close(resumed["state"][key], value, f"{name} rank {rank}: {key} resumed against went on")
+    ddp_saved = torch.load(tmp_path / "ema-ddp" / "epoch=1.ckpt", weights_only=True)
+    assert "current_model_state" in ddp_saved  # (the swap this test is about)
+    for name in STRATEGIES[1:3]:
+        out = tmp_path / f"ema-{name}.pt"
+        main(["consolidate", str(tmp_path / f"ema-{name}" / "epoch=1.ckpt"), str(out)])
+        exported = torch.load(out, weights_only=True)
+        for key, value in ddp_saved["state_dict"].items():
+            assert_close(exported[key], value, f"{name}: the exported {key} against ddp's saved average")
+
+
+class CompiledGPT(EquivalenceModule):
+    """The GPT's blocks compiled one by one (as FSDP2 recommends; under stage 3 each block is a unit), with a
+    backend that counts the graphs Dynamo hands it (and runs them as traced: the numbers are eager's)."""
+
+    def __init__(self) -> None:
+        super().__init__("gpt", steps=8)
+        self.graphs = 0
+        self.per_step: list[int] = []
+
+    def configure_model(self):
+        def counting(graph, inputs):
+            self.graphs += 1
+            return graph.forward
+
+        blocks = self.net.blocks
+        for i, block in enumerate(blocks):
+            if not isinstance(block, torch._dynamo.eval_frame.OptimizedModule):
+                blocks[i] = torch.compile(block, backend=counting)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.per_step.append(self.graphs)
+
+
+def _compiled(rank: int, world: int) -> dict:
+    out = {}
+    for name in STRATEGIES:
+        torch._dynamo.reset()
+        pl.seed_everything(0)
+        module = CompiledGPT()
+        strategy = name if name == "ddp" else zero_strategy(int(name[-1]), param_persistence_threshold=0)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # (no silent fall back to eager)
+            make_trainer(strategy, world, steps=8).fit(module)
+        out[name] = {"per_step": module.per_step, "state": whole_state(module.trainer), "losses": module.losses}
+    return out
+
+
+def test_buffers_are_broadcast_as_ddp_broadcasts_them(ranks, tmp_path):
+    """BatchNorm without SyncBN: with broadcast_buffers (ddp's default, and ours) every rank validates with rank
+    0's running statistics, and without it with its own; either way each rank's buffers, the weights and the
+    logged val_loss equal ddp's under the same setting. sync_batchnorm=True is refused at set-up on the CPU."""
+    results = ranks(_buffers, 2, tmp_path)
+    for broadcast in (True, False):
+        for rank, result in enumerate(results):
+            ddp = result[("ddp", broadcast)]
+            for name in STRATEGIES[1:]:
+                run, where = result[(name, broadcast)], f"{name} rank {rank} broadcast_buffers={broadcast}"
+                assert_close(run["val_loss"], ddp["val_loss"], f"{where}: the logged val_loss")
+                assert_close(run["trace"], ddp["trace"], f"{where}: the running mean after each micro-batch")
+                for key, value in ddp["buffers"].items():
+                    assert_close(run["buffers"][key], value, f"{where}: {key}")
+                for key, value in ddp["state"].items():
+                    assert_close(run["state"][key], value, f"{where}: {key}")
+    # The setting matters here (else this test could not tell them apart):
+    with_, without = results[1][("ddp", True)], results[1][("ddp", False)]
+    assert relative_error(torch.tensor(with_["val_loss"]), torch.tensor(without["val_loss"])) > 1e-4
+
+
+def test_compiled_models_compile_once(ranks):
+    """torch.compile under every stage (stage 3 gathering every unit around its forward): as many graphs as
+    under ddp (no graph break of ours inside a block), made in the first steps only, no frame gives up to
+    eager, and the training equals ddp's compiled."""
+    results = ranks(_compiled, 2)
+    for rank, result in enumerate(results):
+        for name in STRATEGIES:
+            run, ddp, where = result[name], result["ddp"], f"{name} rank {rank}"
+            counts = run["per_step"]
+            assert counts[0] > 0 and counts[3:] == [counts[2]] * len(counts[3:]), f"{where}: graphs {counts}"
+            assert counts[-1] == ddp["per_step"][-1], f"{where}: {counts[-1]} graphs, ddp {ddp['per_step'][-1]}"
+            assert_close(run["losses"], ddp["losses"], f"{where}: the losses against ddp's")
+            for key, value in ddp["state"].items():
+                assert_close(run["state"][key], value, f"{where}: {key} against ddp's")
