@@ -58,20 +58,8 @@ def _buffers_run(name: str, world: int, root, broadcast: bool) -> dict:
     else:
         strategy = zero_strategy(int(name[-1]), param_persistence_threshold=0, broadcast_buffers=broadcast)
     logger, trace = Recorder(), BufferTrace()
-    trainer = pl.Trainer(
-        strategy=strategy,
-        callbacks=[trace],
-        accelerator="cpu",
-        devices=world,
-        default_root_dir=root,
-        use_distributed_sampler=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        max_epochs=2,
-        accumulate_grad_batches=2,
-        logger=logger,
-    )
+    kwargs = dict(max_epochs=2, accumulate_grad_batches=2, callbacks=[trace], logger=logger)
+    trainer = feature_trainer(strategy, world, root, **kwargs)
     trainer.fit(module)
     val_losses = [m["val_loss"] for _, m in logger.metrics if "val_loss" in m]
     buffers = {k: v.clone() for k, v in module.named_buffers()}
