@@ -150,9 +150,9 @@ class CheckpointHooks:
         self._settle()
         checkpoint_io.load_model(self._loaded, self.lightning_module, self._units, group=self.topology.shard_group)
         averaged = checkpoint.pop(AVERAGED, None)  # WeightAveraging's swap (checkpoint/format.py)
-        trainer = self.lightning_module.trainer
         if averaged is None:
             return
+        trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING and averaging_callbacks(trainer.callbacks, ("WeightAveraging",)):
             # what its on_load_checkpoint reads: it loads the average into its copy, the model from CURRENT (itself)
             checkpoint["state_dict"], checkpoint[CURRENT] = averaged, self.lightning_module.state_dict()
