@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.utils import _sync_module_states as torch_sync_module_states
 
+from lightning_zero.averaging_callbacks import attach_average, detach_average, shard_averaging_callbacks
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import rng
 from lightning_zero.config import ZeroConfig
@@ -41,6 +42,7 @@ from lightning_zero.precision import (
 )
 from lightning_zero.preemption import end_on_signal_outside_training, ensure_preemption_callback
 from lightning_zero.sharding import collectives
+from lightning_zero.sharding.averaging import WeightAverage
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.buffer_sync import BufferSync
 from lightning_zero.sharding.build import (
@@ -59,7 +61,7 @@ from lightning_zero.sharding.stage3_setup import (
     install_load_hooks,
 )
 from lightning_zero.sharding.topology import Topology, make_topology
-from lightning_zero.strategy_checkpoint import CheckpointHooks, refuse_weight_averaging
+from lightning_zero.strategy_checkpoint import CheckpointHooks
 from lightning_zero.strategy_stage3 import Stage3Hooks
 
 
@@ -112,6 +114,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         self._units: list[FlatUnit] = []
         self._stage3: Stage3Runtime | None = None
         self._buffer_sync: BufferSync | None = None  # while fitting, with config.broadcast_buffers
+        self._averaging: list[pl.Callback] = []  # while fitting: Lightning's weight averaging, sharded
+        self._average: WeightAverage | None = None  # its average (sharding/averaging.py)
         self._blocked = False  # inside block_backward_sync: a micro-batch before the step's last
         self._backward_end = BackwardEnd()
         self.traffic = collectives.Traffic()  # what this strategy's collectives covered while it was set up
@@ -173,10 +177,9 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self.config.stage == 3:
-            # before the callbacks' setup, in which they copy the whole model
-            why = "it keeps a whole copy of the model and writes every parameter between steps, which zero3 shards"
-            refuse_weight_averaging(trainer.callbacks, why)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            # before the callbacks' setup, in which they would copy the whole model (see averaging_callbacks.py)
+            self._averaging = shard_averaging_callbacks(trainer.callbacks)
         if self.topology.world is not _get_default_group():  # made once per process group (fit, then test...)
             self.topology = make_topology(  # collective with hybrid sharding: every rank, here, in one order
                 self.config.shard_group_size,
@@ -254,12 +257,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             )
             for optimizer in self.optimizers:
                 optimizer.activate = self._activate  # add_param_group
-            if any(u.master is not None for u in self._units):  # (stages 1-2: the flat buffer is the master)
-                why = (
-                    "it copies the averaged weights into the parameters, not into their separate fp32 master weights"
-                    " (precision 16-mixed, or offload), which train and which checkpoints hold"
-                )
-                refuse_weight_averaging(trainer.callbacks, why)
+            group = self.topology.shard_group
+            self._average = attach_average(self._averaging, module, self._units, group=group, settle=self._settle)
             if self._stage3 is not None:
                 self._stage3.reducer = self._reducer
             if self._gathers is not None:  # see [Note: post-step gathers]
@@ -284,6 +283,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             self._units += units
             unit_location.add(units)
             self._load_hooks += install_load_hooks(self.lightning_module, units)
+            if self._average is not None:
+                self._average.units_changed()
         self._reducer.add_units(units)
         if self._gathers is not None:
             self._gathers.add_units(units)
@@ -423,6 +424,8 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             UnitIndex.detach(module)
         self._pending_rng = self._rng_after_step = None
         self._buffer_sync = None
+        detach_average(self._averaging)
+        self._averaging, self._average = [], None
         self._observing.close()
         self._collective_log = None
         if module is not None and (self._stage3 is not None or any(p.is_meta for p in module.parameters())):
@@ -439,9 +442,13 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     # --- introspection ----------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
         """This rank's persistent bytes by category, device and ``host_*`` (see ``memory.persistent_bytes``;
-        stage 3's units gathered for a moment: ``peak_gathered_bytes``)."""
+        stage 3's units gathered for a moment: ``peak_gathered_bytes``), and ``weight_average`` while a
+        weight-averaging callback keeps one (this rank's share, sharding/averaging.py)."""
         offloaded = self.config.offload_optimizer != "none"
-        return persistent_bytes(self._units, self.optimizers, self.lightning_module, offloaded=offloaded)
+        totals = persistent_bytes(self._units, self.optimizers, self.lightning_module, offloaded=offloaded)
+        if self._average is not None:
+            totals["weight_average"] = self._average.nbytes()
+        return totals
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

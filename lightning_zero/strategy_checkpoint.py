@@ -20,38 +20,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-import lightning.pytorch.callbacks as lightning_callbacks
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint import save as checkpoint_save
-from lightning_zero.checkpoint.format import AVERAGED, CURRENT, latest
+from lightning_zero.checkpoint.format import latest
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.full_state import full_state_dict, needs_masters, parameter_norms
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
-
-AVERAGING = ("StochasticWeightAveraging", "WeightAveraging")  # (WeightAveraging: Lightning 2.6 on)
-
-
-def averaging_callbacks(callbacks: list[pl.Callback], kinds: tuple[str, ...] = AVERAGING) -> list[pl.Callback]:
-    """Lightning's weight-averaging callbacks among ``callbacks``."""
-    classes = tuple(getattr(lightning_callbacks, n) for n in kinds if hasattr(lightning_callbacks, n))
-    return [c for c in callbacks if isinstance(c, classes)]
-
-
-def refuse_weight_averaging(callbacks: list[pl.Callback], why: str) -> None:
-    """Lightning's weight-averaging callbacks keep a whole copy of the module and copy it into the parameters
-    (``p.data``) between steps: refused at set-up where that cannot be right (``why``), with one line."""
-    found = averaging_callbacks(callbacks)
-    if found:
-        raise ValueError(
-            f"{type(found[0]).__name__} does not work here: {why}. It works as under ddp with zero1 or zero2 in"
-            " 32-true or bf16-mixed; or keep an average yourself inside `with lightning_zero.gathered_parameters("
-            "pl_module):` (README: Stage 3)"
-        )
 
 
 def _complete_hpc_checkpoint(path: Any) -> Any:
@@ -101,6 +79,7 @@ class CheckpointHooks:
             shard_rank=self.topology.shard_rank,
             writes_shards=self.topology.writes_checkpoint_shards,
             consolidated=self.config.save_consolidated,
+            average=self._average,
         )
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -147,17 +126,18 @@ class CheckpointHooks:
             rng.put_back(self._rng_after_step)  # see [Note: generators across a resume]
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """The weights, and a weight average where the checkpoint has one: into the averaging callback's while
+        fitting with one; else, where it is what the checkpoint presents as the weights (WeightAveraging's), into
+        the model, as ddp's checkpoint holds it as its state_dict (see checkpoint/format.py)."""
         self._settle()
-        checkpoint_io.load_model(self._loaded, self.lightning_module, self._units, group=self.topology.shard_group)
-        averaged = checkpoint.pop(AVERAGED, None)  # WeightAveraging's swap (checkpoint/format.py)
-        if averaged is None:
-            return
-        trainer = self.lightning_module.trainer
-        if trainer.state.fn == TrainerFn.FITTING and averaging_callbacks(trainer.callbacks, ("WeightAveraging",)):
-            # what its on_load_checkpoint reads: it loads the average into its copy, the model from CURRENT (itself)
-            checkpoint["state_dict"], checkpoint[CURRENT] = averaged, self.lightning_module.state_dict()
-        else:  # as ddp, whose checkpoint's state_dict holds the averaged weights: the model evaluates them
-            self.lightning_module.load_state_dict(averaged)
+        saved, average = self._loaded.average, self._average
+        as_weights = average is None and saved is not None and saved["exported"]
+        group = self.topology.shard_group
+        checkpoint_io.load_model(self._loaded, self.lightning_module, self._units, group=group, averaged=as_weights)
+        if average is not None and saved is not None:
+            checkpoint_io.load_average(self._loaded, average)
+        elif average is not None:  # as Lightning's callbacks do: the average starts from the loaded weights
+            average.restart()
 
     def parameter_norms(self, norm_type: float = 2.0) -> dict[str, Any]:
         """Each parameter's norm and the total, from the shards: nothing is gathered (sharding/full_state.py).

@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_zero.checkpoint.format import (
     AVERAGED,
+    AVERAGED_IN_SHARDS,
     CheckpointError,
     Metadata,
     check_files,
@@ -75,12 +76,21 @@ def _sources(directory: Path, meta: Metadata, lightning: dict[str, Any]) -> list
     """(state-dict key, where its value comes from), in the module's key order; tied keys share a source."""
     reader = ShardReader(directory, meta, keep_open=False)
     replicated = lightning["state_dict"]
+    # WeightAveraging's average is what Lightning's checkpoint holds as the weights (format.py's Note)
+    settings = lightning.get(AVERAGED_IN_SHARDS)
+    exported = AVERAGED in lightning and (settings is None or settings.get("exported") is True)
+    in_shards = exported and settings is not None
+    averaged = lightning[AVERAGED] if exported else {}
     by_key: dict[str, Source] = {}
     for unit in meta.units:
         for entry in unit.params:
-            source = (entry.name, lambda n=entry.name: reader.full(n), tuple(entry.shape), torch.float32)
+            source = (
+                entry.name,
+                lambda n=entry.name: reader.full(n, averaged=in_shards),
+                tuple(entry.shape),
+                torch.float32,
+            )
             by_key.update({key: source for key in entry.keys})
-    averaged = lightning.get(AVERAGED, {})  # WeightAveraging's weights, which Lightning exports (format.py)
     for key, value in {**replicated, **averaged}.items():
         dtype = torch.float32 if value.is_floating_point() else value.dtype
         by_key[key] = (f"{id(value)}", lambda v=value, d=dtype: v.to("cpu", d), tuple(value.shape), dtype)

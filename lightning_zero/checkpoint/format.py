@@ -48,11 +48,18 @@ METADATA = "metadata.json"
 LIGHTNING = "lightning.pt"
 COMPLETE = "COMPLETE"
 CONSOLIDATED = "consolidated.ckpt"  # optional: see the module's docstring
-# Lightning's WeightAveraging saves the averaged weights as the checkpoint's "state_dict" and the model's own
-# as CURRENT. The model's own are the shards here: lightning.pt keeps the averaged ones (whole, as the
-# callback holds them) under AVERAGED, and loading gives the callback back what it saved (strategy_checkpoint.py).
+# [Note: averaged weights in a checkpoint]
+# A run with a weight-averaging callback (sharding/averaging.py) saves its average beside the weights: each rank
+# file's unit entries hold their averaged partition ("averaged", laid out as "master"), and lightning.pt holds
+# the averaged parameters of no unit and buffers whole under AVERAGED, and AVERAGED_IN_SHARDS = {"exported":
+# bool}: whether the average is what the checkpoint presents as the model's weights (Lightning's
+# WeightAveraging saves its average as the checkpoint's "state_dict", so testing or exporting the checkpoint reads
+# it, as under ddp), or only the callback's state (StochasticWeightAveraging). Read as such, AVERAGED without
+# AVERAGED_IN_SHARDS (an earlier version's stage-1/2 checkpoint, or a plain ddp file's "state_dict" beside
+# CURRENT, the model's own weights there) holds the whole average, presented as the weights.
 CURRENT = "current_model_state"
 AVERAGED = "averaged_state_dict"
+AVERAGED_IN_SHARDS = "averaged_in_shards"
 
 
 def rank_file(rank: int) -> str:

@@ -18,6 +18,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.checkpoint.format import (
+    AVERAGED,
+    AVERAGED_IN_SHARDS,
     CheckpointError,
     Metadata,
     check_files,
@@ -27,6 +29,7 @@ from lightning_zero.checkpoint.format import (
 from lightning_zero.checkpoint.plain import PlainReader, read_plain
 from lightning_zero.checkpoint.shards import ShardReader
 from lightning_zero.sharding import collectives
+from lightning_zero.sharding.averaging import WeightAverage
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
@@ -39,6 +42,19 @@ class LoadedCheckpoint:
     meta: Metadata
     lightning: dict[str, Any]
     reader: ShardReader | PlainReader
+
+    @property
+    def average(self) -> dict[str, Any] | None:
+        """How the checkpoint holds a weight average, if it does: {"in_shards": bool, "exported": bool} (see
+        [Note: averaged weights in a checkpoint] in format.py)."""
+        if AVERAGED not in self.lightning:
+            return None
+        if AVERAGED_IN_SHARDS not in self.lightning:
+            return {"in_shards": False, "exported": True}
+        exported = self.lightning[AVERAGED_IN_SHARDS].get("exported")
+        if not isinstance(exported, bool):
+            raise CheckpointError(f"{self.path}: {AVERAGED_IN_SHARDS} must hold a bool 'exported', got {exported!r}")
+        return {"in_shards": True, "exported": exported}
 
 
 def open_checkpoint(
@@ -75,9 +91,12 @@ def open_checkpoint(
     return loaded
 
 
-def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit], *, group=None) -> None:
+def load_model(
+    loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit], *, group=None, averaged: bool = False
+) -> None:
     """Loads every parameter and buffer of ``model``, whichever of them the checkpoint sharded and this
-    run shards: this rank's pieces of sharded parameters (``units``), whole values of the others.
+    run shards: this rank's pieces of sharded parameters (``units``), whole values of the others; with
+    ``averaged`` the checkpoint's weight average instead of its weights (``loaded.average`` says it has one).
 
     Raises one CheckpointError listing every name and shape that differs before anything is written."""
     entries = model.state_dict(keep_vars=True)
@@ -85,6 +104,9 @@ def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit
     for key, value in entries.items():
         keys_of.setdefault(id(value), []).append(key)
     replicated = loaded.lightning["state_dict"]
+    if averaged:
+        replicated = {**replicated, **loaded.lightning[AVERAGED]}
+    in_shards = averaged and loaded.average["in_shards"]
     saved = {p.name: tuple(p.shape) for u in loaded.meta.units for p in u.params}
     saved.update({k: tuple(v.shape) for k, v in replicated.items()})
     params = dict(model.named_parameters())
@@ -111,7 +133,7 @@ def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit
         if key in replicated:
             out.copy_(replicated[key].reshape(-1)[lo:hi])
         else:
-            loaded.reader.read(key, lo, hi, out)
+            loaded.reader.read(key, lo, hi, out, averaged=in_shards)
 
     # Every rank reads its pieces first and the ranks agree that all of them could (a file this rank
     # cannot map, a tensor of the wrong size) before any collective: one rank failing between the
@@ -131,6 +153,30 @@ def load_model(loaded: LoadedCheckpoint, model: Module, units: Sequence[FlatUnit
                 unit.follow_master(group=group)  # the parameters follow the loaded master (``group``: the shard group)
             elif unit.gathered:  # a frozen unit kept whole: gather the loaded shards
                 collectives.wait(unit.unshard(async_op=False, group=group))
+
+
+def load_average(loaded: LoadedCheckpoint, average: WeightAverage) -> None:
+    """Sets ``average`` from the checkpoint's weight average (after ``load_model`` checked the names and
+    shapes), this rank's pieces of it; the ranks agree that all could read theirs, as in ``load_model``."""
+    whole = loaded.lightning[AVERAGED]
+    in_shards = loaded.average["in_shards"]
+
+    def read(name: str, lo: int, hi: int, out: Tensor) -> None:
+        if name in whole:
+            out.copy_(whole[name].reshape(-1)[lo:hi])
+        else:
+            buffer = out if out.dtype == torch.float32 and out.device.type == "cpu" else torch.empty(hi - lo)
+            loaded.reader.read(name, lo, hi, buffer, averaged=in_shards)
+            out.copy_(buffer)
+
+    problem = None
+    try:
+        average.load(read, whole)
+    except (CheckpointError, OSError, RuntimeError, ValueError, IndexError, KeyError) as error:
+        problem = f"rank {_rank()}: {loaded.path}: cannot read this rank's weight average: {error!s}".splitlines()[0]
+    problems = [p for p in collectives.all_gather_object(problem) if p is not None]
+    if problems:
+        raise CheckpointError(problems[0])
 
 
 def _rank() -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.format import CheckpointError, Metadata, load_torch_file
+from lightning_zero.checkpoint.format import AVERAGED, CURRENT, CheckpointError, Metadata, load_torch_file
 
 
 class PlainReader:
@@ -90,6 +90,8 @@ def read_plain(
         by_name.update(_optimizer_state(path, index, saved, names))
         matched.append(names)
     lightning = dict(checkpoint)
+    if CURRENT in checkpoint:  # WeightAveraging's: the model's own weights, and the average as "state_dict"
+        lightning["state_dict"], lightning[AVERAGED] = lightning.pop(CURRENT), checkpoint["state_dict"]
     lightning["optimizer_groups"] = [
         [{k: v for k, v in group.items() if k != "params"} for group in saved["param_groups"]]
         for saved in saved_optimizers[: len(matched)]
@@ -101,7 +103,7 @@ def read_plain(
         epoch=int(checkpoint.get("epoch", 0)),
         units=[],
         optimizers=matched,
-        state_dict_keys=list(checkpoint["state_dict"]),
+        state_dict_keys=list(lightning["state_dict"]),
         weights_only="optimizer_states" not in checkpoint,
     )
-    return meta, lightning, PlainReader(checkpoint["state_dict"], by_name)
+    return meta, lightning, PlainReader(lightning["state_dict"], by_name)

@@ -40,9 +40,9 @@ from torch.nn import Module
 from lightning_zero.checkpoint.consolidate import write_consolidated
 from lightning_zero.checkpoint.format import (
     AVERAGED,
+    AVERAGED_IN_SHARDS,
     COMPLETE,
     CONSOLIDATED,
-    CURRENT,
     LIGHTNING,
     METADATA,
     CheckpointError,
@@ -57,6 +57,7 @@ from lightning_zero.checkpoint.format import (
     write_atomically,
 )
 from lightning_zero.sharding import collectives
+from lightning_zero.sharding.averaging import WeightAverage
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
@@ -86,12 +87,16 @@ def _is_elementwise(value: Any, numel: int) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
 
 
-def _unit_payload(unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only: bool) -> dict[str, Any]:
+def _unit_payload(
+    unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only: bool, average: WeightAverage | None
+) -> dict[str, Any]:
     # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
     master = unit.master_partition() if unit.trainable else unit.param_shard
     if master is None:
         raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
     payload: dict[str, Any] = {"master": master.float().cpu()}
+    if average is not None:  # see [Note: averaged weights in a checkpoint] in format.py
+        payload["averaged"] = average.partition(unit)
     if weights_only or optimizer is None:
         return payload
     state: dict[str, torch.Tensor] = {}
@@ -241,12 +246,14 @@ def save(
     shard_rank: int | None = None,
     writes_shards: bool = True,
     consolidated: bool = False,
+    average: WeightAverage | None = None,
 ) -> None:
     """Writes Lightning's ``checkpoint`` dict and the ranks' shards as the directory ``path`` (collective;
     see [Note: the save protocol]). ``world_size`` ranks hold the partitions, this one as ``shard_rank``
     (default: ``rank``); with hybrid sharding only the first shard group ``writes_shards`` (the others
     hold replicas of the same partitions), and ``rank`` 0 coordinates. ``consolidated``: rank 0 also writes
-    the whole model's fp32 weights as a Lightning checkpoint into it, from the shard files (format.py)."""
+    the whole model's fp32 weights as a Lightning checkpoint into it, from the shard files (format.py).
+    ``average``: a weight-averaging callback's, saved beside the weights (format.py)."""
     path = Path(path)
     partial = partial_dir(path)
     problem = None
@@ -266,7 +273,7 @@ def save(
     entry, problem = None, None
     try:
         if writes_shards:
-            shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only) for u in units]}
+            shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only, average) for u in units]}
             entry = write_atomically(partial / name, lambda f: torch.save(shard, f))
     except CheckpointError as error:
         problem = str(error)
@@ -284,7 +291,7 @@ def save(
     if rank == 0:
         try:
             files = {n: e for n, e, _ in written if n is not None}
-            lightning = _lightning(checkpoint, model, units, optimizers)
+            lightning = _lightning(checkpoint, model, units, optimizers, average)
             files[LIGHTNING] = write_atomically(partial / LIGHTNING, lambda f: torch.save(lightning, f))
             meta = _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, files)
             if consolidated:  # streamed from the shard files just written: about one parameter in memory
@@ -304,12 +311,19 @@ def save(
     _pause("published")
 
 
-def _lightning(checkpoint: dict, model: Module, units: Sequence[FlatUnit], optimizers: Sequence[ZeroOptimizer]) -> dict:
-    """Lightning's own state, with the parameters and buffers that are not sharded."""
+def _lightning(
+    checkpoint: dict,
+    model: Module,
+    units: Sequence[FlatUnit],
+    optimizers: Sequence[ZeroOptimizer],
+    average: WeightAverage | None,
+) -> dict:
+    """Lightning's own state, with the parameters and buffers that are not sharded (and their average)."""
     sharded = {id(p) for u in units for p in u.params}
-    lightning = {k: v for k, v in checkpoint.items() if k not in ("state_dict", CURRENT)}
-    if CURRENT in checkpoint:  # WeightAveraging's swap (see format.py)
-        lightning[AVERAGED] = {k: v.detach() for k, v in checkpoint["state_dict"].items()}
+    lightning = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+    if average is not None:
+        lightning[AVERAGED] = {k: v.detach().cpu() for k, v in average.whole().items()}
+        lightning[AVERAGED_IN_SHARDS] = {"exported": average.exported}
     lightning["state_dict"] = {
         k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in sharded
     }

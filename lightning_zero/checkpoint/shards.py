@@ -54,24 +54,25 @@ class ShardReader:
             self._files[rank] = data
         return data
 
-    def read(self, name: str, lo: int, hi: int, out: Tensor, key: str | None = None) -> None:
+    def read(self, name: str, lo: int, hi: int, out: Tensor, key: str | None = None, *, averaged: bool = False) -> None:
         """Copies elements [lo, hi) of parameter ``name`` into ``out`` (1-D, hi - lo elements): its
-        fp32 master values, or with ``key`` that optimizer state (e.g. "exp_avg")."""
+        fp32 master values, with ``key`` that optimizer state (e.g. "exp_avg"), or with ``averaged`` its
+        weight average (format.py's AVERAGED_IN_SHARDS)."""
         unit, index = self.location[name]
         for rank, slo, shi, offset in self._pieces[(unit, index)]:
             a, b = max(lo, slo), min(hi, shi)
             if a >= b:
                 continue
             saved = self.rank_data(rank)["units"][unit]
-            source = saved["master"] if key is None else saved["state"][key]
+            source = saved["averaged"] if averaged else saved["master"] if key is None else saved["state"][key]
             out[a - lo : b - lo].copy_(source[offset + a - slo : offset + b - slo])
 
-    def full(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
-        """The whole parameter ``name`` in its saved shape (fp32 unless ``dtype``)."""
+    def full(self, name: str, dtype: torch.dtype | None = None, *, averaged: bool = False) -> Tensor:
+        """The whole parameter ``name`` (or its weight average) in its saved shape (fp32 unless ``dtype``)."""
         unit, index = self.location[name]
         entry = self.meta.units[unit].params[index]
         out = torch.empty(math.prod(entry.shape), dtype=dtype or torch.float32)
-        self.read(name, 0, out.numel(), out)
+        self.read(name, 0, out.numel(), out, averaged=averaged)
         return out.view(entry.shape)
 
     def state_of(self, name: str) -> tuple[dict[str, Any], list[str]] | None:

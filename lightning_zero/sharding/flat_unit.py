@@ -309,7 +309,9 @@ class FlatUnit:
         self.release_grads()
 
     def follow_master(self, *, group=None) -> None:
-        """Makes the parameters follow the master, now (after a load). Collective."""
+        """Makes the parameters follow the master, now (after a load, or a write of weight averaging's).
+        Collective."""
+        self.params_current, self.staged_params = False, None  # the last step's copies are not the master now
         if self.param_shard is None:
             for work in [self.publish(bucket, group=group) for bucket in self.layout.buckets]:
                 collectives.wait(work)

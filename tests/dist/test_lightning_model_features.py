@@ -2,8 +2,8 @@
 
 - BatchNorm's buffers broadcast from rank 0 where ddp broadcasts them (``broadcast_buffers``), or not;
   ``sync_batchnorm=True`` refused on the CPU;
-- Lightning's weight averaging (EMAWeightAveraging, StochasticWeightAveraging) at stages 1 and 2, with its
-  checkpoints, resume, test and export; refused at stage 3 and where parameters have separate masters;
+- Lightning's weight averaging (EMAWeightAveraging, StochasticWeightAveraging) at every stage, its average
+  sharded, with its checkpoints, resume, test and export, and over the fp32 masters of 16-bit parameters;
 - torch.compile: as many graphs as under ddp, compiled once.
 """
 
@@ -86,9 +86,17 @@ AVERAGING = {
 }
 
 
+class Unscheduled(Features):
+    """No LR scheduler of its own: SWA brings its SWALR (Lightning cannot resume SWA over a scheduler of the
+    model's, under ddp too: the checkpoint holds SWALR's state, which the model's scheduler is then given)."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
 def _averaging_run(name: str, world: int, root, kind: str, epochs: int = 3, resume: str | None = None) -> dict:
     pl.seed_everything(0)
-    module = Features()
+    module = Unscheduled() if kind == "swa" else Features()
     checkpoints = ModelCheckpoint(root / f"{kind}-{name}", save_top_k=-1, filename="{epoch}")
     logger = Recorder()
     callbacks = [AVERAGING[kind](), checkpoints]
@@ -100,58 +108,88 @@ def _averaging_run(name: str, world: int, root, kind: str, epochs: int = 3, resu
     return {"val_loss": val_losses, "state": whole_state(trainer), "losses": module.losses}
 
 
+class ReferenceEMA(pl.Callback):
+    """An EMA of the fp32 weights (the masters) kept whole from the strategy's full state dict after every step,
+    by EMAWeightAveraging's rule: the reference for a run whose parameters train in 16 bits (no ddp to compare)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay, self.ema = decay, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        current = whole_state(trainer)
+        if self.ema is None:
+            self.ema = current
+        else:
+            self.ema = {k: self.decay * v + (1 - self.decay) * current[k] for k, v in self.ema.items()}
+
+
+class AverageBytes(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        self.bytes = trainer.strategy.memory_bytes()["weight_average"]
+
+
 def _averaging(rank: int, world: int, root) -> dict:
-    out = {(kind, name): _averaging_run(name, world, root, kind) for kind in AVERAGING for name in STRATEGIES[:3]}
-    for name in STRATEGIES[:3]:  # the EMA resumed from the end of epoch 1 (averaged weights saved, then loaded)
+    out = {(kind, name): _averaging_run(name, world, root, kind) for kind in AVERAGING for name in STRATEGIES}
+    for name in STRATEGIES:  # the EMA resumed from the end of epoch 1 (averaged weights saved, then loaded)
         resume = root / f"ema-{name}" / "epoch=1.ckpt"
         out[("ema-resumed", name)] = _averaging_run(name, world, root / "resumed", "ema", resume=str(resume))
+    for name in ("ddp", "zero3"):  # SWA resumed mid-average (its count, scheduler and average)
+        resume = root / f"swa-{name}" / "epoch=1.ckpt"
+        out[("swa-resumed", name)] = _averaging_run(name, world, root / "resumed", "swa", resume=str(resume))
     ddp_checkpoint = str(root / "ema-ddp" / "epoch=1.ckpt")  # a ddp EMA checkpoint resumed here (migration in)
-    out[("ema-from-ddp", "zero2")] = _averaging_run("zero2", world, root / "from-ddp", "ema", resume=ddp_checkpoint)
-    for name in STRATEGIES[:3]:  # an EMA checkpoint tested without the callback: the averaged weights, as ddp
+    out[("ema-from-ddp", "zero3")] = _averaging_run("zero3", world, root / "from-ddp", "ema", resume=ddp_checkpoint)
+    for name in STRATEGIES:  # an EMA checkpoint tested without the callback: the averaged weights, as ddp
         trainer = feature_trainer(name, world, root / "tested", logger=False)
         (tested,) = trainer.test(Features(), ckpt_path=str(root / f"ema-{name}" / "epoch=1.ckpt"), verbose=False)
         out[("ema-tested", name)] = tested["test_loss"]
-    for kind in AVERAGING:
-        with pytest.raises(ValueError, match="does not work here: it keeps a whole copy of the model"):
-            _averaging_run("zero3", world, root, kind)
-        strategy = zero_strategy(2)  # fp16 parameters with fp32 masters: the callback would write the copies only
+    for name in ("zero2", "zero3"):  # fp16 parameters with fp32 masters: the masters are averaged
+        pl.seed_everything(0)
+        reference, size = ReferenceEMA(0.9), AverageBytes()
         plugins = [ZeroPrecision("16-mixed")]  # (on the CPU Lightning would turn precision="16-mixed" into bf16)
-        trainer = feature_trainer(strategy, world, root, max_epochs=1, callbacks=[AVERAGING[kind]()], plugins=plugins)
-        with pytest.raises(ValueError, match="not into their separate fp32 master weights"):
-            trainer.fit(Features())
+        callbacks = [AVERAGING["ema"](), reference, size]
+        trainer = feature_trainer(name, world, root / "fp16", max_epochs=2, callbacks=callbacks, plugins=plugins)
+        trainer.fit(Features())
+        out[("ema-16-mixed", name)] = {"state": whole_state(trainer), "reference": reference.ema, "bytes": size.bytes}
     return out
 
 
-def test_weight_averaging_equals_ddp_at_stages_1_and_2(ranks, tmp_path):
-    """EMAWeightAveraging and StochasticWeightAveraging (the averaged weights swapped in for validation and
-    copied in at the end) equal ddp's; an EMA checkpoint keeps the averaged weights: resuming from it equals
-    the run that went on, under ddp and here (and a ddp EMA checkpoint resumed under zero2 equals ddp's run
-    that went on), and ``consolidate`` exports the averaged weights, as ddp's
-    checkpoint holds them. Stage 3 refuses them at set-up."""
+def test_weight_averaging_equals_ddp(ranks, tmp_path):
+    """EMAWeightAveraging and StochasticWeightAveraging at every stage (the averaged weights swapped in for
+    validation and copied in at the end) equal ddp's; an EMA (or SWA) checkpoint keeps the average: resuming
+    from it equals the run that went on, under ddp and here (and a ddp EMA checkpoint resumed under zero3
+    equals ddp's run that went on), testing it without the callback evaluates the average, and ``consolidate``
+    exports the averaged weights, as ddp's checkpoint holds them. With 16-bit parameters the fp32 masters are
+    averaged (as ddp's fp32 parameters are); each rank keeps its share of the average (4Ψ/N bytes)."""
     results = ranks(_averaging, 2, tmp_path)
+    numel = sum(p.numel() for p in Features().parameters())
     for rank, result in enumerate(results):
-        migrated = result[("ema-from-ddp", "zero2")]
-        for name in STRATEGIES[1:3]:
+        migrated = result[("ema-from-ddp", "zero3")]
+        for name in STRATEGIES[1:]:
             assert_close(
                 result[("ema-tested", name)], result[("ema-tested", "ddp")], f"{name}: test on the EMA checkpoint"
             )
-        for kind in ("ema", "swa", "ema-resumed"):
+        for kind in ("ema", "swa", "ema-resumed", "swa-resumed"):
             ddp = result[(kind, "ddp")]
-            for name in STRATEGIES[1:3]:
+            for name in STRATEGIES[1:] if kind != "swa-resumed" else ["zero3"]:
                 run, where = result[(kind, name)], f"{kind} {name} rank {rank}"
                 assert_close(run["val_loss"], ddp["val_loss"], f"{where}: the logged val_loss")
                 for key, value in ddp["state"].items():
                     assert_close(run["state"][key], value, f"{where}: {key} at the end")
-        for name, resumed in [*((n, result[("ema-resumed", n)]) for n in STRATEGIES[:3]), ("ddp", migrated)]:
-            went_on = result[("ema", name)]
-            assert_close(
-                resumed["val_loss"], went_on["val_loss"][-1:], f"{name} rank {rank}: val_loss after the resume"
-            )
+        resumed = [(f"ema {n}", "ema", n) for n in STRATEGIES] + [(f"swa {n}", "swa", n) for n in ("ddp", "zero3")]
+        for label, kind, name in [*resumed, ("ema ddp->zero3", "ema", "ddp")]:
+            run = migrated if label == "ema ddp->zero3" else result[(f"{kind}-resumed", name)]
+            went_on = result[(kind, name)]
+            assert_close(run["val_loss"], went_on["val_loss"][-1:], f"{label} rank {rank}: val_loss after resume")
             for key, value in went_on["state"].items():
-                assert_close(resumed["state"][key], value, f"{name} rank {rank}: {key} resumed against went on")
+                assert_close(run["state"][key], value, f"{label} rank {rank}: {key} resumed against went on")
+        for name in ("zero2", "zero3"):
+            run, where = result[("ema-16-mixed", name)], f"16-mixed {name} rank {rank}"
+            for key, value in run["reference"].items():
+                assert_close(run["state"][key], value, f"{where}: {key}, the EMA of the fp32 masters", tol=1e-6)
+            assert 4 * (numel // 2) <= run["bytes"] <= 4 * (numel // 2 + 64), f"{where}: {run['bytes']} bytes"
     ddp_saved = torch.load(tmp_path / "ema-ddp" / "epoch=1.ckpt", weights_only=True)
     assert "current_model_state" in ddp_saved  # (the swap this test is about)
-    for name in STRATEGIES[1:3]:
+    for name in STRATEGIES[1:]:
         out = tmp_path / f"ema-{name}.pt"
         main(["consolidate", str(tmp_path / f"ema-{name}" / "epoch=1.ckpt"), str(out)])
         exported = torch.load(out, weights_only=True)
