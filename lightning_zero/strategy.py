@@ -22,6 +22,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.utils import _sync_module_states as torch_sync_module_states
@@ -386,7 +387,13 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        end_on_signal_outside_training(self.lightning_module.trainer)  # see preemption.py
+        module = self.lightning_module
+        end_on_signal_outside_training(module.trainer)  # see preemption.py
+        if module.trainer.state.fn == TrainerFn.FITTING and not is_overridden("on_validation_model_zero_grad", module):
+            # Lightning's default hook has just released ddp's gradients (module.zero_grad): ours too, so that a
+            # step with no backward after validation (SWA's BatchNorm epoch) applies none, as under ddp.
+            for optimizer in self.optimizers:
+                optimizer.zero_grad()
 
     def on_test_start(self) -> None:
         super().on_test_start()

@@ -27,13 +27,15 @@ class BufferSync:
     """Rank 0's buffers of ``module`` before the forwards that follow a synchronized training forward."""
 
     def __init__(self, module: Module, *, group=None) -> None:
-        self.buffers = [b.detach() for b in module.buffers()]  # listed once, as ddp does: sizes fixed at set-up
+        self.module = module
         self.group = group
         self.pending = True  # ddp broadcasts before its first forward too
 
     def forward_starts(self, *, training: bool, synchronized: bool) -> None:
         """Before a forward (collective when it broadcasts): ``training``, a training step's forward;
         ``synchronized``, not a micro-batch before the step's last."""
-        if self.pending and self.buffers:
-            collectives.broadcast_coalesced(self.buffers, src=0, bucket_bytes=BUCKET_BYTES, group=self.group)
+        # Listed at each broadcast, as ddp does: code may replace a buffer (SWA's BatchNorm reset does).
+        buffers = [b.detach() for b in self.module.buffers()]
+        if self.pending and buffers:
+            collectives.broadcast_coalesced(buffers, src=0, bucket_bytes=BUCKET_BYTES, group=self.group)
         self.pending = training and synchronized and torch.is_grad_enabled()  # (for the next forward)

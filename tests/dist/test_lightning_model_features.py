@@ -12,7 +12,12 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+)
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
@@ -81,8 +86,14 @@ def _buffers(rank: int, world: int, root) -> dict:
 
 
 AVERAGING = {
-    "ema": lambda: EMAWeightAveraging(decay=0.9),
-    "swa": lambda: StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1, annealing_epochs=1),
+    "ema": lambda: [EMAWeightAveraging(decay=0.9)],
+    "swa": lambda: [StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1, annealing_epochs=1)],
+    "swa-bn": lambda: [StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1, annealing_epochs=1)],
+    # a parameter group added at epoch 1 (stages 1-2: parameters of no unit then move into new ones)
+    "ema-finetune": lambda: [
+        BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, backbone_initial_ratio_lr=0.5),
+        EMAWeightAveraging(decay=0.9),
+    ],
 }
 
 
@@ -90,16 +101,24 @@ class Unscheduled(Features):
     """No LR scheduler of its own: SWA brings its SWALR (Lightning cannot resume SWA over a scheduler of the
     model's, under ddp too: the checkpoint holds SWALR's state, which the model's scheduler is then given)."""
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+    def configure_optimizers(self):  # (what trains now: BackboneFinetuning adds the backbone later)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+class NormedForSWA(Normed):
+    """SWA recomputes BatchNorm's statistics in an extra epoch of forwards only (buffers replaced, then
+    broadcast as ddp broadcasts them; no gradients, so none to log and the step applies none)."""
+
+    def on_before_optimizer_step(self, optimizer):
+        pass
 
 
 def _averaging_run(name: str, world: int, root, kind: str, epochs: int = 3, resume: str | None = None) -> dict:
     pl.seed_everything(0)
-    module = Unscheduled() if kind == "swa" else Features()
+    module = Features() if kind == "ema" else NormedForSWA() if kind == "swa-bn" else Unscheduled()
     checkpoints = ModelCheckpoint(root / f"{kind}-{name}", save_top_k=-1, filename="{epoch}")
     logger = Recorder()
-    callbacks = [AVERAGING[kind](), checkpoints]
+    callbacks = [*AVERAGING[kind](), checkpoints]
     trainer = feature_trainer(
         name, world, root, max_epochs=epochs, callbacks=callbacks, logger=logger, enable_checkpointing=True
     )
@@ -129,7 +148,13 @@ class AverageBytes(pl.Callback):
 
 
 def _averaging(rank: int, world: int, root) -> dict:
-    out = {(kind, name): _averaging_run(name, world, root, kind) for kind in AVERAGING for name in STRATEGIES}
+    out = {
+        (kind, name): _averaging_run(name, world, root, kind)
+        for kind in ("ema", "swa", "swa-bn")
+        for name in STRATEGIES
+    }
+    for name in STRATEGIES[1:]:
+        out[("ema-finetune", name)] = _averaging_run(name, world, root, "ema-finetune")
     for name in STRATEGIES:  # the EMA resumed from the end of epoch 1 (averaged weights saved, then loaded)
         resume = root / f"ema-{name}" / "epoch=1.ckpt"
         out[("ema-resumed", name)] = _averaging_run(name, world, root / "resumed", "ema", resume=str(resume))
@@ -146,7 +171,7 @@ def _averaging(rank: int, world: int, root) -> dict:
         pl.seed_everything(0)
         reference, size = ReferenceEMA(0.9), AverageBytes()
         plugins = [ZeroPrecision("16-mixed")]  # (on the CPU Lightning would turn precision="16-mixed" into bf16)
-        callbacks = [AVERAGING["ema"](), reference, size]
+        callbacks = [*AVERAGING["ema"](), reference, size]
         trainer = feature_trainer(name, world, root / "fp16", max_epochs=2, callbacks=callbacks, plugins=plugins)
         trainer.fit(Features())
         out[("ema-16-mixed", name)] = {"state": whole_state(trainer), "reference": reference.ema, "bytes": size.bytes}
@@ -155,12 +180,14 @@ def _averaging(rank: int, world: int, root) -> dict:
 
 def test_weight_averaging_equals_ddp(ranks, tmp_path):
     """EMAWeightAveraging and StochasticWeightAveraging at every stage (the averaged weights swapped in for
-    validation and copied in at the end) equal ddp's; an EMA (or SWA) checkpoint keeps the average: resuming
-    from it equals the run that went on, under ddp and here (and a ddp EMA checkpoint resumed under zero3
-    equals ddp's run that went on), testing it without the callback evaluates the average, and ``consolidate``
-    exports the averaged weights, as ddp's checkpoint holds them. With 16-bit parameters the fp32 masters are
+    validation and copied in at the end; SWA's BatchNorm epoch) equal ddp's; an EMA (or SWA) checkpoint keeps
+    the average: resuming from it equals the run that went on, under ddp and here (and a ddp EMA checkpoint
+    resumed under zero3 equals ddp's run that went on), testing it without the callback evaluates the average,
+    and ``consolidate`` exports the averaged weights, as ddp's checkpoint holds them. With a parameter group
+    added (BackboneFinetuning) the EMA equals one process's. With 16-bit parameters the fp32 masters are
     averaged (as ddp's fp32 parameters are); each rank keeps its share of the average (4Ψ/N bytes)."""
     results = ranks(_averaging, 2, tmp_path)
+    single = _averaging_run("auto", 1, tmp_path / "single", "ema-finetune")  # (ddp trains the backbone apart)
     numel = sum(p.numel() for p in Features().parameters())
     for rank, result in enumerate(results):
         migrated = result[("ema-from-ddp", "zero3")]
@@ -168,7 +195,7 @@ def test_weight_averaging_equals_ddp(ranks, tmp_path):
             assert_close(
                 result[("ema-tested", name)], result[("ema-tested", "ddp")], f"{name}: test on the EMA checkpoint"
             )
-        for kind in ("ema", "swa", "ema-resumed", "swa-resumed"):
+        for kind in ("ema", "swa", "swa-bn", "ema-resumed", "swa-resumed"):
             ddp = result[(kind, "ddp")]
             for name in STRATEGIES[1:] if kind != "swa-resumed" else ["zero3"]:
                 run, where = result[(kind, name)], f"{kind} {name} rank {rank}"
@@ -182,6 +209,11 @@ def test_weight_averaging_equals_ddp(ranks, tmp_path):
             assert_close(run["val_loss"], went_on["val_loss"][-1:], f"{label} rank {rank}: val_loss after resume")
             for key, value in went_on["state"].items():
                 assert_close(run["state"][key], value, f"{label} rank {rank}: {key} resumed against went on")
+        for name in STRATEGIES[1:]:
+            run, where = result[("ema-finetune", name)], f"ema with BackboneFinetuning {name} rank {rank}"
+            assert_close(run["val_loss"], single["val_loss"], f"{where}: the logged val_loss against one process")
+            for key, value in single["state"].items():
+                assert_close(run["state"][key], value, f"{where}: {key} against one process")
         for name in ("zero2", "zero3"):
             run, where = result[("ema-16-mixed", name)], f"16-mixed {name} rank {rank}"
             for key, value in run["reference"].items():
