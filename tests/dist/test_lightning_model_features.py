@@ -113,14 +113,16 @@ class NormedForSWA(Normed):
         pass
 
 
-def _averaging_run(name: str, world: int, root, kind: str, epochs: int = 3, resume: str | None = None) -> dict:
+def _averaging_run(
+    name: str, world: int, root, kind: str, epochs: int = 3, resume: str | None = None, strategy=None
+) -> dict:
     pl.seed_everything(0)
     module = Features() if kind == "ema" else NormedForSWA() if kind == "swa-bn" else Unscheduled()
     checkpoints = ModelCheckpoint(root / f"{kind}-{name}", save_top_k=-1, filename="{epoch}")
     logger = Recorder()
     callbacks = [*AVERAGING[kind](), checkpoints]
     trainer = feature_trainer(
-        name, world, root, max_epochs=epochs, callbacks=callbacks, logger=logger, enable_checkpointing=True
+        strategy or name, world, root, max_epochs=epochs, callbacks=callbacks, logger=logger, enable_checkpointing=True
     )
     trainer.fit(module, ckpt_path=resume)
     val_losses = [m["val_loss"] for _, m in logger.metrics if "val_loss" in m]
@@ -153,6 +155,8 @@ def _averaging(rank: int, world: int, root) -> dict:
         for kind in ("ema", "swa", "swa-bn")
         for name in STRATEGIES
     }
+    offload = zero_strategy(3, param_persistence_threshold=0, offload_optimizer="cpu", offload_param="cpu")
+    out[("ema", "zero3-offload")] = _averaging_run("zero3-offload", world, root, "ema", strategy=offload)
     for name in STRATEGIES[1:]:
         out[("ema-finetune", name)] = _averaging_run(name, world, root, "ema-finetune")
     for name in STRATEGIES:  # the EMA resumed from the end of epoch 1 (averaged weights saved, then loaded)
@@ -178,6 +182,17 @@ def _averaging(rank: int, world: int, root) -> dict:
     return out
 
 
+def _averaging_elsewhere(rank: int, world: int, root) -> dict:
+    """The zero3 EMA checkpoint of 2 ranks resumed under zero1 on ``world`` ranks for an epoch with no update
+    of the average: the average the callback copies in at the end is the one loaded, resharded."""
+    pl.seed_everything(0)
+    resume = str(root / "ema-zero3" / "epoch=1.ckpt")
+    average = EMAWeightAveraging(decay=0.9, update_starting_at_step=10**6)
+    trainer = feature_trainer("zero1", world, root / "elsewhere", max_epochs=3, callbacks=[average])
+    trainer.fit(Features(), ckpt_path=resume)
+    return whole_state(trainer)
+
+
 def test_weight_averaging_equals_ddp(ranks, tmp_path):
     """EMAWeightAveraging and StochasticWeightAveraging at every stage (the averaged weights swapped in for
     validation and copied in at the end; SWA's BatchNorm epoch) equal ddp's; an EMA (or SWA) checkpoint keeps
@@ -197,7 +212,8 @@ def test_weight_averaging_equals_ddp(ranks, tmp_path):
             )
         for kind in ("ema", "swa", "swa-bn", "ema-resumed", "swa-resumed"):
             ddp = result[(kind, "ddp")]
-            for name in STRATEGIES[1:] if kind != "swa-resumed" else ["zero3"]:
+            names = {"swa-resumed": ["zero3"], "ema": [*STRATEGIES[1:], "zero3-offload"]}.get(kind, STRATEGIES[1:])
+            for name in names:
                 run, where = result[(kind, name)], f"{kind} {name} rank {rank}"
                 assert_close(run["val_loss"], ddp["val_loss"], f"{where}: the logged val_loss")
                 for key, value in ddp["state"].items():
@@ -221,6 +237,11 @@ def test_weight_averaging_equals_ddp(ranks, tmp_path):
             assert 4 * (numel // 2) <= run["bytes"] <= 4 * (numel // 2 + 64), f"{where}: {run['bytes']} bytes"
     ddp_saved = torch.load(tmp_path / "ema-ddp" / "epoch=1.ckpt", weights_only=True)
     assert "current_model_state" in ddp_saved  # (the swap this test is about)
+    for rank, state in enumerate(ranks(_averaging_elsewhere, 3, tmp_path)):
+        for key, value in ddp_saved["state_dict"].items():
+            assert_close(
+                state[key], value, f"zero3 on 2 ranks resumed under zero1 on 3, rank {rank}: the average {key}"
+            )
     for name in STRATEGIES[1:]:
         out = tmp_path / f"ema-{name}.pt"
         main(["consolidate", str(tmp_path / f"ema-{name}" / "epoch=1.ckpt"), str(out)])
