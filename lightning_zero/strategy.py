@@ -33,34 +33,24 @@ from lightning_zero.checkpoint import rng
 from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.elastic import destroy_at_exit, init_process_group_per_attempt
-from lightning_zero.memory import persistent_bytes
+from lightning_zero.engine import ZeroEngine
 from lightning_zero.peer_failure import exit_if_peer_failed
 from lightning_zero.precision import (
     ZeroPrecision,
     check_skip_on_device,
     hold_schedulers_on_skipped_steps,
+    stage3_param_dtype,
     validate_precision,
 )
 from lightning_zero.preemption import end_on_signal_outside_training, ensure_preemption_callback
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.averaging import WeightAverage
-from lightning_zero.sharding.backward_end import BackwardEnd
-from lightning_zero.sharding.buffer_sync import BufferSync
-from lightning_zero.sharding.build import (
-    check_optimizer_params,
-    trainable_units,
-    units_per_param_group,
-    wrap_optimizers,
-)
 from lightning_zero.sharding.construct import ShardedConstruction
-from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
+from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
-from lightning_zero.sharding.param_gather import ParamGathers, runs_compiled_code
+from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.stage3 import Stage3Runtime
-from lightning_zero.sharding.stage3_setup import (
-    ShardedModule,
-    install_load_hooks,
-)
+from lightning_zero.sharding.stage3_setup import ShardedModule
 from lightning_zero.sharding.topology import Topology, make_topology
 from lightning_zero.strategy_checkpoint import CheckpointHooks
 from lightning_zero.strategy_stage3 import Stage3Hooks
@@ -108,24 +98,14 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             timeout=timedelta(seconds=config.timeout),
             start_method=start_method,
         )
-        self._reducer: GradReducer | None = None
-        self._gathers: ParamGathers | None = None  # stages 1 and 2: the post-step parameter all-gathers
+        self.engine: ZeroEngine | None = None  # made with the process group (setup_environment)
         self._construction: ShardedConstruction | None = None  # stage 3, from configure_model to set-up
-        self._load_hooks: list = []  # stages 1 and 2
-        self._units: list[FlatUnit] = []
-        self._stage3: Stage3Runtime | None = None
-        self._buffer_sync: BufferSync | None = None  # while fitting, with config.broadcast_buffers
         self._averaging: list[pl.Callback] = []  # while fitting: Lightning's weight averaging, sharded
-        self._average: WeightAverage | None = None  # its average (sharding/averaging.py)
-        self._blocked = False  # inside block_backward_sync: a micro-batch before the step's last
-        self._backward_end = BackwardEnd()
         self.traffic = collectives.Traffic()  # what this strategy's collectives covered while it was set up
         self._observing = ExitStack()  # from set-up to teardown: self.traffic and, if asked, the collective log
         self._collective_log: list | None = None  # with config.check_collectives
         self._checked = 0
         self._loaded: checkpoint_io.LoadedCheckpoint | None = None  # between load_checkpoint and the restores
-        self.sharded_init_peak_bytes: int | None = None  # stage 3 from the meta device: see initialize_sharded
-        self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
         self.topology = Topology(shard_rank=0, shard_size=1)  # made with the process group (setup_environment)
 
     @classmethod
@@ -189,6 +169,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
                 local_world_size=self.num_processes,
                 timeout=timedelta(seconds=self.config.timeout),
             )
+        self.engine = ZeroEngine(self.config, self.topology, self.root_device, rank=self.global_rank)
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -225,8 +206,6 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             # every rank starts from rank 0's parameters and buffers (constructed ones agree already)
             skip = [n for n, p in module.named_parameters() if construction is not None and construction.owns(p)]
             torch_sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, 0, skip)
-        self._backward_end = BackwardEnd()
-        self._buffer_sync = BufferSync(module) if fitting and self.config.broadcast_buffers else None
         self._observing.close()
         self._observing.enter_context(collectives.observing(self.traffic))
         if self.config.check_collectives:
@@ -234,62 +213,24 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         if fitting and self.config.stage == 3 and not on_meta:
             self.setup_optimizers(trainer)  # first, so that units can follow the optimizers (several of them)
         if self.config.stage == 3:
-            self._setup_stage3(fitting, on_meta, sharded, construction)
+            dtype = stage3_param_dtype(self.precision_plugin, self.config.gather_dtype)
+            kwargs = dict(training=fitting, dtype=dtype, construction=construction, optimizers=self.optimizers)
+            self.engine.shard(module, **kwargs)
         self._construction = None
         if fitting:
             ensure_preemption_callback(trainer, save=self.config.checkpoint_on_signal)  # see preemption.py
             if self.config.stage < 3 or on_meta:
                 self.setup_optimizers(trainer)
-            names = check_optimizer_params(module, self.optimizers, rank=self.global_rank)
-            if self.config.stage < 3:
-                kwargs = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
-                self._units = units_per_param_group(self.optimizers, names, self.config, **kwargs)
-                UnitIndex(self._units).attach(module)
-                self._load_hooks = install_load_hooks(module, self._units)  # load_state_dict reaches the master
-            self.optimizers, self._reducer, self._gathers = wrap_optimizers(
-                self.optimizers,
-                [u for u in self._units if u.trainable],  # stage 3's frozen units need no gradients
-                names,
-                self.config,
-                world_size=self.topology.shard_size,
-                backward_end=self._backward_end,
-                model=module,
-                topology=self.topology,
-            )
-            for optimizer in self.optimizers:
-                optimizer.activate = self._activate  # add_param_group
-            group = self.topology.shard_group
-            self._average = attach_average(self._averaging, module, self._units, group=group, settle=self._settle)
-            if self._stage3 is not None:
-                self._stage3.reducer = self._reducer
-            if self._gathers is not None:  # see [Note: post-step gathers]
-                # torch.compile would trace the mode that overlaps them and recompile as it comes and goes
-                self._gathers.overlap = self.config.overlap_param_gather and not runs_compiled_code(module)
             # stage 1 reduces in the backward of a step's last micro-batch, which only automatic optimization tells
-            self._reducer.accumulating = not module.automatic_optimization
+            marks = module.automatic_optimization
+            self.optimizers = self.engine.wrap(module, self.optimizers, marks_micro_batches=marks)
+            group = self.topology.shard_group
+            self.engine.average = attach_average(self._averaging, module, self._units, group=group, settle=self._settle)
             if self.precision_plugin.skip_on_device:  # schedulers then step as under torch's GradScaler
                 check_skip_on_device(self.optimizers, self.config.fused_step)
             elif self.precision_plugin.scaler is not None:
                 hold_schedulers_on_skipped_steps(self.lr_scheduler_configs, self.optimizers)
         self.setup_precision_plugin()
-
-    def _activate(self, params: list) -> tuple[dict, dict]:
-        """``ZeroOptimizer.add_param_group``: gives ``params`` master weights and gradients from now on
-        (stage 3: their frozen units become trainable; stages 1-2: they get a unit of their own)."""
-        names = {p: n for n, p in self.lightning_module.named_parameters()}
-        shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
-        unit_location = UnitIndex.of(self.lightning_module)
-        units = trainable_units(params, names, self.config, unit_location, **shard)
-        if self.config.stage < 3:  # units of their own
-            self._units += units
-            unit_location.add(units)
-            self._load_hooks += install_load_hooks(self.lightning_module, units)
-            if self._average is not None:
-                self._average.units_changed()
-        self._reducer.add_units(units)
-        if self._gathers is not None:
-            self._gathers.add_units(units)
-        return {p: unit_location(p) for p in params}, names
 
     # --- steps -----------------------------------------------------------------------------------
     # [Note: stage-3 steps] A step gathers the root unit first; the forward ends when the step returns
@@ -298,45 +239,29 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     # happen inside it). The end of every backward reduces what is left (backward_end.py).
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_collectives()
-        if self._buffer_sync is not None:  # see [Note: when buffers are broadcast] in sharding/buffer_sync.py
-            self._buffer_sync.forward_starts(training=True, synchronized=not self._blocked)
-        if self._stage3 is None:
-            output = super().training_step(*args, **kwargs)
-            self._settle()  # what the forward did not read (see [Note: post-step gathers])
-        else:
-            self._stage3.begin_step()
-            output = super().training_step(*args, **kwargs)
-            self._stage3.end_forward()
-            if not self.lightning_module.automatic_optimization:
-                self._stage3.end_step()
+        self.engine.begin_training_forward()
+        output = super().training_step(*args, **kwargs)
+        self.engine.end_training_forward(step_ends=not self.lightning_module.automatic_optimization)
         self._rng_after_step = rng.snapshot()  # see strategy_checkpoint.py [Note: generators across a resume]
         return output
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's micro-batches before the step's last: stage 1 only accumulates gradients locally."""
-        blocked, self._blocked = self._blocked, True
-        accumulating = self._reducer.accumulating if self._reducer is not None else None
-        if self._reducer is not None:
-            self._reducer.accumulating = True
-        try:
+        with self.engine.no_sync():
             yield
-        finally:
-            self._blocked = blocked
-            if self._reducer is not None:
-                self._reducer.accumulating = accumulating
 
     def _settle(self) -> None:
         """Waits for the post-step parameter all-gathers still running (before anything reads parameters)."""
-        if self._gathers is not None:
-            self._gathers.wait_all()
+        if self.engine is not None:
+            self.engine.settle()
 
     def pre_backward(self, closure_loss: Tensor) -> None:
-        self._backward_end.arm_on(closure_loss)  # the end-of-backward callback belongs to this backward
+        self.engine.before_backward(closure_loss)
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._stage3 is not None and self.lightning_module.automatic_optimization:
-            self._stage3.end_step()
+        if self.lightning_module.automatic_optimization:
+            self.engine.after_backward()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward_only_step(super().validation_step, *args, **kwargs)
@@ -350,27 +275,12 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     def _forward_only_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         """Stage 3: one forward-only step of a Join (see [Note: uneven inputs] in sharding/stage3.py)."""
         self._check_collectives()
-        self._settle()
-        if self._buffer_sync is not None:
-            self._buffer_sync.forward_starts(training=False, synchronized=False)
-        if self._stage3 is None:
-            return step(*args, **kwargs)
-        self._vote(1)
-        self._stage3.begin_step()
-        try:
-            output = step(*args, **kwargs)
-            self._stage3.end_forward()
-        finally:
-            self._stage3.end_step()
-        loop = self.lightning_module.trainer._active_loop
-        if loop is not None and loop.batch_progress.is_last_batch:
-            while self._vote(0) > 0:  # others still have batches: issue what their forwards issue
-                self._stage3.shadow_step()
-        return output
+        trainer = self.lightning_module.trainer
 
-    def _vote(self, has_batch: int) -> int:
-        flag = torch.tensor([has_batch], dtype=torch.int32, device=self.root_device)
-        return int(collectives.all_reduce(flag, torch.distributed.ReduceOp.SUM).item())
+        def last() -> bool:  # this rank's loop has run out of batches
+            return trainer._active_loop is not None and trainer._active_loop.batch_progress.is_last_batch
+
+        return self.engine.forward_only(step, *args, last=last, **kwargs)
 
     def _check_collectives(self) -> None:
         """With ``check_collectives``: every rank's collectives since the last check must be the same."""
@@ -414,25 +324,11 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         """Releases hooks; a stage-3 module stays sharded where it is (nothing is gathered, even after an
         error): ``lightning_module_state_dict()`` or ``gather_module()`` make it whole when asked."""
         module = self.lightning_module
-        if self._stage3 is not None:
-            self.peak_gathered_bytes = self._stage3.peak_gathered_bytes
-            self._stage3.abandon()
-            self._stage3.remove_hooks(module)
-        if self._gathers is not None:
-            self._gathers.remove_hooks()  # waits for the gathers still running
-            self._gathers = None
-        if self._reducer is not None:
-            self._reducer.remove_hooks()
-            self._reducer = None
-        for handle in self._load_hooks:
-            handle.remove()
-        self._load_hooks = []
-        if module is not None and self.config.stage < 3:  # stage 3's stay with the shards (ShardedModule)
-            UnitIndex.detach(module)
+        if self.engine is not None:
+            self.engine.teardown()
         self._pending_rng = self._rng_after_step = None
-        self._buffer_sync = None
         detach_average(self._averaging)
-        self._averaging, self._average = [], None
+        self._averaging = []
         self._observing.close()
         self._collective_log = None
         if module is not None and (self._stage3 is not None or any(p.is_meta for p in module.parameters())):
@@ -451,11 +347,41 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         """This rank's persistent bytes by category, device and ``host_*`` (see ``memory.persistent_bytes``;
         stage 3's units gathered for a moment: ``peak_gathered_bytes``), and ``weight_average`` while a
         weight-averaging callback keeps one (this rank's share, sharding/averaging.py)."""
-        offloaded = self.config.offload_optimizer != "none"
-        totals = persistent_bytes(self._units, self.optimizers, self.lightning_module, offloaded=offloaded)
+        totals = self.engine.memory_bytes()
         if self._average is not None:
             totals["weight_average"] = self._average.nbytes()
         return totals
+
+    # What the engine holds, as earlier versions of this class held it (tests and benchmarks read these).
+    @property
+    def _average(self) -> WeightAverage | None:
+        return self.engine.average if self.engine is not None else None
+
+    @property
+    def _units(self) -> list[FlatUnit]:
+        return self.engine.units if self.engine is not None else []
+
+    @property
+    def _stage3(self) -> Stage3Runtime | None:
+        return self.engine.stage3 if self.engine is not None else None
+
+    @property
+    def _reducer(self) -> GradReducer | None:
+        return self.engine.reducer if self.engine is not None else None
+
+    @property
+    def _gathers(self) -> ParamGathers | None:
+        return self.engine.gathers if self.engine is not None else None
+
+    @property
+    def peak_gathered_bytes(self) -> int | None:
+        """Stage 3: the most bytes of whole units at once during the last run (set at teardown)."""
+        return self.engine.peak_gathered_bytes if self.engine is not None else None
+
+    @property
+    def sharded_init_peak_bytes(self) -> int | None:
+        """Stage 3 built sharded: the most bytes whole at once while building (construct.py)."""
+        return self.engine.sharded_init_peak_bytes if self.engine is not None else None
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

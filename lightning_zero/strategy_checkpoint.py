@@ -28,7 +28,6 @@ from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.checkpoint.format import latest
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.full_state import full_state_dict, needs_masters, parameter_norms
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
@@ -142,9 +141,7 @@ class CheckpointHooks:
     def parameter_norms(self, norm_type: float = 2.0) -> dict[str, Any]:
         """Each parameter's norm and the total, from the shards: nothing is gathered (sharding/full_state.py).
         Collective: call it on every rank, anywhere (between steps and after ``fit`` too)."""
-        self._settle()
-        host = self.topology.host(self.topology.shard_group)
-        return parameter_norms(self.lightning_module, self._units, float(norm_type), group=host)
+        return self.engine.parameter_norms(self.lightning_module, norm_type)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         zero_optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]
@@ -157,14 +154,7 @@ class CheckpointHooks:
         """The full, unsharded state dict on every rank, in fp32 where training is mixed (the masters; see
         sharding/full_state.py), on the CPU (collective: call it on every rank). For Lightning's own checkpoint
         dump nothing is gathered: the sharded checkpoint writes each rank's shards (see ``save_checkpoint``)."""
-        self._settle()
         module = self.lightning_module
         if sys._getframe(1).f_code.co_name == "_get_lightning_module_state_dict":  # Trainer.save_checkpoint
-            if self._stage3 is None:
-                return super().lightning_module_state_dict()  # (references: nothing copied)
-            sharded = {id(p) for u in self._units for p in u.params}
-            return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) not in sharded}
-        if self._stage3 is None and not any(needs_masters(u) for u in self._units):
-            return super().lightning_module_state_dict()  # every parameter whole and in fp32 already
-        group = self.topology.shard_group
-        return full_state_dict(module, self._units, self._stage3, group=group, host_group=self.topology.host(group))
+            return self.engine.sharded_state_dict(module)  # (references: nothing copied)
+        return self.engine.full_state_dict(module)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -101,9 +101,11 @@ def wrap_optimizers(
     backward_end: BackwardEnd,
     model: Module,
     topology: Topology,
+    activate: Callable[[list], tuple[dict, dict]] | None = None,
 ) -> tuple[list[ZeroOptimizer], GradReducer, ParamGathers | None]:
     """One gradient reducer over all units, the post-step gathers (stages 1 and 2) and a ZeroOptimizer
-    around each user optimizer, communicating on ``topology``'s groups (topology.py)."""
+    around each user optimizer, communicating on ``topology``'s groups (topology.py). ``activate``: gives
+    parameters added later (``add_param_group``) their units."""
     for optimizer in optimizers:
         check_elementwise(optimizer)
     locate = {p: (u, i) for u in units for i, p in enumerate(u.params)}
@@ -139,6 +141,7 @@ def wrap_optimizers(
             gathers=gathers,
             fused_step=config.fused_step,
             topology=topology,
+            activate=activate,
         )
         for opt in optimizers
     ]

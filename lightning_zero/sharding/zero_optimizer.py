@@ -127,10 +127,12 @@ class ZeroOptimizer(Optimizer):
         gathers: ParamGathers | None = None,
         fused_step: str = "never",
         topology: Topology,
+        activate: Callable[[list[Parameter]], tuple[dict, dict]] | None = None,
     ) -> None:
         """``locate`` maps each trainable parameter to (unit, index in the unit); frozen ones are absent.
         ``fused_step``: see fused_step.py. ``topology``: the shard group, and with hybrid sharding the
-        replicate group of the ranks holding the same partitions (topology.py)."""
+        replicate group of the ranks holding the same partitions (topology.py). ``activate``: the engine's,
+        which gives parameters added by ``add_param_group`` their units."""
         if optimizer.state:
             raise ValueError(
                 f"the optimizer {type(optimizer).__name__} already holds state before sharding; create it fresh in"
@@ -146,7 +148,7 @@ class ZeroOptimizer(Optimizer):
         self.replicate_group = topology.replicate_group
         self.host_replicate_group = topology.host_replicate
         self.world_host_group = topology.host_world  # decisions every rank must share
-        self.activate: Callable[[list[Parameter]], dict] | None = None  # see add_param_group
+        self.activate = activate  # see add_param_group
         # For each group, each original parameter's slot (None when frozen); the numbering of the
         # unsharded optimizer's state dict follows these lists.
         self._slots: list[list[Slot | None]] = []

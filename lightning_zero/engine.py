@@ -1,0 +1,356 @@
+"""ZeroEngine: ZeRO data parallelism for one module and its optimizers, with nothing of Lightning in it.
+
+Three front doors drive it: ``ZeroStrategy`` (the Trainer), ``ZeroFabricStrategy`` (Fabric) and
+``lightning_zero.initialize`` (a plain PyTorch script under torchrun). The engine owns what sharding needs:
+the flat units, the gradient reducer, the ZeroOptimizers around the user's optimizers, stage 3's runtime,
+the post-step gathers of stages 1 and 2, buffer broadcasts and the sharded state checkpoints save.
+
+[Note: the step's boundaries]
+Sharding needs to know where a training step starts and ends, which only the front door knows: stage 3
+gathers the root unit for a whole step and serves the units this rank did not run once the forward ends;
+stage 1 reduces in the backward of a step's last micro-batch; buffers are broadcast before a forward that
+follows a synchronized training forward (sharding/buffer_sync.py). So a front door calls, per micro-batch:
+``begin_training_forward`` before the forward, ``end_training_forward`` after it, ``before_backward`` /
+``after_backward`` around the backward, and enters ``no_sync`` for the micro-batches before a step's last;
+forward-only work (evaluation) goes through ``forward_only``. The same events on every rank give the same
+collectives on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.nn import Module, Parameter
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.memory import persistent_bytes
+from lightning_zero.sharding import collectives
+from lightning_zero.sharding.averaging import WeightAverage
+from lightning_zero.sharding.backward_end import BackwardEnd
+from lightning_zero.sharding.buffer_sync import BufferSync
+from lightning_zero.sharding.build import (
+    check_optimizer_params,
+    trainable_units,
+    units_per_param_group,
+    wrap_optimizers,
+)
+from lightning_zero.sharding.construct import ShardedConstruction
+from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
+from lightning_zero.sharding.full_state import full_state_dict, needs_masters, parameter_norms
+from lightning_zero.sharding.grad_reduce import GradReducer
+from lightning_zero.sharding.param_gather import ParamGathers, runs_compiled_code
+from lightning_zero.sharding.stage3 import Stage3Runtime
+from lightning_zero.sharding.stage3_setup import (
+    ShardedModule,
+    default_init,
+    gather_module,
+    initialize_sharded,
+    install_load_hooks,
+    shard_module,
+)
+from lightning_zero.sharding.topology import Topology
+from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+
+
+class ZeroEngine:
+    """Args:
+    config: the typed configuration (its ``stage`` chooses what is sharded).
+    topology: the process groups (sharding/topology.py), made once the default group exists.
+    device: where the module computes.
+    rank: this process's global rank (for error messages).
+    """
+
+    def __init__(self, config: ZeroConfig, topology: Topology, device: torch.device, *, rank: int = 0) -> None:
+        self.config, self.topology, self.device, self.rank = config, topology, device, rank
+        self.module: Module | None = None
+        self.units: list[FlatUnit] = []
+        self.optimizers: list[ZeroOptimizer] = []
+        self.reducer: GradReducer | None = None
+        self.gathers: ParamGathers | None = None  # stages 1 and 2: the post-step parameter all-gathers
+        self.stage3: Stage3Runtime | None = None
+        self.backward_end = BackwardEnd()
+        self.buffer_sync: BufferSync | None = None  # while training, with config.broadcast_buffers
+        self.blocked = False  # inside no_sync: a micro-batch before the step's last
+        self.load_hooks: list = []  # stages 1 and 2: load_state_dict reaches the masters
+        self.average: WeightAverage | None = None  # a weight average kept sharded (sharding/averaging.py)
+        self.sharded_init_peak_bytes: int | None = None  # stage 3 built sharded: see construct.py
+        self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
+
+    # --- set-up ------------------------------------------------------------------------------------
+    def construction(self) -> ShardedConstruction:
+        """Stage 3: a context in which modules are built sharded, never whole (sharding/construct.py)."""
+        return ShardedConstruction(
+            rank=self.topology.shard_rank,
+            world_size=self.topology.shard_size,
+            device=self.device,
+            max_whole_numel=self.config.max_live_parameters,
+            group=self.topology.shard_group,
+        )
+
+    def shard(
+        self,
+        module: Module,
+        *,
+        training: bool,
+        dtype: torch.dtype | None,
+        construction: ShardedConstruction | None = None,
+        optimizers: Sequence[Optimizer] = (),
+    ) -> None:
+        """Stage 3: shards ``module`` into units (kept if an earlier run sharded it), whose units follow
+        ``optimizers``' parameters; parameters on the meta device are initialized sharded
+        (``module.init_module(generator)`` if it has one). ``dtype``: the shards' (None: the module's)."""
+        self.module = module
+        sharded = ShardedModule.of(module)
+        rank, size = self.topology.shard_rank, self.topology.shard_size
+        if sharded is not None:  # trained, then evaluated (or trained again): keep the shards
+            sharded.check(world_size=size, rank=rank)
+            if training:
+                for unit in sharded.units:
+                    if unit.requires_grad:
+                        unit.make_trainable(**self.config.unit_options(unit.param_dtype))
+        else:
+            on_meta = any(p.is_meta for p in module.parameters())
+            holder = {id(p): k for k, o in enumerate(optimizers) for g in o.param_groups for p in g["params"]}
+            sharded = shard_module(
+                module,
+                self.config,
+                rank=rank,
+                world_size=size,
+                device=self.device,
+                dtype=dtype,
+                construction=construction,
+                holder=holder if training else None,
+            )
+            if construction is not None:
+                self.sharded_init_peak_bytes = construction.peak_bytes
+            if on_meta:
+                init = getattr(module, "init_module", default_init)
+                self.sharded_init_peak_bytes = initialize_sharded(module, sharded.units, init, device=self.device)
+                module.to(self.device)
+        self.units = sharded.units
+        self.stage3 = Stage3Runtime(
+            sharded.units,
+            sharded.modules,
+            max_live_parameters=self.config.max_live_parameters,
+            prefetch_bucket_size=self.config.prefetch_bucket_size,
+            param_persistence_threshold=self.config.param_persistence_threshold,
+            backward_end=self.backward_end,
+            group=self.topology.shard_group,
+        )
+        self.stage3.install_access_hooks(module)
+
+    def wrap(self, module: Module, optimizers: Sequence[Optimizer], *, marks_micro_batches: bool = True) -> list:
+        """Flat units for the optimizers' parameters (stages 1 and 2; stage 3's come from ``shard``), one
+        gradient reducer, and a ZeroOptimizer around each optimizer, returned. ``marks_micro_batches``: the
+        front door enters ``no_sync`` for the micro-batches before a step's last (else stage 1 cannot know
+        which backward is a step's last, and reduces in every one)."""
+        self.module = module
+        self.buffer_sync = BufferSync(module) if self.config.broadcast_buffers else None
+        names = check_optimizer_params(module, optimizers, rank=self.rank)
+        if self.config.stage < 3:
+            shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
+            self.units = units_per_param_group(optimizers, names, self.config, **shard)
+            UnitIndex(self.units).attach(module)
+            self.load_hooks = install_load_hooks(module, self.units)
+        self.optimizers, self.reducer, self.gathers = wrap_optimizers(
+            optimizers,
+            [u for u in self.units if u.trainable],  # stage 3's frozen units need no gradients
+            names,
+            self.config,
+            world_size=self.topology.shard_size,
+            backward_end=self.backward_end,
+            model=module,
+            topology=self.topology,
+            activate=self.activate,
+        )
+        if self.stage3 is not None:
+            self.stage3.reducer = self.reducer
+        if self.gathers is not None:  # see [Note: post-step gathers] in sharding/param_gather.py
+            # torch.compile would trace the mode that overlaps them and recompile as it comes and goes
+            self.gathers.overlap = self.config.overlap_param_gather and not runs_compiled_code(module)
+        self.reducer.accumulating = not marks_micro_batches
+        return self.optimizers
+
+    def activate(self, params: list[Parameter]) -> tuple[dict, dict]:
+        """``ZeroOptimizer.add_param_group``: gives ``params`` master weights and gradients from now on
+        (stage 3: their frozen units become trainable; stages 1-2: they get a unit of their own)."""
+        names = {p: n for n, p in self.module.named_parameters()}
+        shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
+        unit_location = UnitIndex.of(self.module)
+        units = trainable_units(params, names, self.config, unit_location, **shard)
+        if self.config.stage < 3:  # units of their own
+            self.units += units
+            unit_location.add(units)
+            self.load_hooks += install_load_hooks(self.module, units)
+        self.reducer.add_units(units)
+        if self.gathers is not None:
+            self.gathers.add_units(units)
+        if self.average is not None:
+            self.average.units_changed()
+        return {p: unit_location(p) for p in params}, names
+
+    # --- steps (see [Note: the step's boundaries]) -------------------------------------------------
+    def begin_training_forward(self) -> None:
+        if self.buffer_sync is not None:  # see [Note: when buffers are broadcast] in sharding/buffer_sync.py
+            self.buffer_sync.forward_starts(training=True, synchronized=not self.blocked)
+        if self.stage3 is not None:
+            self.stage3.begin_step()
+
+    def end_training_forward(self, *, step_ends: bool = False) -> None:
+        """After a training forward; ``step_ends``: its backward happened inside it (manual optimization)."""
+        if self.stage3 is None:
+            self.settle()  # what the forward did not read (see [Note: post-step gathers])
+            return
+        self.stage3.end_forward()
+        if step_ends:
+            self.stage3.end_step()
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        self.backward_end.arm_on(loss)  # the end-of-backward callback belongs to this backward
+
+    def after_backward(self) -> None:
+        """After a step's backward (not under manual optimization, whose step ends with its forward)."""
+        if self.stage3 is not None:
+            self.stage3.end_step()
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """The micro-batches before a step's last: stage 1 only accumulates gradients locally."""
+        blocked, self.blocked = self.blocked, True
+        accumulating = self.reducer.accumulating if self.reducer is not None else None
+        if self.reducer is not None:
+            self.reducer.accumulating = True
+        try:
+            yield
+        finally:
+            self.blocked = blocked
+            if self.reducer is not None:
+                self.reducer.accumulating = accumulating
+
+    def forward_only(self, step: Callable, *args: Any, last: Callable[[], bool] | None = None, **kwargs: Any) -> Any:
+        """One forward-only step (evaluation). Stage 3: with ``last`` (whether this rank ran out of batches after
+        this one) a step of a Join (see [Note: uneven inputs] in sharding/stage3.py); without, every rank must
+        run as many."""
+        self.settle()
+        if self.buffer_sync is not None:
+            self.buffer_sync.forward_starts(training=False, synchronized=False)
+        if self.stage3 is None:
+            return step(*args, **kwargs)
+        if last is not None:
+            self._vote(1)
+        self.stage3.begin_step()
+        try:
+            output = step(*args, **kwargs)
+            self.stage3.end_forward()
+        finally:
+            self.stage3.end_step()
+        if last is not None and last():
+            while self._vote(0) > 0:  # others still have batches: issue what their forwards issue
+                self.stage3.shadow_step()
+        return output
+
+    def _vote(self, has_batch: int) -> int:
+        flag = torch.tensor([has_batch], dtype=torch.int32, device=self.device)
+        return int(collectives.all_reduce(flag, torch.distributed.ReduceOp.SUM).item())
+
+    def settle(self) -> None:
+        """Waits for the post-step parameter all-gathers still running (before anything reads parameters)."""
+        if self.gathers is not None:
+            self.gathers.wait_all()
+
+    def release_gradients(self) -> None:
+        """Drops the gradients accumulated so far (as ``module.zero_grad()`` drops ddp's)."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    # --- reading the model ---------------------------------------------------------------------------
+    def full_state_dict(self, module: Module) -> dict[str, torch.Tensor]:
+        """The whole state dict on every rank, in fp32 where training is mixed (the masters): the module's own
+        where it is whole and fp32 already, else gathered onto the CPU one unit at a time. Collective."""
+        self.settle()
+        if self.stage3 is None and not any(needs_masters(u) for u in self.units):
+            return module.state_dict()
+        group = self.topology.shard_group
+        return full_state_dict(module, self.units, self.stage3, group=group, host_group=self.topology.host(group))
+
+    def sharded_state_dict(self, module: Module) -> dict[str, Any]:
+        """What the sharded checkpoint's Lightning state holds of the model: references to what no unit
+        shards (the shards themselves are written per rank)."""
+        self.settle()
+        if self.stage3 is None:
+            return module.state_dict()
+        sharded = {id(p) for u in self.units for p in u.params}
+        return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) not in sharded}
+
+    def parameter_norms(self, module: Module, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+        """Each parameter's norm and the total, from the shards (nothing gathered). Collective."""
+        self.settle()
+        host = self.topology.host(self.topology.shard_group)
+        return parameter_norms(module, self.units, float(norm_type), group=host)
+
+    @contextmanager
+    def gathered_parameters(
+        self, targets: Sequence[Module | Parameter], modifier_rank: int | None = None
+    ) -> Generator[list[Parameter], None, None]:
+        """The parameters of ``targets`` whole inside the block (see ``ZeroStrategy.gathered_parameters``)."""
+        params = list(dict.fromkeys(p for t in targets for p in (t.parameters() if isinstance(t, Module) else [t])))
+        if self.stage3 is None:
+            self.settle()
+            yield params
+            if modifier_rank is not None:
+                unit_location = UnitIndex.of(self.module)
+                for p in params:
+                    collectives.broadcast(p.data, src=modifier_rank)
+                    located = unit_location(p)
+                    if located is not None:
+                        located[0].write_owned(located[1], p.data)  # the master too
+            return
+        with self.stage3.gathered_params(params) as units:
+            yield params
+            if modifier_rank is not None:
+                for unit in units:  # whole units: every rank then keeps its own pieces of them
+                    collectives.broadcast(unit.flat_param, src=modifier_rank)
+                    for index, p in enumerate(unit.params):
+                        unit.write_owned(index, p.data)
+
+    def gather_module(self, module: Module, device: torch.device) -> None:
+        """Stage 3, between runs: makes ``module`` whole on ``device``, one unit at a time. Collective."""
+        if self.stage3 is None:
+            return
+        if self.stage3.in_step:
+            raise RuntimeError("gather_module() is for after a run, not inside a step")
+        gather_module(self.stage3, device)
+        ShardedModule.detach(module)
+        self.stage3, self.units = None, []
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's persistent bytes by category (see ``memory.persistent_bytes``)."""
+        offloaded = self.config.offload_optimizer != "none"
+        return persistent_bytes(self.units, self.optimizers, self.module, offloaded=offloaded)
+
+    # --- the end -----------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Releases hooks; a stage-3 module stays sharded where it is (nothing is gathered, even after an
+        error): ``full_state_dict`` or ``gather_module`` make it whole when asked."""
+        module = self.module
+        if self.stage3 is not None:
+            self.peak_gathered_bytes = self.stage3.peak_gathered_bytes
+            self.stage3.abandon()
+            self.stage3.remove_hooks(module)
+        if self.gathers is not None:
+            self.gathers.remove_hooks()  # waits for the gathers still running
+            self.gathers = None
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+            self.reducer = None
+        for handle in self.load_hooks:
+            handle.remove()
+        self.load_hooks = []
+        if module is not None and self.config.stage < 3:  # stage 3's stay with the shards (ShardedModule)
+            UnitIndex.detach(module)
+        self.buffer_sync = None
+        self.average = None
