@@ -93,7 +93,11 @@ def _overridden(cls: type, base: type, mixin: type) -> list[str]:
 
 @functools.cache
 def _sharded_class(cls: type, mixin: type) -> type:
-    return type(f"Sharded{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+    # The qualified name stays the class's own: Lightning keys a callback's state in checkpoints by it, so that
+    # checkpoints cross with ddp's (and with runs whose callback is not swapped).
+    return type(
+        f"Sharded{cls.__name__}", (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    )
 
 
 def _kinds() -> list[tuple[type, type]]:
@@ -146,5 +150,7 @@ def attach_average(
 
 
 def detach_average(callbacks: list[pl.Callback]) -> None:
+    """After the run: the callbacks lose the average and are of their own class again (usable elsewhere)."""
     for callback in callbacks:
         callback.use_average(None)
+        callback.__class__ = type(callback).__bases__[1]  # (mixin, the user's class)

@@ -158,7 +158,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        if trainer is not None:  # (SWA copies it in any run)
             # before the callbacks' setup, in which they would copy the whole model (see averaging_callbacks.py)
             self._averaging = shard_averaging_callbacks(trainer.callbacks)
         if self.topology.world is not _get_default_group():  # made once per process group (fit, then test...)
@@ -299,11 +299,16 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         super().on_validation_start()
         module = self.lightning_module
         end_on_signal_outside_training(module.trainer)  # see preemption.py
-        if module.trainer.state.fn == TrainerFn.FITTING and not is_overridden("on_validation_model_zero_grad", module):
+        trainer = module.trainer
+        if (
+            trainer.state.fn == TrainerFn.FITTING
+            and not trainer.sanity_checking
+            and not trainer.fit_loop.epoch_loop._should_accumulate()  # Lightning's condition for the hook
+            and not is_overridden("on_validation_model_zero_grad", module)
+        ):
             # Lightning's default hook has just released ddp's gradients (module.zero_grad): ours too, so that a
             # step with no backward after validation (SWA's BatchNorm epoch) applies none, as under ddp.
-            for optimizer in self.optimizers:
-                optimizer.zero_grad()
+            self.engine.release_gradients()
 
     def on_test_start(self) -> None:
         super().on_test_start()

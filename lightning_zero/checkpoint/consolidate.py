@@ -37,6 +37,7 @@ from lightning_zero.checkpoint.format import (
     AVERAGED_IN_SHARDS,
     CheckpointError,
     Metadata,
+    averaged_exported,
     check_files,
     fsync_dir,
     load_lightning_state,
@@ -77,9 +78,9 @@ def _sources(directory: Path, meta: Metadata, lightning: dict[str, Any]) -> list
     reader = ShardReader(directory, meta, keep_open=False)
     replicated = lightning["state_dict"]
     # WeightAveraging's average is what Lightning's checkpoint holds as the weights (format.py's Note)
-    settings = lightning.get(AVERAGED_IN_SHARDS)
-    exported = AVERAGED in lightning and (settings is None or settings.get("exported") is True)
-    in_shards = exported and settings is not None
+    in_shards = AVERAGED_IN_SHARDS in lightning
+    exported = AVERAGED in lightning and (not in_shards or averaged_exported(lightning, directory))
+    in_shards = in_shards and exported
     averaged = lightning[AVERAGED] if exported else {}
     by_key: dict[str, Source] = {}
     for unit in meta.units:

@@ -62,6 +62,15 @@ AVERAGED = "averaged_state_dict"
 AVERAGED_IN_SHARDS = "averaged_in_shards"
 
 
+def averaged_exported(lightning: dict[str, Any], path: Any) -> bool:
+    """AVERAGED_IN_SHARDS's "exported" flag, checked (see [Note: averaged weights in a checkpoint])."""
+    settings = lightning[AVERAGED_IN_SHARDS]
+    exported = settings.get("exported") if isinstance(settings, dict) else None
+    if not isinstance(exported, bool):
+        raise CheckpointError(f"{path}: {AVERAGED_IN_SHARDS} must be a dict with a bool 'exported', got {settings!r}")
+    return exported
+
+
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 

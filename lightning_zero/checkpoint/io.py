@@ -22,6 +22,7 @@ from lightning_zero.checkpoint.format import (
     AVERAGED_IN_SHARDS,
     CheckpointError,
     Metadata,
+    averaged_exported,
     check_files,
     load_lightning_state,
     read_metadata,
@@ -51,10 +52,7 @@ class LoadedCheckpoint:
             return None
         if AVERAGED_IN_SHARDS not in self.lightning:
             return {"in_shards": False, "exported": True}
-        exported = self.lightning[AVERAGED_IN_SHARDS].get("exported")
-        if not isinstance(exported, bool):
-            raise CheckpointError(f"{self.path}: {AVERAGED_IN_SHARDS} must hold a bool 'exported', got {exported!r}")
-        return {"in_shards": True, "exported": exported}
+        return {"in_shards": True, "exported": averaged_exported(self.lightning, self.path)}
 
 
 def open_checkpoint(
@@ -142,7 +140,7 @@ def load_model(
     try:
         with torch.no_grad():
             _read_pieces(units, params, buffers, replicated, read)
-    except (CheckpointError, OSError, RuntimeError, ValueError, IndexError) as error:
+    except (CheckpointError, OSError, RuntimeError, ValueError, IndexError, KeyError) as error:
         problem = f"rank {_rank()}: {loaded.path}: cannot read this rank's part: {error!s}".splitlines()[0]
     problems = [p for p in collectives.all_gather_object(problem) if p is not None]
     if problems:

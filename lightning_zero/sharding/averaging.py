@@ -31,6 +31,12 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
 
 
+def _fp32(values: Sequence[Tensor]) -> list[Tensor]:
+    """The values to average in fp32: what has no fp32 master (a frozen 16-bit weight) as an fp32 copy, so that
+    its average is not rounded to 16 bits at every update (ddp's weights are fp32)."""
+    return [v.float() if v.is_floating_point() and v.dtype != torch.float32 else v for v in values]
+
+
 class _Pieces(Module):
     """The weights this rank averages, as one module's parameters and buffers (aliases, nothing copied)."""
 
@@ -70,8 +76,10 @@ class WeightAverage:
 
     # --- what is averaged --------------------------------------------------------------------------
     def _current(self) -> tuple[list[str], list[Tensor]]:
-        """(parameter names, this rank's current fp32 values of them), in the model's parameter order."""
+        """(parameter names, this rank's current values of them: the fp32 masters' pieces of what trains), in the
+        model's parameter order."""
         where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        pieces = {id(u): {pc.param: pc for pc in u.layout.pieces(u.rank)} for u in self.units}
         names, values = [], []
         for name, p in self.model.named_parameters():
             if id(p) not in where:
@@ -79,7 +87,7 @@ class WeightAverage:
                 values.append(p.detach())
                 continue
             unit, index = where[id(p)]
-            piece = next((pc for pc in unit.layout.pieces(unit.rank) if pc.param == index), None)
+            piece = pieces[id(unit)].get(index)
             if piece is None:
                 continue  # no element of it on this rank
             lo, n = piece.partition_offset, piece.numel
@@ -98,7 +106,7 @@ class WeightAverage:
         count = self.averaged.n_averaged.clone() if self.averaged is not None else None
         self.names, values = self._current()
         self.averaged = AveragedModel(
-            _Pieces(values, self._buffers()), device=self.device, use_buffers=self.use_buffers, **self.averaging
+            _Pieces(_fp32(values), self._buffers()), device=self.device, use_buffers=self.use_buffers, **self.averaging
         )
         if before is not None:
             numels = {n: p.numel() for n, p in self.model.named_parameters()}
@@ -131,14 +139,14 @@ class WeightAverage:
         names, current = self._current()
         if names != self.names:
             raise RuntimeError(f"internal: the averaged weights {self.names} are not the model's now, {names}")
-        self.averaged.update_parameters(_Pieces(current, self._buffers()))
+        self.averaged.update_parameters(_Pieces(_fp32(current), self._buffers()))
 
     def update_swa(self, avg_fn: Callable[[Tensor, Tensor, Tensor], Tensor], n_averaged: Tensor) -> None:
         """One update by Lightning's ``StochasticWeightAveraging.update_parameters`` rule (parameters only), which
         counts ``n_averaged`` up."""
         self.settle()
         for averaged, current in self._pairs(with_buffers=False):
-            value = current.to(averaged.device)
+            value = current.to(averaged.device, averaged.dtype)
             averaged.copy_(value if n_averaged == 0 else avg_fn(averaged, value, n_averaged.to(averaged.device)))
         n_averaged += 1
 
@@ -174,9 +182,12 @@ class WeightAverage:
 
     # --- checkpoints -------------------------------------------------------------------------------
     def state(self) -> dict[str, Tensor]:
-        """The averaged values by parameter name (pieces flat) and by the state dict's buffer keys."""
+        """The averaged values by parameter name (pieces flat) and by the state dict's buffer keys (a
+        non-persistent buffer is averaged, as ``AveragedModel`` averages it, but in no state dict)."""
         out = dict(zip(self.names, (p.detach() for p in self.averaged.module.weights)))
-        out.update(zip((k for k, _ in self.model.named_buffers()), self.averaged.module.buffers()))
+        persistent = self.model.state_dict(keep_vars=True).keys()
+        named = zip((k for k, _ in self.model.named_buffers()), self.averaged.module.buffers())
+        out.update((k, v) for k, v in named if k in persistent)
         return out
 
     def partition(self, unit: FlatUnit) -> Tensor:
@@ -221,7 +232,9 @@ class WeightAverage:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
+        """An earlier version's SWA checkpoint keeps the whole averaged module in the callback's state."""
+        if state_dict:
+            self.load(lambda name, lo, hi, out: out.copy_(state_dict[name].reshape(-1)[lo:hi]), state_dict)
 
     def to(self, device: Any) -> WeightAverage:
         return self

@@ -113,16 +113,32 @@ class NormedForSWA(Normed):
         pass
 
 
+class Scaled(Features):
+    """With a non-persistent buffer: averaged as AveragedModel averages it, in no checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(1), persistent=False)
+
+
 def _averaging_run(
-    name: str, world: int, root, kind: str, epochs: int = 3, resume: str | None = None, strategy=None
+    name: str, world: int, root, kind: str, epochs: int = 3, resume: str | None = None, strategy=None, **kwargs
 ) -> dict:
     pl.seed_everything(0)
-    module = Features() if kind == "ema" else NormedForSWA() if kind == "swa-bn" else Unscheduled()
+    module = Scaled() if kind.startswith("ema") and kind != "ema-finetune" else Unscheduled()
+    module = NormedForSWA() if kind == "swa-bn" else module
     checkpoints = ModelCheckpoint(root / f"{kind}-{name}", save_top_k=-1, filename="{epoch}")
     logger = Recorder()
-    callbacks = [*AVERAGING[kind](), checkpoints]
+    callbacks = [*AVERAGING[kind.removesuffix("-midacc")](), checkpoints]
     trainer = feature_trainer(
-        strategy or name, world, root, max_epochs=epochs, callbacks=callbacks, logger=logger, enable_checkpointing=True
+        strategy or name,
+        world,
+        root,
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=logger,
+        enable_checkpointing=True,
+        **kwargs,
     )
     trainer.fit(module, ckpt_path=resume)
     val_losses = [m["val_loss"] for _, m in logger.metrics if "val_loss" in m]
@@ -157,6 +173,9 @@ def _averaging(rank: int, world: int, root) -> dict:
     }
     offload = zero_strategy(3, param_persistence_threshold=0, offload_optimizer="cpu", offload_param="cpu")
     out[("ema", "zero3-offload")] = _averaging_run("zero3-offload", world, root, "ema", strategy=offload)
+    for name in STRATEGIES:  # validation inside an accumulation window: ddp keeps the gradients accumulated so far
+        midacc = dict(accumulate_grad_batches=2, val_check_interval=3)
+        out[("ema-midacc", name)] = _averaging_run(name, world, root, "ema-midacc", **midacc)
     for name in STRATEGIES[1:]:
         out[("ema-finetune", name)] = _averaging_run(name, world, root, "ema-finetune")
     for name in STRATEGIES:  # the EMA resumed from the end of epoch 1 (averaged weights saved, then loaded)
@@ -167,17 +186,19 @@ def _averaging(rank: int, world: int, root) -> dict:
         out[("swa-resumed", name)] = _averaging_run(name, world, root / "resumed", "swa", resume=str(resume))
     ddp_checkpoint = str(root / "ema-ddp" / "epoch=1.ckpt")  # a ddp EMA checkpoint resumed here (migration in)
     out[("ema-from-ddp", "zero3")] = _averaging_run("zero3", world, root / "from-ddp", "ema", resume=ddp_checkpoint)
+    ddp_checkpoint = str(root / "swa-ddp" / "epoch=1.ckpt")  # SWA's whole average in its callback state
+    out[("swa-from-ddp", "zero3")] = _averaging_run("zero3", world, root / "from-ddp", "swa", resume=ddp_checkpoint)
     for name in STRATEGIES:  # an EMA checkpoint tested without the callback: the averaged weights, as ddp
         trainer = feature_trainer(name, world, root / "tested", logger=False)
-        (tested,) = trainer.test(Features(), ckpt_path=str(root / f"ema-{name}" / "epoch=1.ckpt"), verbose=False)
+        (tested,) = trainer.test(Scaled(), ckpt_path=str(root / f"ema-{name}" / "epoch=1.ckpt"), verbose=False)
         out[("ema-tested", name)] = tested["test_loss"]
-    for name in ("zero2", "zero3"):  # fp16 parameters with fp32 masters: the masters are averaged
+    for name in ("zero2", "zero3"):  # fp16 parameters with fp32 masters (the backbone frozen, then trained)
         pl.seed_everything(0)
         reference, size = ReferenceEMA(0.9), AverageBytes()
         plugins = [ZeroPrecision("16-mixed")]  # (on the CPU Lightning would turn precision="16-mixed" into bf16)
-        callbacks = [*AVERAGING["ema"](), reference, size]
-        trainer = feature_trainer(name, world, root / "fp16", max_epochs=2, callbacks=callbacks, plugins=plugins)
-        trainer.fit(Features())
+        callbacks = [*AVERAGING["ema-finetune"](), reference, size]
+        trainer = feature_trainer(name, world, root / "fp16", max_epochs=3, callbacks=callbacks, plugins=plugins)
+        trainer.fit(Unscheduled())
         out[("ema-16-mixed", name)] = {"state": whole_state(trainer), "reference": reference.ema, "bytes": size.bytes}
     return out
 
@@ -210,7 +231,7 @@ def test_weight_averaging_equals_ddp(ranks, tmp_path):
             assert_close(
                 result[("ema-tested", name)], result[("ema-tested", "ddp")], f"{name}: test on the EMA checkpoint"
             )
-        for kind in ("ema", "swa", "swa-bn", "ema-resumed", "swa-resumed"):
+        for kind in ("ema", "ema-midacc", "swa", "swa-bn", "ema-resumed", "swa-resumed"):
             ddp = result[(kind, "ddp")]
             names = {"swa-resumed": ["zero3"], "ema": [*STRATEGIES[1:], "zero3-offload"]}.get(kind, STRATEGIES[1:])
             for name in names:
@@ -219,8 +240,9 @@ def test_weight_averaging_equals_ddp(ranks, tmp_path):
                 for key, value in ddp["state"].items():
                     assert_close(run["state"][key], value, f"{where}: {key} at the end")
         resumed = [(f"ema {n}", "ema", n) for n in STRATEGIES] + [(f"swa {n}", "swa", n) for n in ("ddp", "zero3")]
-        for label, kind, name in [*resumed, ("ema ddp->zero3", "ema", "ddp")]:
-            run = migrated if label == "ema ddp->zero3" else result[(f"{kind}-resumed", name)]
+        migrated = {"ema ddp->zero3": migrated, "swa ddp->zero3": result[("swa-from-ddp", "zero3")]}
+        for label, kind, name in [*resumed, ("ema ddp->zero3", "ema", "ddp"), ("swa ddp->zero3", "swa", "ddp")]:
+            run = migrated[label] if label in migrated else result[(f"{kind}-resumed", name)]
             went_on = result[(kind, name)]
             assert_close(run["val_loss"], went_on["val_loss"][-1:], f"{label} rank {rank}: val_loss after resume")
             for key, value in went_on["state"].items():
