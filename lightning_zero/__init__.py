@@ -1,12 +1,14 @@
 """lightning_zero: DeepSpeed's ZeRO optimizations as a native PyTorch Lightning strategy.
 
 Importing the package registers the strategy names ``zero1``, ``zero2`` and ``zero3`` in Lightning's
-registry, so ``Trainer(strategy="zero2")`` works after ``import lightning_zero``.
+registries, so ``Trainer(strategy="zero2")`` and ``Fabric(strategy="zero2")`` work after ``import lightning_zero``.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.fabric import ZeroFabricStrategy
 from lightning_zero.gathered import gathered_parameters, parameter_norms
 from lightning_zero.grad_norms import grad_norm
 from lightning_zero.precision import ZeroPrecision
@@ -21,6 +23,7 @@ __all__ = [
     "PreemptionCheckpoint",
     "ResumableSampler",
     "ZeroConfig",
+    "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
     "gathered_parameters",
@@ -33,3 +36,5 @@ __version__ = "0.1.0"
 
 if "zero1" not in StrategyRegistry:
     ZeroStrategy.register_strategies(StrategyRegistry)
+if "zero1" not in FABRIC_STRATEGIES:
+    ZeroFabricStrategy.register_strategies(FABRIC_STRATEGIES)

@@ -108,12 +108,17 @@ class ZeroPrecision(Precision):
 
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         tensor = super().pre_backward(tensor, module)
+        return self.scale_loss(tensor, module.trainer.strategy.optimizers)
+
+    def scale_loss(self, tensor: Tensor, optimizers: list) -> Tensor:
+        """The loss to run backward on: multiplied by the fp16 loss scale (which ``optimizers`` learn, so that
+        ``grad_norm()`` can unscale gradients anywhere in the step)."""
         if self.scaler is None:
             return tensor
         scale = self._loss_scale(tensor.device)
-        for optimizer in module.trainer.strategy.optimizers:
+        for optimizer in optimizers:
             if isinstance(optimizer, ZeroOptimizer):
-                optimizer.loss_scale = scale  # so grad_norm() can unscale gradients anywhere in the step
+                optimizer.loss_scale = scale
         return tensor * (scale.to(tensor.dtype) if torch.is_tensor(scale) else scale)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any):
@@ -121,6 +126,20 @@ class ZeroPrecision(Precision):
         if not isinstance(zero, ZeroOptimizer):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()  # forward and backward; the strategy reduces gradients after backward
+
+        def hooks() -> None:
+            with sharded_grads(model, [zero]):
+                self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+
+        self.zero_step(zero, before_step=hooks, step_number=model.trainer.global_step, **kwargs)
+        self._log(model)
+        return closure_result
+
+    def zero_step(
+        self, zero: ZeroOptimizer, *, before_step: Callable[[], None] = lambda: None, step_number: int, **kwargs: Any
+    ) -> bool:
+        """The step after backward (see [Note: the fp16 step]): the gradients reduced, then the step skipped
+        on an fp16 overflow, or ``before_step()`` and the step; the loss scale updated. Whether it stepped."""
         scale = self._loss_scale()
         found_inf = self._prepare(zero)
         if found_inf is True:
@@ -128,17 +147,15 @@ class ZeroPrecision(Precision):
             self.scaler.update(overflow=True)
             if self.scaler.scale != scale:
                 rank_zero_info(
-                    f"fp16 gradients overflowed at step {model.trainer.global_step}: step skipped, loss scale"
+                    f"fp16 gradients overflowed at step {step_number}: step skipped, loss scale"
                     f" {scale:g} -> {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)"
                 )
-        else:
-            with sharded_grads(model, [zero]):
-                self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
-            zero.step(**kwargs)
-            if self.scaler is not None:
-                self.scaler.update(found_inf)
-        self._log(model)
-        return closure_result
+            return False
+        before_step()
+        zero.step(**kwargs)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        return True
 
     def _log(self, model: pl.LightningModule) -> None:
         if self.scaler is not None:

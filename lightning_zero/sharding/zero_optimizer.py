@@ -421,8 +421,8 @@ class ZeroOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError(
-            "a ZeroOptimizer's state is sharded across ranks: save it with trainer.save_checkpoint(...), which"
-            " writes each rank's part (lightning_zero.checkpoint)"
+            "a ZeroOptimizer's state is sharded across ranks: save it with trainer.save_checkpoint(...) or"
+            " fabric.save(...), which write each rank's part (lightning_zero.checkpoint)"
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
