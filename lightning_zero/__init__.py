@@ -15,6 +15,7 @@ from lightning_zero.precision import ZeroPrecision
 from lightning_zero.preemption import Preempted, PreemptionCheckpoint
 from lightning_zero.pretrained import load_pretrained
 from lightning_zero.resumable_data import ResumableSampler, resumable_loader
+from lightning_zero.script import ScriptEngine, initialize
 from lightning_zero.strategy import ZeroStrategy
 
 __all__ = [
@@ -22,12 +23,14 @@ __all__ = [
     "Preempted",
     "PreemptionCheckpoint",
     "ResumableSampler",
+    "ScriptEngine",
     "ZeroConfig",
     "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
     "gathered_parameters",
     "grad_norm",
+    "initialize",
     "load_pretrained",
     "parameter_norms",
     "resumable_loader",

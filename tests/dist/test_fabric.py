@@ -8,11 +8,14 @@ stage, resumed; fp16 with dynamic loss scaling; checkpoints crossing between Fab
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 
+import lightning_zero
 from lightning_zero import ZeroConfig, ZeroFabricStrategy, ZeroPrecision
 from tests.support.helpers import COLLECTIVE_TIMEOUT_S
 from tests.support.lightning_features import SAMPLES, Features, assert_close, feature_trainer, whole_state
@@ -146,6 +149,35 @@ def test_fabric_loop_equals_one_process(ranks, tmp_path):
         for key, value in run["state"].items():
             assert_close(run["resumed_state"][key], value, f"fp16 rank {rank}: {key} resumed")
         assert_close(run["resumed_losses"], run["losses"][3 * ACCUMULATE :], f"fp16 rank {rank}: after the load")
+
+
+def _script(rank: int, world: int) -> dict:
+    """``lightning_zero.initialize`` at every stage: the same loop through the engine's own methods."""
+    out = {}
+    for stage in (1, 2, 3):
+        pl.seed_everything(0)
+        model = Plain()
+        config = ZeroConfig(stage=stage, param_persistence_threshold=0, timeout=COLLECTIVE_TIMEOUT_S)
+        engine = lightning_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=model.lr), config)
+        for k, (x, y) in enumerate(_batches(model, rank, world)):
+            last = (k + 1) % ACCUMULATE == 0
+            with engine.no_sync() if not last else contextlib.nullcontext():
+                engine.backward(F.cross_entropy(engine(x), y) / ACCUMULATE)
+            if last:
+                engine.clip_grad_norm_(0.5)
+                engine.step()
+        out[stage] = {k: v.float().clone() for k, v in engine.state_dict().items()}
+    return out
+
+
+def test_plain_script_engine_equals_one_process(ranks):
+    """``engine = lightning_zero.initialize(model, optimizer, config)`` (a torchrun script's front door): the
+    loop with accumulation and clipping equals one process at every stage."""
+    single = _single()
+    for rank, result in enumerate(ranks(_script, 2)):
+        for stage, state in result.items():
+            for key, value in single["state"].items():
+                assert_close(state[key], value, f"initialize zero{stage} rank {rank}: {key} against one process")
 
 
 def _crossing(rank: int, world: int, root) -> dict:

@@ -1,0 +1,99 @@
+"""``lightning_zero.initialize``: ZeRO in a plain PyTorch training script launched by torchrun, as
+``deepspeed.initialize`` gives it (the third front door of the engine, after the Trainer and Fabric).
+
+    engine = lightning_zero.initialize(model, optimizer, ZeroConfig(stage=2), precision="bf16-mixed")
+    for x, y in loader:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()                        # the optimizer's step, then its zero_grad
+    engine.save("ckpt", step=step)           # collective; engine.load("ckpt") -> {"step": ...}
+
+Under the hood it is Fabric with ``ZeroFabricStrategy`` (fabric.py), set up from torchrun's environment:
+the process group, the device of this local rank, and the same sharded checkpoints as the Trainer's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric import Fabric
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.fabric import ZeroFabricStrategy
+
+
+class ScriptEngine:
+    """The model and optimizer of a plain script, sharded (see the module's docstring). Every method that
+    communicates is collective: call it on every rank."""
+
+    def __init__(self, fabric: Fabric, module: Module, optimizer: Any) -> None:
+        self.fabric, self.module, self.optimizer = fabric, module, optimizer
+        self.rank, self.world_size, self.device = fabric.global_rank, fabric.world_size, fabric.device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: Tensor) -> None:
+        self.fabric.backward(loss)
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """For the micro-batches before a step's last (gradient accumulation)."""
+        with self.fabric.no_backward_sync(self.module, enabled=True):
+            yield
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clips the step's gradients to a global L2 norm of ``max_norm``; returns the norm before clipping."""
+        return self.fabric.clip_gradients(self.module, self.optimizer, max_norm=max_norm)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def train(self, mode: bool = True) -> ScriptEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ScriptEngine:
+        return self.train(False)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The whole model's state dict on every rank (fp32 masters where training is mixed)."""
+        return self.fabric.strategy.get_module_state_dict(self.module)
+
+    def save(self, path: str | os.PathLike, **extra: Any) -> None:
+        """A sharded checkpoint directory: the model, the optimizer and ``extra`` (plain values)."""
+        self.fabric.save(Path(path), {"model": self.module, "optimizer": self.optimizer, **extra})
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Restores the model and optimizer from a checkpoint of this engine, Fabric's or the Trainer's (any world
+        size and stage); returns its other entries."""
+        return self.fabric.load(Path(path), {"model": self.module, "optimizer": self.optimizer})
+
+
+def initialize(
+    model: Module,
+    optimizer: Optimizer,
+    config: ZeroConfig | None = None,
+    *,
+    precision: str = "32-true",
+    accelerator: str = "auto",
+) -> ScriptEngine:
+    """Shards ``model`` and ``optimizer`` over the ranks torchrun started (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``; one process alone without them) under ``config`` (``ZeroConfig()``, stage 2, by
+    default) in ``precision`` ("32-true", "bf16-mixed" or "16-mixed"). Collective: every rank calls it."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))  # (one node without it)
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", str(local))) // local)
+    strategy = ZeroFabricStrategy(config if config is not None else ZeroConfig())
+    fabric = Fabric(strategy=strategy, accelerator=accelerator, devices=local, num_nodes=nodes, precision=precision)
+    fabric.launch()
+    module, optimizer = fabric.setup(model, optimizer)
+    return ScriptEngine(fabric, module, optimizer)
