@@ -86,22 +86,6 @@ class DeepSpeedSettings:
     micro_batch_size: int | None = None
     no_effect: list[str] = field(default_factory=list)  # keys accepted that change nothing
 
-    def trainer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``Trainer`` (the strategy and the fp16 plugin included)."""
-        from lightning_zero.precision import ZeroPrecision
-        from lightning_zero.strategy import ZeroStrategy
-
-        kwargs: dict[str, Any] = {"strategy": ZeroStrategy(self.zero)}
-        if self.precision == "16-mixed":
-            kwargs["plugins"] = [ZeroPrecision("16-mixed", loss_scale=self.loss_scale)]
-        elif self.precision is not None:
-            kwargs["precision"] = self.precision
-        if self.gradient_clip_val is not None:
-            kwargs["gradient_clip_val"] = self.gradient_clip_val
-        if self.accumulate_grad_batches is not None:
-            kwargs["accumulate_grad_batches"] = self.accumulate_grad_batches
-        return kwargs
-
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out = {}

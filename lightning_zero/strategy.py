@@ -112,14 +112,27 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     def from_deepspeed_config(cls, source: Any, *, ignore: tuple[str, ...] = ()) -> ZeroStrategy:
         """The strategy a DeepSpeed JSON config (path or dict) describes, its fp16 loss scaling included.
 
-        Trainer arguments it also sets (clipping, accumulation) come from
-        ``lightning_zero.deepspeed_config.read_deepspeed_config(source).trainer_kwargs()``.
+        Trainer arguments it also sets (clipping, accumulation) come from ``trainer_kwargs_from_deepspeed``.
         """
         settings = read_deepspeed_config(source, ignore=ignore)
         strategy = cls(settings.zero)
         if settings.precision is not None:
             strategy.precision_plugin = ZeroPrecision(settings.precision, loss_scale=settings.loss_scale)
         return strategy
+
+    @classmethod
+    def trainer_kwargs_from_deepspeed(cls, source: Any, *, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Keyword arguments for ``Trainer`` from a DeepSpeed JSON config (the strategy and fp16 plugin included)."""
+        settings = read_deepspeed_config(source, ignore=ignore)
+        kwargs: dict[str, Any] = {"strategy": cls(settings.zero)}
+        if settings.precision == "16-mixed":
+            kwargs["plugins"] = [ZeroPrecision("16-mixed", loss_scale=settings.loss_scale)]
+        elif settings.precision is not None:
+            kwargs["precision"] = settings.precision
+        for key in ("gradient_clip_val", "accumulate_grad_batches"):
+            if getattr(settings, key) is not None:
+                kwargs[key] = getattr(settings, key)
+        return kwargs
 
     # --- precision --------------------------------------------------------------------------------
     @property

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zero.kernels import ops
-from lightning_zero.models.gpt import Block
+from lightning_zero.models.blocks import Block
 
 
 def _bias(module: nn.Module, size: int, like: Tensor) -> Tensor:

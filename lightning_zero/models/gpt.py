@@ -8,7 +8,6 @@ handle). ``flops_per_token`` follows nanoGPT's estimate (6N + 12 L H Q T) for th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
@@ -16,63 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_zero.models.blocks import Block, CausalSelfAttention, GPTConfig
+from lightning_zero.models.fused_block import FusedBlock
 
-@dataclass(kw_only=True)
-class GPTConfig:
-    vocab_size: int = 64
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2; False is a bit faster and better
-    fused: bool = False  # blocks computed with lightning_zero's fused kernels (models/fused_block.py)
-
-    def __post_init__(self) -> None:
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{key} must be an integer >= 1, got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.proj.residual_projection = True  # initialized smaller: see GPT.init_module
-        self.dropout = cfg.dropout
-
-    def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias),
-            nn.GELU(),
-            nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
-            nn.Dropout(cfg.dropout),
-        )
-        self.mlp[2].residual_projection = True
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+__all__ = ["GPT", "Block", "CausalSelfAttention", "GPTConfig", "GPTModule"]  # (the parts: models/blocks.py)
 
 
 class GPT(nn.Module):
@@ -82,9 +28,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        block = Block
-        if cfg.fused:
-            from lightning_zero.models.fused_block import FusedBlock as block  # it imports this module
+        block = FusedBlock if cfg.fused else Block
         self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

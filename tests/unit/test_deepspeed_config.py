@@ -249,7 +249,7 @@ def test_strategy_and_trainer_from_a_deepspeed_config(tmp_path):
     with pytest.warns(UserWarning):
         strategy = ZeroStrategy.from_deepspeed_config(path)
     assert strategy.config.stage == 3 and strategy.precision_plugin.precision == "bf16-mixed"
-    kwargs = read_deepspeed_config(FP16_STATIC | {"gradient_clipping": 0.5}).trainer_kwargs()
+    kwargs = ZeroStrategy.trainer_kwargs_from_deepspeed(FP16_STATIC | {"gradient_clipping": 0.5})
     trainer = pl.Trainer(accelerator="cpu", devices=2, logger=False, **kwargs)
     assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.stage == 1
     assert isinstance(trainer.precision_plugin, ZeroPrecision) and trainer.precision_plugin.scaler.scale == 128.0
