@@ -30,10 +30,10 @@ from common import QUIET, emit
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.data import SyntheticTextDataModule
-from lightning_zero.memory import formula_bytes
+from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPTConfig, GPTModule
-from lightning_zero.spawn import spawn_local_ranks
+from lightning_zero.planning.memory import formula_bytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 

@@ -25,9 +25,9 @@ from common import QUIET, emit
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.checkpoint.consolidate import consolidate
-from lightning_zero.data import SyntheticTextDataModule
+from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPTConfig, GPTModule
-from lightning_zero.spawn import spawn_local_ranks
 
 MIB = 2**20
 CASES = [(2, 2), (2, 4), (3, 2), (3, 4)]  # (stage, world size)

@@ -45,9 +45,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.data import SyntheticTextDataModule
+from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPT, GPTConfig, GPTModule
-from lightning_zero.spawn import spawn_local_ranks
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator when imported
 try:

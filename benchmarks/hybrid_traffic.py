@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
     import lightning.pytorch as pl
 
     from lightning_zero import ZeroConfig, ZeroStrategy
-    from lightning_zero.data import SyntheticTextDataModule
+    from lightning_zero.models.data import SyntheticTextDataModule
     from lightning_zero.models.gpt import GPTConfig, GPTModule
 
     class Traffic(pl.Callback):
@@ -81,8 +81,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from lightning_zero.comm_model import link_bytes, step_collectives
-    from lightning_zero.spawn import spawn_local_ranks
+    from lightning_zero.front.spawn import spawn_local_ranks
+    from lightning_zero.planning.comm_model import link_bytes, step_collectives
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "traffic.json")

@@ -29,11 +29,11 @@ import torch
 from common import QUIET, emit
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.data import SyntheticTextDataModule
+from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPT, GPTConfig, GPTModule
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.stage3_setup import assign_units, unit_modules
-from lightning_zero.spawn import spawn_local_ranks
 
 MIB = 2**20
 

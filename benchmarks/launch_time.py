@@ -35,7 +35,7 @@ from common import QUIET, emit
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 ADDED_IMPORT = (
     "import time, lightning.pytorch; t = time.perf_counter(); import lightning_zero, lightning_zero.models.gpt,"
-    " lightning_zero.data; print(time.perf_counter() - t)"
+    " lightning_zero.models.data; print(time.perf_counter() - t)"
 )
 
 
@@ -44,7 +44,7 @@ def _run(name: str, world: int, out_dir: str) -> None:
     import lightning.pytorch as pl
 
     from lightning_zero import ZeroConfig, ZeroStrategy
-    from lightning_zero.data import SyntheticTextDataModule
+    from lightning_zero.models.data import SyntheticTextDataModule
     from lightning_zero.models.gpt import GPTConfig, GPTModule
 
     imported = time.time()

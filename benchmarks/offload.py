@@ -192,7 +192,7 @@ def _train_worker(rank: int, world: int, args, out_file: str) -> None:
     from step_timer import BatchTimer
 
     from lightning_zero import ZeroConfig, ZeroStrategy
-    from lightning_zero.data import SyntheticTextDataModule
+    from lightning_zero.models.data import SyntheticTextDataModule
     from lightning_zero.models.gpt import GPTConfig, GPTModule
 
     class Timer(BatchTimer):
@@ -226,7 +226,7 @@ def _train_worker(rank: int, world: int, args, out_file: str) -> None:
 
 
 def _training_table(args) -> list[str]:
-    from lightning_zero.spawn import spawn_local_ranks
+    from lightning_zero.front.spawn import spawn_local_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "results.json")

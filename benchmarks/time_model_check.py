@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
     from step_timer import BatchTimer
 
     from lightning_zero import ZeroConfig, ZeroStrategy
-    from lightning_zero.data import SyntheticTextDataModule
+    from lightning_zero.models.data import SyntheticTextDataModule
     from lightning_zero.models.gpt import GPTConfig, GPTModule
 
     times: dict[int, list[float]] = {stage: [] for stage in STAGES}
@@ -63,9 +63,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    from lightning_zero.spawn import spawn_local_ranks
+    from lightning_zero.front.spawn import spawn_local_ranks
 
-    command = [sys.executable, "-m", "lightning_zero.cli", "estimate", "--model", "configs/gpt.yaml"]
+    command = [sys.executable, "-m", "lightning_zero.cli.main", "estimate", "--model", "configs/gpt.yaml"]
     command += ["--devices", str(args.world_size), "--measure"]
     estimate = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     table = estimate.split("predicted step per rank")[1].splitlines()

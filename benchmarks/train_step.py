@@ -21,7 +21,7 @@ import torch
 from common import QUIET
 
 from lightning_zero import LossScaleConfig, ZeroConfig, ZeroPrecision, ZeroStrategy
-from lightning_zero.data import SyntheticTextDataModule
+from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPTConfig, GPTModule
 
 WARMUP = 10  # steps before the clock starts

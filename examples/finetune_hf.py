@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.resumable_data import resumable_loader
+from lightning_zero.resilience.resumable_data import resumable_loader
 
 
 class LoRA(nn.Module):

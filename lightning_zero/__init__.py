@@ -7,16 +7,16 @@ registries, so ``Trainer(strategy="zero2")`` and ``Fabric(strategy="zero2")`` wo
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.checkpoint.pretrained import load_pretrained
 from lightning_zero.config import LossScaleConfig, ZeroConfig
-from lightning_zero.fabric import ZeroFabricStrategy
-from lightning_zero.gathered import gathered_parameters, parameter_norms
-from lightning_zero.grad_norms import grad_norm
-from lightning_zero.precision import ZeroPrecision
-from lightning_zero.preemption import Preempted, PreemptionCheckpoint
-from lightning_zero.pretrained import load_pretrained
-from lightning_zero.resumable_data import ResumableSampler, resumable_loader
-from lightning_zero.script import ScriptEngine, initialize
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.front.fabric import ZeroFabricStrategy
+from lightning_zero.front.gathered import gathered_parameters, parameter_norms
+from lightning_zero.front.grad_norms import grad_norm
+from lightning_zero.front.precision import ZeroPrecision
+from lightning_zero.front.script import ScriptEngine, initialize
+from lightning_zero.front.strategy import ZeroStrategy
+from lightning_zero.resilience.preemption import Preempted, PreemptionCheckpoint
+from lightning_zero.resilience.resumable_data import ResumableSampler, resumable_loader
 
 __all__ = [
     "LossScaleConfig",

@@ -124,7 +124,7 @@ class ZeroConfig:
             ``lightning-zero consolidate`` command writes the same from any checkpoint afterwards.
         checkpoint_on_signal: on SIGTERM or SIGUSR1 (SLURM's requeue signal) every rank finishes its
             optimizer step, writes a checkpoint and exits with 128 + the signal's number (see
-            preemption.py: ``PreemptionCheckpoint`` sets where; under SLURM with auto-requeue the job is
+            resilience/preemption.py: ``PreemptionCheckpoint`` sets where; under SLURM with auto-requeue the job is
             requeued); false: the ranks stop at the same step boundary without writing.
     """
 
@@ -284,7 +284,7 @@ class LossScaleConfig:
         consecutive_hysteresis: refill the tolerance after every good step, not only when the scale grows.
         min_loss_scale: the scale never goes below this.
         raise_at_min_scale: an overflow at the minimum scale raises (default) or only warns.
-        skip_on_device: decide a step's skip on the device, without a host sync (see loss_scaler.py's
+        skip_on_device: decide a step's skip on the device, without a host sync (see front/loss_scaler.py's
             [Note: skipping on the device]); needs the fused AdamW step. Off (default): the host reads the
             overflow flag once a step, as DeepSpeed does.
     """

@@ -27,7 +27,7 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.memory import persistent_bytes
+from lightning_zero.planning.memory import persistent_bytes
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.averaging import WeightAverage
 from lightning_zero.sharding.backward_end import BackwardEnd

@@ -21,7 +21,7 @@ size, like any other.
 the same order, even those it is not in (``new_subgroups_by_enumeration`` does exactly that). The
 host (gloo) groups that host tensors (offloaded state, flags kept on the host) reduce on are made the same
 way, here, when the backend is not gloo. A topology belongs to the strategy that made it; its groups live as
-long as the default process group they were made on (destroying that destroys them: elastic.py).
+long as the default process group they were made on (destroying that destroys them: resilience/elastic.py).
 """
 
 from __future__ import annotations

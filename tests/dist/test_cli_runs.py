@@ -11,7 +11,7 @@ import logging
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 
-from lightning_zero.cli import main
+from lightning_zero.cli.main import main
 from tests.support.helpers import REPO
 
 SHORT = ["--trainer.max_steps=12", "--trainer.val_check_interval=6", "--trainer.limit_val_batches=2"]

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
 from lightning_zero import ZeroPrecision
-from lightning_zero.cli import main
+from lightning_zero.cli.main import main
 from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 from tests.support.kill_target import Wide, trainer
 

@@ -11,7 +11,7 @@ from lightning.pytorch.core.optimizer import _configure_optimizers
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.config import ZeroConfig
-from lightning_zero.estimate import estimate, shape_of_module
+from lightning_zero.planning.estimate import estimate, shape_of_module
 from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 OFFLOAD = {

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero.checkpoint.format import rank_file, read_metadata
-from lightning_zero.comm_model import step_collectives
+from lightning_zero.planning.comm_model import step_collectives
 from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, verify_checkpoint, zero_strategy
 
 STEPS, HALF = 6, 3

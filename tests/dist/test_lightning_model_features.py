@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lightning_zero import ZeroPrecision
-from lightning_zero.cli import main
+from lightning_zero.cli.main import main
 from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
 from tests.support.lightning_features import (
     STRATEGIES,

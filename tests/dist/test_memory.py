@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_zero import ZeroPrecision
-from lightning_zero.memory import formula_bytes
+from lightning_zero.planning.memory import formula_bytes
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 from tests.support.helpers import EquivalenceModule, TrafficPerStep, make_trainer, zero_strategy

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_zero import ZeroPrecision
-from lightning_zero.callbacks import ZeroMetrics
+from lightning_zero.front.callbacks import ZeroMetrics
 from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
-from lightning_zero.memory import SavedBytes
+from lightning_zero.planning.memory import SavedBytes
 from lightning_zero.sharding import collectives
 from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 

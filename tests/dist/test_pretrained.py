@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 
 import lightning_zero  # noqa: E402
-from lightning_zero import pretrained  # noqa: E402
+from lightning_zero.checkpoint import pretrained  # noqa: E402
 from tests.support.hf_models import HFModule, build, pretrained_state  # noqa: E402
 
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import LossScaleConfig, ZeroPrecision
+from lightning_zero.front.loss_scaler import HOST_LAG
 from lightning_zero.kernels import host
-from lightning_zero.loss_scaler import HOST_LAG
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 from tests.support.helpers import HOST_READS, EquivalenceModule, make_trainer, zero_strategy
 

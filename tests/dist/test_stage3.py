@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from lightning_zero import ZeroPrecision
-from lightning_zero.memory import formula_bytes
 from lightning_zero.models.gpt import GPT
+from lightning_zero.planning.memory import formula_bytes
 from lightning_zero.sharding import collectives
 from tests.support.helpers import EquivalenceModule, TrafficPerStep, make_trainer, zero_strategy
 

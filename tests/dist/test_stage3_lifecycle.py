@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero.peer_failure import EXIT_CODE
+from lightning_zero.resilience.peer_failure import EXIT_CODE
 from lightning_zero.sharding import collectives
 from tests.support.dynamic_models import DynamicModule
 from tests.support.helpers import make_trainer, relative_error, zero_strategy

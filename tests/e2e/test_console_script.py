@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_zero.cli import DEBUG_ENV
+from lightning_zero.cli.main import DEBUG_ENV
 from tests.support.helpers import REPO, poison_checkpoint, snapshot_files
 
 SCRIPT = Path(sys.executable).with_name("lightning-zero")
@@ -20,7 +20,7 @@ def test_the_console_script_answers_bad_input_with_one_line(stage2_checkpoint, t
     shutil.copytree(stage2_checkpoint, tmp_path / "run.ckpt")
     poison_checkpoint(tmp_path / "run.ckpt", tmp_path / "marker")
     fit = [SCRIPT, "fit", "--config", REPO / "configs" / "gpt.yaml", "--zero.stage", "4"]
-    consolidate = [sys.executable, "-m", "lightning_zero.cli", "consolidate", "run.ckpt", "out.pt"]
+    consolidate = [sys.executable, "-m", "lightning_zero.cli.main", "consolidate", "run.ckpt", "out.pt"]
     expected = [
         (fit, f"lightning-zero fit: error: unrecognized arguments: --zero.stage 4 {STAGE_HINT}"),
         (consolidate, "lightning-zero consolidate: error: "),

@@ -22,7 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from lightning_zero.spawn import free_port
+from lightning_zero.front.spawn import free_port
 from tests.support import multinode_target
 from tests.support.helpers import SUPPORT, EquivalenceModule, launch_env, make_trainer, relative_error
 

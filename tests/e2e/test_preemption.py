@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint.format import read_metadata
-from lightning_zero.spawn import free_port
+from lightning_zero.front.spawn import free_port
 from tests.support import resume_target
 from tests.support.helpers import SUPPORT, launch_env
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.data import SyntheticTextDataModule
+from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPTConfig, GPTModule
 from tests.support.helpers import relative_error
 
@@ -93,7 +93,7 @@ class InjectInf(GPTModule):
 
 def _skip_worker(rank: int, world: int, out) -> None:
     from lightning_zero import LossScaleConfig, ZeroPrecision
-    from lightning_zero.loss_scaler import DynamicLossScaler
+    from lightning_zero.front.loss_scaler import DynamicLossScaler
     from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
     calls = {"steps": 0}

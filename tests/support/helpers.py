@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_zero
 from lightning_zero.checkpoint.format import check_files, read_metadata, sha256_file
-from lightning_zero.data import SyntheticLanguage
 from lightning_zero.kernels.adamw import FusedAdamW
+from lightning_zero.models.data import SyntheticLanguage
 from lightning_zero.models.gpt import GPT, GPTConfig
 
 SUPPORT = Path(__file__).resolve().parent  # the scripts launched tests start live here
@@ -281,7 +281,7 @@ def check_fused_gpt(cfg: dict, batch: int, device: str = "cpu", *, out_tol: floa
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     """``lightning-zero ARGS`` through ``cli.main`` in this process: (exit code, stdout, stderr). The console
     script itself runs in tests/e2e."""
-    from lightning_zero.cli import main
+    from lightning_zero.cli.main import main
 
     capsys.readouterr()
     try:

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.spawn import spawn_local_ranks
+from lightning_zero.front.spawn import spawn_local_ranks
 
 STEPS = 6
 

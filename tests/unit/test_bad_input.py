@@ -3,7 +3,7 @@ JSON, estimate arguments and damaged or crafted checkpoints. Each case answers w
 ``lightning-zero <command>: error: ...`` naming the bad value, exit code 2, and writes or deletes nothing
 (the case's directory is compared file by file, contents included) and starts no process group.
 
-The cases call ``lightning_zero.cli.main`` in-process (the console script's start-up costs seconds); a
+The cases call ``lightning_zero.cli.main.main`` in-process (the console script's start-up costs seconds); a
 few run the real console script to show it answers the same.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.cli import DEBUG_ENV, InputError, ZeroCLI, main
+from lightning_zero.cli.main import DEBUG_ENV, InputError, ZeroCLI, main
 from tests.support.helpers import Poison, poison_checkpoint, snapshot_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -500,6 +500,6 @@ def test_a_bug_keeps_its_traceback(monkeypatch, ran):
     def broken(*args, **kwargs):
         raise ValueError("a bug, not bad input")
 
-    monkeypatch.setattr("lightning_zero.cli_estimate.estimate", broken)
+    monkeypatch.setattr("lightning_zero.cli.estimate.estimate", broken)
     with pytest.raises(ValueError, match="a bug, not bad input"):
         main(["estimate", "--params", "1e6"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zero.cli import main
+from lightning_zero.cli.main import main
 from tests.support.helpers import run_cli
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zero.comm_model import link_bytes, ring_inter_fraction, step_collectives
+from lightning_zero.planning.comm_model import link_bytes, ring_inter_fraction, step_collectives
 from tests.support.helpers import run_cli
 
 

@@ -14,7 +14,7 @@ import torch
 from lightning_zero.checkpoint import deepspeed_import
 from lightning_zero.checkpoint.deepspeed_import import convert
 from lightning_zero.checkpoint.format import CheckpointError, write_atomically
-from lightning_zero.cli import main
+from lightning_zero.cli.main import main
 from tests.support.helpers import DEEPSPEED_FIXTURES, deepspeed_expected
 
 TRAINED = [["emb.weight", "body.weight", "out.weight"], ["body.bias", "norm.weight", "norm.bias", "out.bias"]]

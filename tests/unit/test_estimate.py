@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.estimate import OFFLOADED, STRATEGIES, ModelShape, estimate, shape_of_count
-from lightning_zero.estimate_model import shape_of_config
-from lightning_zero.memory import formula_bytes
+from lightning_zero.planning.estimate import OFFLOADED, STRATEGIES, ModelShape, estimate, shape_of_count
+from lightning_zero.planning.estimate_model import shape_of_config
+from lightning_zero.planning.memory import formula_bytes
 from tests.support.helpers import run_cli
 
 

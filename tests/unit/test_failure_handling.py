@@ -14,8 +14,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed import DistBackendError
 
 from lightning_zero import PreemptionCheckpoint
-from lightning_zero.peer_failure import peer_failure
-from lightning_zero.preemption import end_on_signal_outside_training
+from lightning_zero.resilience.peer_failure import peer_failure
+from lightning_zero.resilience.preemption import end_on_signal_outside_training
 
 
 def test_peer_failures_are_told_from_other_errors():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zero.config import LossScaleConfig
-from lightning_zero.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
+from lightning_zero.front.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
 from tests.support.loss_scale_tables import CONSECUTIVE, WINDOW_3_HYSTERESIS_2, F, T
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 
-from lightning_zero.callbacks import StepProgressBar
+from lightning_zero.front.callbacks import StepProgressBar
 
 
 @pytest.mark.parametrize("limits,description", [({"max_steps": 600}, "Epoch 4"), ({"max_epochs": 5}, "Epoch 4/4")])

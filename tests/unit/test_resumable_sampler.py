@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from lightning_zero.resumable_data import ResumableSampler, resumable_loader
+from lightning_zero.resilience.resumable_data import ResumableSampler, resumable_loader
 
 
 def test_sampler_position_is_the_worlds():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_zero import LossScaleConfig, ZeroPrecision
-from lightning_zero.loss_scaler import HOST_LAG, DynamicLossScaler, LossScaleAtMinimumError
+from lightning_zero.front.loss_scaler import HOST_LAG, DynamicLossScaler, LossScaleAtMinimumError
 from tests.support.helpers import EquivalenceModule, make_trainer, world_of_one, zero_strategy
 from tests.support.loss_scale_tables import CONSECUTIVE, WINDOW_3_HYSTERESIS_2
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zero.time_model import CLUSTERS, Hardware, largest_psi, predict_step
+from lightning_zero.planning.time_model import CLUSTERS, Hardware, largest_psi, predict_step
 from tests.support.helpers import run_cli
 
 HW = Hardware(tflops=1.0, intra_gbs=1.0, inter_gbs=0.5)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.front.strategy import ZeroStrategy
 
 
 def parameter_norms(module: pl.LightningModule, norm_type: float | int = 2.0) -> dict[str, Tensor]:

@@ -38,7 +38,7 @@ from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ZeroEngine
-from lightning_zero.precision import ZeroPrecision, check_skip_on_device, stage3_param_dtype, validate_precision
+from lightning_zero.front.precision import ZeroPrecision, check_skip_on_device, stage3_param_dtype, validate_precision
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.stage3_setup import ShardedModule
 from lightning_zero.sharding.topology import Topology, make_topology

@@ -3,7 +3,7 @@
 It reuses Lightning's DDP machinery for what is the same (launchers, process group, barrier,
 broadcast, distributed sampler) and replaces the DDP wrapper: parameters are flattened into units,
 the user's optimizers become ZeroOptimizers and gradients are reduce-scattered by hooks. The
-checkpoint hooks live in strategy_checkpoint.py and stage 3's in strategy_stage3.py (mixins).
+checkpoint hooks live in checkpoint_hooks.py and stage 3's in stage3_hooks.py (mixins).
 """
 
 from __future__ import annotations
@@ -27,22 +27,24 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.utils import _sync_module_states as torch_sync_module_states
 
-from lightning_zero.averaging_callbacks import attach_average, detach_average, shard_averaging_callbacks
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import rng
 from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import read_deepspeed_config
-from lightning_zero.elastic import destroy_at_exit, init_process_group_per_attempt
 from lightning_zero.engine import ZeroEngine
-from lightning_zero.peer_failure import exit_if_peer_failed
-from lightning_zero.precision import (
+from lightning_zero.front.averaging import attach_average, detach_average, shard_averaging_callbacks
+from lightning_zero.front.checkpoint_hooks import CheckpointHooks
+from lightning_zero.front.precision import (
     ZeroPrecision,
     check_skip_on_device,
     hold_schedulers_on_skipped_steps,
     stage3_param_dtype,
     validate_precision,
 )
-from lightning_zero.preemption import end_on_signal_outside_training, ensure_preemption_callback
+from lightning_zero.front.stage3_hooks import Stage3Hooks
+from lightning_zero.resilience.elastic import destroy_at_exit, init_process_group_per_attempt
+from lightning_zero.resilience.peer_failure import exit_if_peer_failed
+from lightning_zero.resilience.preemption import end_on_signal_outside_training, ensure_preemption_callback
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.averaging import WeightAverage
 from lightning_zero.sharding.construct import ShardedConstruction
@@ -52,8 +54,6 @@ from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import ShardedModule
 from lightning_zero.sharding.topology import Topology, make_topology
-from lightning_zero.strategy_checkpoint import CheckpointHooks
-from lightning_zero.strategy_stage3 import Stage3Hooks
 
 
 class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
@@ -156,7 +156,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
 
     # --- set-up -----------------------------------------------------------------------------------
     def setup_distributed(self) -> None:
-        """Lightning's, except under torchrun's agent store: one store prefix per attempt (elastic.py)."""
+        """Lightning's, except under torchrun's agent store: one store prefix per attempt (resilience/elastic.py)."""
         self.set_world_ranks()
         init_process_group_per_attempt(
             self._get_process_group_backend(),
@@ -172,7 +172,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         super().setup_environment()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:  # (SWA copies it in any run)
-            # before the callbacks' setup, in which they would copy the whole model (see averaging_callbacks.py)
+            # before the callbacks' setup, in which they would copy the whole model (see front/averaging.py)
             self._averaging = shard_averaging_callbacks(trainer.callbacks)
         if self.topology.world is not _get_default_group():  # made once per process group (fit, then test...)
             self.topology = make_topology(  # collective with hybrid sharding: every rank, here, in one order
@@ -231,7 +231,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             self.engine.shard(module, **kwargs)
         self._construction = None
         if fitting:
-            ensure_preemption_callback(trainer, save=self.config.checkpoint_on_signal)  # see preemption.py
+            ensure_preemption_callback(trainer, save=self.config.checkpoint_on_signal)  # see resilience/preemption.py
             if self.config.stage < 3 or on_meta:
                 self.setup_optimizers(trainer)
             # stage 1 reduces in the backward of a step's last micro-batch, which only automatic optimization tells
@@ -255,7 +255,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         self.engine.begin_training_forward()
         output = super().training_step(*args, **kwargs)
         self.engine.end_training_forward(step_ends=not self.lightning_module.automatic_optimization)
-        self._rng_after_step = rng.snapshot()  # see strategy_checkpoint.py [Note: generators across a resume]
+        self._rng_after_step = rng.snapshot()  # see checkpoint_hooks.py [Note: generators across a resume]
         return output
 
     @contextmanager
@@ -311,7 +311,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         module = self.lightning_module
-        end_on_signal_outside_training(module.trainer)  # see preemption.py
+        end_on_signal_outside_training(module.trainer)  # see resilience/preemption.py
         trainer = module.trainer
         if (
             trainer.state.fn == TrainerFn.FITTING
@@ -332,7 +332,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         end_on_signal_outside_training(self.lightning_module.trainer)
 
     def on_exception(self, exception: BaseException) -> None:
-        """A lost peer ends this rank here with one line (peer_failure.py); other errors go on to teardown."""
+        """A lost peer ends this rank with one line (resilience/peer_failure.py); other errors go on to teardown."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         loggers = trainer.loggers if trainer is not None else ()
         exit_if_peer_failed(exception, rank=self.global_rank, world_size=self.world_size, loggers=loggers)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_zero.comm_model import link_bytes, step_collectives
-from lightning_zero.memory import formula_bytes
+from lightning_zero.planning.comm_model import link_bytes, step_collectives
+from lightning_zero.planning.memory import formula_bytes
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def measure_here(gpt_config, *, batch: int, ranks: int) -> Hardware:
     import tempfile
     from pathlib import Path
 
-    from lightning_zero.spawn import spawn_local_ranks
+    from lightning_zero.front.spawn import spawn_local_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "measured.json")

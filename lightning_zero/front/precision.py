@@ -36,8 +36,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.config import LossScaleConfig
-from lightning_zero.grad_norms import sharded_grads
-from lightning_zero.loss_scaler import HOST_LAG, SCALE, SKIPPED_STEPS, DynamicLossScaler
+from lightning_zero.front.grad_norms import sharded_grads
+from lightning_zero.front.loss_scaler import HOST_LAG, SCALE, SKIPPED_STEPS, DynamicLossScaler
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed")

@@ -45,11 +45,11 @@ from lightning_zero.checkpoint.format import (
     read_metadata,
     unsafe_pickle_error,
 )
-from lightning_zero.cli_args import InputError, Parser
-from lightning_zero.cli_estimate import estimate_main
+from lightning_zero.cli.args import InputError, Parser
+from lightning_zero.cli.estimate import estimate_main
 from lightning_zero.config import ZeroConfig, stage_of_strategy
 from lightning_zero.deepspeed_config import read_deepspeed_config
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.front.strategy import ZeroStrategy
 
 DEBUG_ENV = "LIGHTNING_ZERO_DEBUG"
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")

@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
 
 from lightning_zero.config import ZeroConfig, stage_of_strategy
-from lightning_zero.estimate import ModelShape, shape_of_module
+from lightning_zero.planning.estimate import ModelShape, shape_of_module
 
 
 def read_config(path: str) -> dict:

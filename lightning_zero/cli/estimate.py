@@ -7,12 +7,12 @@ import argparse
 import dataclasses
 import math
 
-from lightning_zero.cli_args import InputError, Parser
-from lightning_zero.comm_model import format_traffic
+from lightning_zero.cli.args import InputError, Parser
 from lightning_zero.config import ZeroConfig
-from lightning_zero.estimate import estimate, format_table, parse_bytes, shape_of_count, smallest_fitting
+from lightning_zero.planning.comm_model import format_traffic
+from lightning_zero.planning.estimate import estimate, format_table, parse_bytes, shape_of_count, smallest_fitting
+from lightning_zero.planning.time_model import CLUSTERS, Hardware, flops_per_token, format_step_times, measure_here
 from lightning_zero.sharding.topology import resolve_shard_size
-from lightning_zero.time_model import CLUSTERS, Hardware, flops_per_token, format_step_times, measure_here
 
 MAX_ESTIMATE_RANKS = 1 << 17  # about 5 s of estimate
 
@@ -150,8 +150,8 @@ def _hardware(parsed) -> Hardware | None:
 
 def _gpt_of(path: str):
     """(GPTConfig, batch size) of a config whose model is lightning_zero's GPTModule, else (None, None)."""
-    from lightning_zero.estimate_model import read_config
     from lightning_zero.models.gpt import GPTConfig
+    from lightning_zero.planning.estimate_model import read_config
 
     raw = read_config(path)
     if not str(raw["model"].get("class_path", "")).endswith("GPTModule"):
@@ -181,7 +181,7 @@ def _shard_group_size(text: str) -> int | str:
 
 
 def _shape_of_model(path: str):
-    from lightning_zero.estimate_model import shape_of_config  # imports jsonargparse's machinery: only here
+    from lightning_zero.planning.estimate_model import shape_of_config  # imports jsonargparse's machinery: only here
 
     try:
         return shape_of_config(path)

@@ -20,9 +20,9 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar, ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_zero.memory import formula_bytes
+from lightning_zero.front.strategy import ZeroStrategy
+from lightning_zero.planning.memory import formula_bytes
 from lightning_zero.sharding import collectives
-from lightning_zero.strategy import ZeroStrategy
 
 
 def _samples(batch: Any) -> int:

@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.fabric import ZeroFabricStrategy
+from lightning_zero.front.fabric import ZeroFabricStrategy
 
 
 class ScriptEngine:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero.resumable_data import resumable_loader
+from lightning_zero.resilience.resumable_data import resumable_loader
 
 
 class SyntheticLanguage:

@@ -1,0 +1,1 @@
+"""The ``lightning-zero`` command line: fit/validate/test/predict, estimate, consolidate."""

@@ -1,0 +1,1 @@
+"""Surviving failures: elastic restarts, preemption, a lost peer, resumable data order."""
