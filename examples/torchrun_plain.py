@@ -66,6 +66,7 @@ def main() -> None:
     if engine.rank == 0:
         print(f"world {engine.world_size}, zero{args.stage}: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
         print(f"checkpoint of step {extra['step']} loaded into zero3: weights {'equal' if same else 'DIFFER'}")
+    fresh.close()
     if not same or not losses[-1] < losses[0]:
         raise SystemExit(1)
 

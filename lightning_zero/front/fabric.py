@@ -1,11 +1,11 @@
 """ZeroFabricStrategy: the ZeRO engine behind Lightning Fabric (``Fabric(strategy="zero1"|"zero2"|"zero3")``).
 
 A Fabric program marks the step's boundaries itself (engine.py's [Note: the step's boundaries]): each call
-of the model set up by ``fabric.setup`` is a forward (a training one when gradients are enabled and the
-model is in training mode), ``fabric.backward`` the backward, ``optimizer.step()`` the step, and
-``fabric.no_backward_sync(model, enabled=...)`` the micro-batches before a step's last. Under stage 3 each
-backward follows one forward, and forward-only calls run as many times on every rank (as under FSDP): Fabric
-has no loop that could tell when a rank ran out of batches.
+of the model set up by ``fabric.setup`` is a forward (a training one when gradients are enabled),
+``fabric.backward`` the backward, ``optimizer.step()`` the step, and
+``fabric.no_backward_sync(model, enabled=...)`` the micro-batches before a step's last. Forward-only calls
+(under ``torch.no_grad()``) must run as many times on every rank under stage 3 (as under FSDP): Fabric has
+no loop that could tell when a rank ran out of batches. One model per strategy: set up several as one module.
 
 Checkpoints are the Trainer's format (checkpoint/format.py): ``fabric.save(path, {"model": model,
 "optimizer": optimizer, "step": 3})`` writes each rank's shards and the other entries into ``lightning.pt``,
@@ -24,7 +24,7 @@ from typing import Any, Literal
 import lightning
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy, _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _Stateful
@@ -38,13 +38,21 @@ from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ZeroEngine
-from lightning_zero.front.precision import ZeroPrecision, check_skip_on_device, stage3_param_dtype, validate_precision
+from lightning_zero.front.precision import ZeroPrecision, as_zero_precision, check_skip_on_device, stage3_param_dtype
+from lightning_zero.resilience.elastic import start_process_group
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.stage3_setup import ShardedModule
-from lightning_zero.sharding.topology import Topology, make_topology
+from lightning_zero.sharding.topology import Topology, topology_for
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
-INTERNAL_KEYS = ("state_dict", "optimizer_states", "optimizer_groups", "lr_schedulers", ZeroPrecision.__qualname__)
+INTERNAL_KEYS = (
+    "state_dict",
+    "optimizer_states",
+    "optimizer_groups",
+    "lr_schedulers",
+    "pytorch-lightning_version",
+    ZeroPrecision.__qualname__,
+)
 
 
 class ZeroModule(Module):
@@ -57,7 +65,7 @@ class ZeroModule(Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine[0]
-        if not (torch.is_grad_enabled() and self.module.training):
+        if not torch.is_grad_enabled():  # (whatever the mode: a model in eval() mode may still be trained)
             return engine.forward_only(self.module, *args, **kwargs)
         engine.begin_training_forward()
         output = self.module(*args, **kwargs)
@@ -124,28 +132,22 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @precision.setter
     def precision(self, plugin: Precision | None) -> None:
-        if plugin is None or isinstance(plugin, ZeroPrecision):
-            self._precision = plugin
-        elif type(plugin) is Precision:
-            self._precision = ZeroPrecision("32-true")
-        elif isinstance(plugin, MixedPrecision):
-            self._precision = ZeroPrecision(plugin.precision, device=plugin.device)
-        else:
-            validate_precision(str(getattr(plugin, "precision", None)))
-            raise ValueError(f"the ZeRO strategies need ZeroPrecision, got {type(plugin).__name__}")
+        self._precision = as_zero_precision(plugin)
+
+    def _setup_distributed(self) -> None:
+        """Fabric's, after the same process-group start as the Trainer's (resilience/elastic.py)."""
+        self._set_world_ranks()
+        timeout = timedelta(seconds=self.config.timeout)
+        start_process_group(
+            self._get_process_group_backend(), self.global_rank, self.world_size, timeout, self.root_device
+        )
+        super()._setup_distributed()  # finds the group made above, if any
 
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.precision.device is None:
             self.precision.device = self.root_device.type
-        if self.topology.world is not _get_default_group():
-            self.topology = make_topology(
-                self.config.shard_group_size,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                local_world_size=self.num_processes,
-                timeout=timedelta(seconds=self.config.timeout),
-            )
+        self.topology = topology_for(self.topology, self.config, self.global_rank, self.world_size, self.num_processes)
         self.engine = ZeroEngine(self.config, self.topology, self.root_device, rank=self.global_rank)
 
     # --- set-up ------------------------------------------------------------------------------------
@@ -164,7 +166,8 @@ class ZeroFabricStrategy(DDPStrategy):
             yield
 
     def module_to_device(self, module: Module) -> None:
-        if ShardedModule.of(module) is None and self._construction is None:
+        on_meta = any(p.is_meta for p in module.parameters())  # (materialized at set-up)
+        if ShardedModule.of(module) is None and self._construction is None and not on_meta:
             module.to(self.root_device)
 
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None):
@@ -179,14 +182,25 @@ class ZeroFabricStrategy(DDPStrategy):
         return ZeroModule(self._prepare(module, training=False, optimizers=[]), self.engine)
 
     def _prepare(self, module: Module, *, training: bool, optimizers: list[Optimizer]) -> Module:
+        if self.engine.module is not None:
+            raise RuntimeError(
+                "a ZeRO Fabric strategy sets up one model (its engine shards it and steps its optimizers); got a"
+                " second fabric.setup: put the models in one nn.Module and set that up once"
+            )
         construction, self._construction = self._construction, None
-        if construction is None or not construction.managed:
+        on_meta = any(p.is_meta for p in module.parameters())
+        if on_meta and self.config.stage != 3:
+            raise ValueError(
+                f"the model has parameters on the meta device, which only zero3 materializes; zero{self.config.stage}"
+            )
+        if construction is not None and construction.managed:
+            self.precision.convert_buffers(module)  # (parameters are cast as they are made whole)
+        else:
             construction = None
             module = self.precision.convert_module(module)
-            module.to(self.root_device)
-            torch_sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, 0, [])
-        else:
-            self.precision.convert_buffers(module)
+            if not on_meta:  # (stage 3 initializes those sharded, from every rank's same generator)
+                module.to(self.root_device)
+                torch_sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, 0, [])
         if self.config.stage == 3:
             dtype = stage3_param_dtype(self.precision, self.config.gather_dtype)
             self.engine.shard(module, training=training, dtype=dtype, construction=construction, optimizers=optimizers)
@@ -275,6 +289,8 @@ class ZeroFabricStrategy(DDPStrategy):
         saved = dict(loaded.lightning)
         other = [k for k, v in state.items() if not isinstance(v, (Module, Optimizer))]
         missing = [k for k in other if k not in saved]
+        if len(optimizers) > len(loaded.meta.optimizers):
+            missing.append(f"the state of {len(optimizers)} optimizers (it has {len(loaded.meta.optimizers)})")
         if strict and missing:
             raise KeyError(f"{path}: the checkpoint has no {missing}; it has {sorted(saved)}")
         if module is not None:
@@ -282,9 +298,11 @@ class ZeroFabricStrategy(DDPStrategy):
         for index, optimizer in enumerate(optimizers[: len(loaded.meta.optimizers)]):
             checkpoint_io.load_optimizer(loaded, index, optimizer)
         self.precision.load_state_dict(saved.get(ZeroPrecision.__qualname__, {}))
-        for key in other:
+        for key in other:  # as Fabric's own load: stateful objects load theirs, plain values are replaced
             if key in saved and isinstance(state[key], _Stateful):
                 state[key].load_state_dict(saved.pop(key))
+            elif key in saved:
+                state[key] = saved.pop(key)
         return {k: v for k, v in saved.items() if k not in INTERNAL_KEYS and not k.startswith("averaged")}
 
     def _stateful(self, state: dict[str, Any]) -> tuple[Module | None, list[ZeroOptimizer]]:

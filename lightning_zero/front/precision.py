@@ -29,8 +29,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -207,6 +209,19 @@ class ZeroPrecision(Precision):
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
             self._skips_reported = self.scaler.skipped_steps
+
+
+def as_zero_precision(plugin: Any) -> ZeroPrecision | None:
+    """The plugin Lightning (or Fabric) builds from ``precision=...``, as ours: None and ZeroPrecision as they
+    are, 32-true and the mixed precisions converted, anything else refused with what is supported."""
+    if plugin is None or isinstance(plugin, ZeroPrecision):
+        return plugin
+    if type(plugin) in (Precision, FabricPrecision):
+        return ZeroPrecision("32-true")
+    if isinstance(plugin, (MixedPrecision, FabricMixedPrecision)):
+        return ZeroPrecision(plugin.precision, device=plugin.device)
+    validate_precision(str(getattr(plugin, "precision", None)))
+    raise ValueError(f"the ZeRO strategies need ZeroPrecision, got {type(plugin).__name__}")
 
 
 def stage3_param_dtype(precision: ZeroPrecision, gather_dtype: str) -> torch.dtype | None:

@@ -8,6 +8,7 @@
         engine.clip_grad_norm_(1.0)
         engine.step()                        # the optimizer's step, then its zero_grad
     engine.save("ckpt", step=step)           # collective; engine.load("ckpt") -> {"step": ...}
+    engine.close()                           # every rank done: the process group goes
 
 Under the hood it is Fabric with ``ZeroFabricStrategy`` (fabric.py), set up from torchrun's environment:
 the process group, the device of this local rank, and the same sharded checkpoints as the Trainer's.
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric import Fabric
 from torch import Tensor
 from torch.nn import Module
@@ -72,6 +74,14 @@ class ScriptEngine:
     def save(self, path: str | os.PathLike, **extra: Any) -> None:
         """A sharded checkpoint directory: the model, the optimizer and ``extra`` (plain values)."""
         self.fabric.save(Path(path), {"model": self.module, "optimizer": self.optimizer, **extra})
+
+    def close(self) -> None:
+        """The script's end: every rank waits for the others, then the process group is destroyed. A rank that
+        exits while another still talks to it can abort in gloo's threads ("terminate called without an active
+        exception", also in a script of torch.distributed alone)."""
+        self.fabric.barrier()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restores the model and optimizer from a checkpoint of this engine, Fabric's or the Trainer's (any world

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -36,13 +36,13 @@ from lightning_zero.front.averaging import attach_average, detach_average, shard
 from lightning_zero.front.checkpoint_hooks import CheckpointHooks
 from lightning_zero.front.precision import (
     ZeroPrecision,
+    as_zero_precision,
     check_skip_on_device,
     hold_schedulers_on_skipped_steps,
     stage3_param_dtype,
-    validate_precision,
 )
 from lightning_zero.front.stage3_hooks import Stage3Hooks
-from lightning_zero.resilience.elastic import destroy_at_exit, init_process_group_per_attempt
+from lightning_zero.resilience.elastic import start_process_group
 from lightning_zero.resilience.peer_failure import exit_if_peer_failed
 from lightning_zero.resilience.preemption import end_on_signal_outside_training, ensure_preemption_callback
 from lightning_zero.sharding import collectives
@@ -53,7 +53,7 @@ from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import ShardedModule
-from lightning_zero.sharding.topology import Topology, make_topology
+from lightning_zero.sharding.topology import Topology, topology_for
 
 
 class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
@@ -144,29 +144,17 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         """Accepts the plugin Lightning builds from ``Trainer(precision=...)`` and turns it into ours."""
-        if plugin is None or isinstance(plugin, ZeroPrecision):
-            self._precision_plugin = plugin
-        elif type(plugin) is Precision:
-            self._precision_plugin = ZeroPrecision("32-true")
-        elif isinstance(plugin, MixedPrecision):
-            self._precision_plugin = ZeroPrecision(plugin.precision, device=plugin.device)
-        else:
-            validate_precision(str(getattr(plugin, "precision", None)))
-            raise ValueError(f"the ZeRO strategies need ZeroPrecision, got {type(plugin).__name__}")
+        self._precision_plugin = as_zero_precision(plugin)
 
     # --- set-up -----------------------------------------------------------------------------------
     def setup_distributed(self) -> None:
         """Lightning's, except under torchrun's agent store: one store prefix per attempt (resilience/elastic.py)."""
         self.set_world_ranks()
-        init_process_group_per_attempt(
-            self._get_process_group_backend(),
-            rank=self.global_rank,
-            world_size=self.world_size,
-            timeout=timedelta(seconds=self.config.timeout),
-            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        timeout = timedelta(seconds=self.config.timeout)
+        start_process_group(
+            self._get_process_group_backend(), self.global_rank, self.world_size, timeout, self.root_device
         )
         super().setup_distributed()  # finds the group made above, if any
-        destroy_at_exit()
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -174,14 +162,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         if trainer is not None:  # (SWA copies it in any run)
             # before the callbacks' setup, in which they would copy the whole model (see front/averaging.py)
             self._averaging = shard_averaging_callbacks(trainer.callbacks)
-        if self.topology.world is not _get_default_group():  # made once per process group (fit, then test...)
-            self.topology = make_topology(  # collective with hybrid sharding: every rank, here, in one order
-                self.config.shard_group_size,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                local_world_size=self.num_processes,
-                timeout=timedelta(seconds=self.config.timeout),
-            )
+        self.topology = topology_for(self.topology, self.config, self.global_rank, self.world_size, self.num_processes)
         self.engine = ZeroEngine(self.config, self.topology, self.root_device, rank=self.global_rank)
 
     def setup(self, trainer: pl.Trainer) -> None:

@@ -50,6 +50,14 @@ def init_process_group_per_attempt(
     return True
 
 
+def start_process_group(backend: str, rank: int, world_size: int, timeout: timedelta, device: torch.device) -> None:
+    """What the front doors do before Lightning's (or Fabric's) own set-up of the default process group, which then
+    finds it: under torchrun's agent store one store prefix per attempt, and the group destroyed at exit."""
+    device_id = device if device.type != "cpu" else None
+    init_process_group_per_attempt(backend, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
+    destroy_at_exit()
+
+
 @functools.cache  # once per process
 def destroy_at_exit() -> None:
     """Destroys the default process group when the interpreter exits normally."""

@@ -116,3 +116,18 @@ def _subgroups(ranks: list[list[int]], role: str, timeout: timedelta | None, twi
         return mine, mine
     host, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout, backend="gloo", group_desc=role)
     return mine, host
+
+
+def topology_for(topology: Topology, config: Any, rank: int, world_size: int, local_world_size: int) -> Topology:
+    """``topology`` if it was made on the current default process group, else a new one for ``config``'s
+    ``shard_group_size`` (made once per process group: fit, then test keep it). Collective with hybrid
+    sharding: every rank calls it at the same point."""
+    if topology.world is dist.distributed_c10d._get_default_group():
+        return topology
+    return make_topology(
+        config.shard_group_size,
+        rank=rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        timeout=timedelta(seconds=config.timeout),
+    )

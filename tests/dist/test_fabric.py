@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
@@ -86,15 +87,23 @@ def _run(stage: int, world: int, root, **kwargs) -> dict:
 
     resumed = _fabric(3, world, **kwargs)
     model2, optimizer2 = _setup(resumed)
-    extra = resumed.load(root / f"fabric-zero{stage}", {"model": model2, "optimizer": optimizer2})
+    with pytest.raises(RuntimeError, match="sets up one model"):
+        resumed.setup(Plain(), torch.optim.AdamW(Plain().parameters()))
+    asked = {"model": model2, "optimizer": optimizer2, "step": 0}
+    extra = resumed.load(root / f"fabric-zero{stage}", asked)
+    model2.eval()  # (no dropout here: the mode changes nothing, and a model in eval() mode still trains)
     resumed_losses: list[float] = []
     _train(resumed, model2, optimizer2, batches[3 * ACCUMULATE :], resumed_losses)
+    resumed.save(root / f"weights-zero{stage}", {"model": model2})
+    with pytest.raises(KeyError, match="the state of 1 optimizers"):  # strict: nothing is silently left out
+        resumed.load(root / f"weights-zero{stage}", {"model": model2, "optimizer": optimizer2})
     return {
         "losses": losses,
         "state": {k: v.float().clone() for k, v in state.items()},
         "resumed_losses": resumed_losses,
         "resumed_state": {k: v.float().clone() for k, v in resumed.strategy.get_module_state_dict(model2).items()},
         "extra": extra,
+        "step": asked["step"],
         "scale": scale,
         "skipped": skipped,
         "resumed_scale": resumed.strategy.precision.scaler.scale if scaler is not None else None,
@@ -127,7 +136,9 @@ def _fabric_runs(rank: int, world: int, root) -> dict:
 def test_fabric_loop_equals_one_process(ranks, tmp_path):
     """Under zero1/2/3 the Fabric loop (sharded init, accumulation without sync, clipping) equals one process:
     each rank's losses average to its, and the weights equal its; a checkpoint saved at step 3 and loaded into
-    a fresh zero3 setup goes on as the run did. fp16 with loss scaling resumes with its loss scale."""
+    a fresh zero3 setup (its plain values into the state given, as Fabric's own load does) goes on as the run
+    did, in eval() mode too; a strict load of a checkpoint without the optimizer asked for, and a second model
+    set up, raise. fp16 with loss scaling resumes with its loss scale."""
     assert SAMPLES >= STEPS * ACCUMULATE * MICRO
     single = _single()
     results = ranks(_fabric_runs, 2, tmp_path)
@@ -141,7 +152,7 @@ def test_fabric_loop_equals_one_process(ranks, tmp_path):
             assert_close(run["resumed_losses"], run["losses"][3 * ACCUMULATE :], f"{where}: losses after the load")
             for key, value in run["state"].items():
                 assert_close(run["resumed_state"][key], value, f"{where}: {key} resumed at zero3")
-            assert run["extra"]["step"] == 3, f"{where}: what load returned: {run['extra']}"
+            assert run["step"] == 3 and run["extra"] == {}, f"{where}: load set {run['step']}, returned {run['extra']}"
     for rank, result in enumerate(results):
         run = result["zero2-fp16"]
         assert run["scale"] is not None and run["scale"] == run["resumed_scale"], f"fp16 rank {rank}: loss scales"
