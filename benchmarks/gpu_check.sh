@@ -25,8 +25,9 @@ run() {  # run TITLE COMMAND...: appends the command's output to the report
   python3 -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__)"
   python3 -c "import cupy; print('cupy', cupy.__version__)" 2>/dev/null || echo "no CuPy"
 } > "$report"
-run "Kernel parity tests" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py
-run "ZeRO-Offload, the fused ZeRO step and fp16 skips on the device, on CUDA" python3 -m pytest -q -p no:cacheprovider tests/test_offload_gpu.py
+run "Kernel parity tests" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py
+run "ZeRO-Offload, the fused ZeRO step and fp16 skips on the device, on CUDA" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_offload_gpu.py
+run "sync_batchnorm on CUDA under zero2 and zero3" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sync_batchnorm_gpu.py
 run "Kernel benchmarks" python3 benchmarks/bench_kernels.py $dry --out "$out_dir/kernels_$(date +%F).md"
 run "zero2 training steps" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40
 run "zero2 training steps, fused block" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40 --fused
