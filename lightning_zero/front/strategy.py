@@ -163,7 +163,12 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             # before the callbacks' setup, in which they would copy the whole model (see front/averaging.py)
             self._averaging = shard_averaging_callbacks(trainer.callbacks)
         self.topology = topology_for(self.topology, self.config, self.global_rank, self.world_size, self.num_processes)
-        self.engine = ZeroEngine(self.config, self.topology, self.root_device, rank=self.global_rank)
+        previous, self.engine = (
+            self.engine,
+            ZeroEngine(self.config, self.topology, self.root_device, rank=self.global_rank),
+        )
+        if previous is not None:  # what building the model sharded took stays readable in later runs (fit, then test)
+            self.engine.sharded_init_peak_bytes = previous.sharded_init_peak_bytes
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
