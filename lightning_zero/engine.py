@@ -26,6 +26,7 @@ import torch
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.config import ZeroConfig
 from lightning_zero.planning.memory import persistent_bytes
 from lightning_zero.sharding import collectives
@@ -326,6 +327,27 @@ class ZeroEngine:
         gather_module(self.stage3, device)
         ShardedModule.detach(module)
         self.stage3, self.units = None, []
+
+    def save(
+        self, checkpoint: dict[str, Any], path: Any, *, module: Module, optimizers: Sequence[ZeroOptimizer]
+    ) -> None:
+        """Writes ``checkpoint`` (the front door's own state) and each rank's shards of ``module``, ``optimizers``
+        and the weight average as a checkpoint directory (collective; checkpoint/save.py)."""
+        self.settle()
+        checkpoint_save.save(
+            checkpoint,
+            path,
+            model=module,
+            units=self.units,
+            optimizers=optimizers,
+            stage=self.config.stage,
+            rank=self.rank,
+            world_size=self.topology.shard_size,
+            shard_rank=self.topology.shard_rank,
+            writes_shards=self.topology.writes_checkpoint_shards,
+            consolidated=self.config.save_consolidated,
+            average=self.average,
+        )
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's persistent bytes by category (see ``memory.persistent_bytes``)."""

@@ -66,20 +66,8 @@ class CheckpointHooks:
         mine = rng.capture()  # rank 0 writes Lightning's state, so only it holds every rank's generators
         states = collectives.gather_object(mine) if self.world_size > 1 else [mine]
         checkpoint = {**checkpoint, rng.KEY: {"world_size": self.world_size, "states": states}}
-        checkpoint_save.save(
-            checkpoint,
-            filepath,
-            model=self.lightning_module,
-            units=self._units,
-            optimizers=[o for o in self.optimizers if isinstance(o, ZeroOptimizer)],
-            stage=self.config.stage,
-            rank=self.global_rank,
-            world_size=self.topology.shard_size,
-            shard_rank=self.topology.shard_rank,
-            writes_shards=self.topology.writes_checkpoint_shards,
-            consolidated=self.config.save_consolidated,
-            average=self._average,
-        )
+        optimizers = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]
+        self.engine.save(checkpoint, filepath, module=self.lightning_module, optimizers=optimizers)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's top-k: hidden first, then deleted, so a half-removed one is never visible."""

@@ -35,7 +35,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint import io as checkpoint_io
-from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.front.precision import ZeroPrecision, as_zero_precision, check_skip_on_device, stage3_param_dtype
@@ -250,7 +249,6 @@ class ZeroFabricStrategy(DDPStrategy):
         if storage_options is not None or filter:
             raise TypeError("the ZeRO strategies save sharded checkpoints: storage_options and filter are not taken")
         module, optimizers = self._stateful(state)
-        self.engine.settle()
         other = {k: v for k, v in state.items() if not isinstance(v, (Module, Optimizer))}
         checkpoint = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in other.items()}
         checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # what a Trainer resuming it reads
@@ -258,19 +256,7 @@ class ZeroFabricStrategy(DDPStrategy):
             checkpoint.update(optimizer_states=[{} for _ in optimizers], lr_schedulers=[])
         if self.precision.state_dict():
             checkpoint[ZeroPrecision.__qualname__] = self.precision.state_dict()
-        checkpoint_save.save(
-            checkpoint,
-            path,
-            model=module,
-            units=self.engine.units,
-            optimizers=optimizers,
-            stage=self.config.stage,
-            rank=self.global_rank,
-            world_size=self.topology.shard_size,
-            shard_rank=self.topology.shard_rank,
-            writes_shards=self.topology.writes_checkpoint_shards,
-            consolidated=self.config.save_consolidated,
-        )
+        self.engine.save(checkpoint, path, module=module, optimizers=optimizers)
 
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None

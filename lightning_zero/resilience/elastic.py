@@ -17,6 +17,10 @@ Whoever made it, the default process group is destroyed at exit (``destroy_at_ex
 interpreter tears its modules down: left to that teardown, gloo's threads were sometimes destroyed unjoined
 and the process aborted with "terminate called without an active exception" after a successful run (2 of 8
 stage-3 and 1 of 6 stage-2 runs launched one process per rank; topology.py does the same for its subgroups).
+Destroying alone still aborts when a peer is still talking to this rank: a script of torch.distributed only
+(gloo, 20 all-reduces, exit) aborted in 4 of 8 torchrun runs, and in 5 of 8 with a destroy at its end, but in
+0 of 24 with a barrier before the destroy. So under gloo every rank first waits for the others at exit, for at
+most ``EXIT_WAIT_S`` (a rank that is not coming, failed or gone, does not hold the exit up longer).
 """
 
 from __future__ import annotations
@@ -64,7 +68,16 @@ def destroy_at_exit() -> None:
     atexit.register(_destroy)
 
 
+EXIT_WAIT_S = 30
+
+
 def _destroy() -> None:
-    """Local: destroying a process group issues no collective."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """The ranks meet (gloo, bounded: see the module's docstring), then the process group is destroyed."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=EXIT_WAIT_S), wait_all_ranks=True)
+        except RuntimeError:
+            pass  # a rank did not come (it failed, or left another way): exit anyway
+    dist.destroy_process_group()
