@@ -18,8 +18,9 @@ collectives on every rank.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -78,6 +79,8 @@ class ZeroEngine:
         self.blocked = False  # inside no_sync: a micro-batch before the step's last
         self.load_hooks: list = []  # stages 1 and 2: load_state_dict reaches the masters
         self.average: WeightAverage | None = None  # a weight average kept sharded (sharding/averaging.py)
+        self.collective_log: list | None = None  # with config.check_collectives: every collective issued
+        self._checked = 0  # how much of it every rank has agreed on
         self.sharded_init_peak_bytes: int | None = None  # stage 3 built sharded: see construct.py
         self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
 
@@ -193,6 +196,25 @@ class ZeroEngine:
         if self.average is not None:
             self.average.units_changed()
         return {p: unit_location(p) for p in params}, names
+
+    def record_collectives(self, stack: ExitStack) -> None:
+        """With ``config.check_collectives`` (a debug mode): records every collective until ``stack`` closes."""
+        self.collective_log, self._checked = None, 0
+        if self.config.check_collectives:
+            self.collective_log = stack.enter_context(collectives.record())
+
+    def check_collectives(self, where: str) -> None:
+        """With ``config.check_collectives``: every rank's collectives since the last check must be the same, or
+        every rank raises one error naming the first difference and ``where`` (e.g. "before global step 3")."""
+        if self.collective_log is None:
+            return
+        sequence = self.collective_log[self._checked :]
+        self._checked = len(self.collective_log)
+        digest = hashlib.sha1(repr(sequence).encode()).hexdigest()  # not hash(): salted per process
+        digests = collectives.all_gather_object((len(sequence), digest))
+        if len(set(digests)) > 1:
+            problem = collectives.first_divergence(collectives.all_gather_object(sequence))
+            raise RuntimeError(f"the ranks issued different collectives {where}: {problem}")
 
     # --- steps (see [Note: the step's boundaries]) -------------------------------------------------
     def begin_training_forward(self) -> None:

@@ -61,9 +61,12 @@ class ZeroModule(Module):
         super().__init__()
         self.module = module
         self.engine = [engine]  # (in a list: not a submodule)
+        self.calls = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine[0]
+        self.calls += 1
+        engine.check_collectives(f"before call {self.calls} of the model")
         if not torch.is_grad_enabled():  # (whatever the mode: a model in eval() mode may still be trained)
             return engine.forward_only(self.module, *args, **kwargs)
         engine.begin_training_forward()
@@ -122,6 +125,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self.engine: ZeroEngine | None = None
         self._construction: ShardedConstruction | None = None  # stage 3, from fabric.init_module to set-up
         self._steps = 0  # optimizer steps taken (for messages)
+        self._observing = ExitStack()  # from set-up to teardown: with config.check_collectives, the collective log
 
     @property
     def precision(self) -> ZeroPrecision:
@@ -186,6 +190,7 @@ class ZeroFabricStrategy(DDPStrategy):
                 "a ZeRO Fabric strategy sets up one model (its engine shards it and steps its optimizers); got a"
                 " second fabric.setup: put the models in one nn.Module and set that up once"
             )
+        self.engine.record_collectives(self._observing)
         construction, self._construction = self._construction, None
         on_meta = any(p.is_meta for p in module.parameters())
         if on_meta and self.config.stage != 3:
@@ -300,6 +305,7 @@ class ZeroFabricStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.engine is not None:
             self.engine.teardown()
+        self._observing.close()
         super().teardown()
 
     @classmethod

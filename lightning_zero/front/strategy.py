@@ -9,7 +9,6 @@ checkpoint hooks live in checkpoint_hooks.py and stage 3's in stage3_hooks.py (m
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -103,8 +102,6 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         self._averaging: list[pl.Callback] = []  # while fitting: Lightning's weight averaging, sharded
         self.traffic = collectives.Traffic()  # what this strategy's collectives covered while it was set up
         self._observing = ExitStack()  # from set-up to teardown: self.traffic and, if asked, the collective log
-        self._collective_log: list | None = None  # with config.check_collectives
-        self._checked = 0
         self._loaded: checkpoint_io.LoadedCheckpoint | None = None  # between load_checkpoint and the restores
         self.topology = Topology(shard_rank=0, shard_size=1)  # made with the process group (setup_environment)
 
@@ -207,8 +204,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
             torch_sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, 0, skip)
         self._observing.close()
         self._observing.enter_context(collectives.observing(self.traffic))
-        if self.config.check_collectives:
-            self._collective_log, self._checked = self._observing.enter_context(collectives.record()), 0
+        self.engine.record_collectives(self._observing)
         if fitting and self.config.stage == 3 and not on_meta:
             self.setup_optimizers(trainer)  # first, so that units can follow the optimizers (several of them)
         if self.config.stage == 3:
@@ -282,17 +278,7 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         return self.engine.forward_only(step, *args, last=last, **kwargs)
 
     def _check_collectives(self) -> None:
-        """With ``check_collectives``: every rank's collectives since the last check must be the same."""
-        if self._collective_log is None:
-            return
-        sequence = self._collective_log[self._checked :]
-        self._checked = len(self._collective_log)
-        digest = hashlib.sha1(repr(sequence).encode()).hexdigest()  # not hash(): salted per process
-        digests = collectives.all_gather_object((len(sequence), digest))
-        if len(set(digests)) > 1:
-            problem = collectives.first_divergence(collectives.all_gather_object(sequence))
-            step = self.lightning_module.trainer.global_step
-            raise RuntimeError(f"the ranks issued different collectives before global step {step}: {problem}")
+        self.engine.check_collectives(f"before global step {self.lightning_module.trainer.global_step}")
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
@@ -334,7 +320,6 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
         detach_average(self._averaging)
         self._averaging = []
         self._observing.close()
-        self._collective_log = None
         if module is not None and (self._stage3 is not None or any(p.is_meta for p in module.parameters())):
             # Lightning would move the module to the CPU: a sharded module stays put, and one whose set-up
             # failed before materializing has nothing to move ("Cannot copy out of meta tensor").
@@ -360,6 +345,10 @@ class ZeroStrategy(Stage3Hooks, CheckpointHooks, DDPStrategy):
     @property
     def _average(self) -> WeightAverage | None:
         return self.engine.average if self.engine is not None else None
+
+    @property
+    def _collective_log(self) -> list | None:
+        return self.engine.collective_log if self.engine is not None else None
 
     @property
     def _units(self) -> list[FlatUnit]:

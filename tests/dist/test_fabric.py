@@ -168,7 +168,9 @@ def _script(rank: int, world: int) -> dict:
     for stage in (1, 2, 3):
         pl.seed_everything(0)
         model = Plain()
-        config = ZeroConfig(stage=stage, param_persistence_threshold=0, timeout=COLLECTIVE_TIMEOUT_S)
+        config = ZeroConfig(
+            stage=stage, param_persistence_threshold=0, timeout=COLLECTIVE_TIMEOUT_S, check_collectives=stage == 3
+        )
         engine = lightning_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=model.lr), config)
         for k, (x, y) in enumerate(_batches(model, rank, world)):
             last = (k + 1) % ACCUMULATE == 0
@@ -178,12 +180,18 @@ def _script(rank: int, world: int) -> dict:
                 engine.clip_grad_norm_(0.5)
                 engine.step()
         out[stage] = {k: v.float().clone() for k, v in engine.state_dict().items()}
+    log = engine.fabric.strategy.engine.collective_log  # (stage 3, checked before every call of the model)
+    if rank == 1:
+        log.append(("all_reduce", "world", 1, "torch.float32"))  # as if rank 1 had issued one more
+    with pytest.raises(RuntimeError, match="the ranks issued different collectives before call 13 of the model"):
+        engine(x)
     return out
 
 
 def test_plain_script_engine_equals_one_process(ranks):
     """``engine = lightning_zero.initialize(model, optimizer, config)`` (a torchrun script's front door): the
-    loop with accumulation and clipping equals one process at every stage."""
+    loop with accumulation and clipping equals one process at every stage; with ``check_collectives`` a rank
+    that issued one more collective is named before the next call of the model, on every rank."""
     single = _single()
     for rank, result in enumerate(ranks(_script, 2)):
         for stage, state in result.items():
