@@ -88,15 +88,15 @@ def _is_elementwise(value: Any, numel: int) -> bool:
 
 
 def _unit_payload(
-    unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only: bool, average: WeightAverage | None
+    unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only: bool, averaged: torch.Tensor | None
 ) -> dict[str, Any]:
     # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
     master = unit.master_partition() if unit.trainable else unit.param_shard
     if master is None:
         raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
     payload: dict[str, Any] = {"master": master.float().cpu()}
-    if average is not None:  # see [Note: averaged weights in a checkpoint] in format.py
-        payload["averaged"] = average.partition(unit)
+    if averaged is not None:  # see [Note: averaged weights in a checkpoint] in format.py
+        payload["averaged"] = averaged
     if weights_only or optimizer is None:
         return payload
     state: dict[str, torch.Tensor] = {}
@@ -273,7 +273,9 @@ def save(
     entry, problem = None, None
     try:
         if writes_shards:
-            shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only, average) for u in units]}
+            averaged = average.partitions(units) if average is not None else [None] * len(units)
+            payloads = zip(units, averaged)
+            shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only, a) for u, a in payloads]}
             entry = write_atomically(partial / name, lambda f: torch.save(shard, f))
     except CheckpointError as error:
         problem = str(error)

@@ -31,8 +31,8 @@ except ImportError:  # pragma: no cover - older Lightning has SWA only
 AVERAGED_STATE = "averaging_state"  # WeightAveraging's key for the average's count in a checkpoint
 
 
-class _ShardedWeightAveraging:
-    """``WeightAveraging`` over the strategy's sharded average."""
+class _ShardedAverage:
+    """What both sharded callbacks share: no copy of the model, the strategy's average instead."""
 
     _average_model: WeightAverage | None
 
@@ -41,6 +41,10 @@ class _ShardedWeightAveraging:
 
     def use_average(self, average: WeightAverage | None) -> None:
         self._average_model = average
+
+
+class _ShardedWeightAveraging(_ShardedAverage):
+    """``WeightAveraging`` over the strategy's sharded average."""
 
     def _swap_models(self, pl_module: pl.LightningModule) -> None:
         self._average_model.swap()
@@ -64,16 +68,8 @@ class _ShardedWeightAveraging:
             )
 
 
-class _ShardedSWA:
+class _ShardedSWA(_ShardedAverage):
     """``StochasticWeightAveraging`` over the strategy's sharded average."""
-
-    _average_model: WeightAverage | None
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        pass  # no copy: the strategy hands the average over once the units exist (``use_average``)
-
-    def use_average(self, average: WeightAverage | None) -> None:
-        self._average_model = average
 
     def update_parameters(self, average_model: WeightAverage, model: Any, n_averaged: Tensor, avg_fn: Any) -> None:
         average_model.update_swa(avg_fn, n_averaged)
@@ -87,7 +83,8 @@ class _ShardedSWA:
 
 def _overridden(cls: type, base: type, mixin: type) -> list[str]:
     """The methods of ``mixin`` that ``cls`` (a subclass of Lightning's ``base``) overrides itself."""
-    names = [n for n in vars(mixin) if callable(vars(mixin)[n]) and n != "use_average" and not n.startswith("__")]
+    defined = {n: v for k in reversed(mixin.__mro__[:-1]) for n, v in vars(k).items()}  # (its base's too)
+    names = [n for n, v in defined.items() if callable(v) and n != "use_average" and not n.startswith("__")]
     return [n for n in names if getattr(cls, n, None) is not getattr(base, n, None)]
 
 

@@ -190,13 +190,15 @@ class WeightAverage:
         out.update((k, v) for k, v in named if k in persistent)
         return out
 
-    def partition(self, unit: FlatUnit) -> Tensor:
-        """``unit``'s averaged partition on the CPU, in fp32, laid out as its master partition (padding zero)."""
-        state = self.state()
-        out = torch.zeros(unit.layout.partition_numel)
-        for piece in unit.layout.pieces(unit.rank):
-            lo = piece.partition_offset
-            out[lo : lo + piece.numel] = state[unit.names[piece.param]]
+    def partitions(self, units: Sequence[FlatUnit]) -> list[Tensor]:
+        """Each unit's averaged partition on the CPU, in fp32, laid out as its master partition (padding zero)."""
+        state, out = self.state(), []
+        for unit in units:
+            partition = torch.zeros(unit.layout.partition_numel)
+            for piece in unit.layout.pieces(unit.rank):
+                lo = piece.partition_offset
+                partition[lo : lo + piece.numel] = state[unit.names[piece.param]]
+            out.append(partition)
         return out
 
     def whole(self) -> dict[str, Tensor]:
