@@ -73,8 +73,8 @@ class StepTimer(pl.Callback):
                 "gradients": mem["gradients"],
                 "optimizer_state": mem["master"] + mem["optimizer_state"],
             }
-            if trainer.strategy._stage3 is not None:
-                self.bytes["gathered_peak"] = trainer.strategy._stage3.peak_gathered_bytes
+            if trainer.strategy.engine.stage3 is not None:
+                self.bytes["gathered_peak"] = trainer.strategy.engine.stage3.peak_gathered_bytes
             moved = sum(
                 trainer.strategy.traffic.since(self._traffic).elements[k] for k in ("reduce_scatter", "all_gather")
             )

@@ -45,11 +45,11 @@ from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
 from lightning_zero.sharding.full_state import full_state_dict, needs_masters, parameter_norms
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.param_gather import ParamGathers, runs_compiled_code
+from lightning_zero.sharding.placement import Join, Replicated, Sharded
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import (
     ShardedModule,
     default_init,
-    gather_module,
     initialize_sharded,
     install_load_hooks,
     shard_module,
@@ -71,9 +71,8 @@ class ZeroEngine:
         self.module: Module | None = None
         self.units: list[FlatUnit] = []
         self.optimizers: list[ZeroOptimizer] = []
-        self.reducer: GradReducer | None = None
-        self.gathers: ParamGathers | None = None  # stages 1 and 2: the post-step parameter all-gathers
-        self.stage3: Stage3Runtime | None = None
+        self.reducer: GradReducer | None = None  # while training
+        self.placement: Replicated | Sharded = Replicated()  # see [Note: placements] in sharding/placement.py
         self.backward_end = BackwardEnd()
         self.buffer_sync: BufferSync | None = None  # while training, with config.broadcast_buffers
         self.blocked = False  # inside no_sync: a micro-batch before the step's last
@@ -136,7 +135,7 @@ class ZeroEngine:
                 self.sharded_init_peak_bytes = initialize_sharded(module, sharded.units, init, device=self.device)
                 module.to(self.device)
         self.units = sharded.units
-        self.stage3 = Stage3Runtime(
+        runtime = Stage3Runtime(
             sharded.units,
             sharded.modules,
             max_live_parameters=self.config.max_live_parameters,
@@ -145,7 +144,18 @@ class ZeroEngine:
             backward_end=self.backward_end,
             group=self.topology.shard_group,
         )
-        self.stage3.install_access_hooks(module)
+        runtime.install_access_hooks(module)
+        self.placement = Sharded(runtime)
+
+    @property
+    def stage3(self) -> Stage3Runtime | None:
+        """Stage 3's runtime while the module is sharded (for introspection: memory, tests)."""
+        return self.placement.runtime
+
+    @property
+    def gathers(self) -> ParamGathers | None:
+        """Stages 1 and 2 while training: the post-step parameter all-gathers (for introspection)."""
+        return self.placement.gathers
 
     def wrap(self, module: Module, optimizers: Sequence[Optimizer], *, marks_micro_batches: bool = True) -> list:
         """Flat units for the optimizers' parameters (stages 1 and 2; stage 3's come from ``shard``), one
@@ -155,12 +165,12 @@ class ZeroEngine:
         self.module = module
         self.buffer_sync = BufferSync(module) if self.config.broadcast_buffers else None
         names = check_optimizer_params(module, optimizers, rank=self.rank)
-        if self.config.stage < 3:
+        if self.placement.units_from_optimizers:
             shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
             self.units = units_per_param_group(optimizers, names, self.config, **shard)
             UnitIndex(self.units).attach(module)
             self.load_hooks = install_load_hooks(module, self.units)
-        self.optimizers, self.reducer, self.gathers = wrap_optimizers(
+        self.optimizers, self.reducer, gathers = wrap_optimizers(
             optimizers,
             [u for u in self.units if u.trainable],  # stage 3's frozen units need no gradients
             names,
@@ -171,11 +181,9 @@ class ZeroEngine:
             topology=self.topology,
             activate=self.activate,
         )
-        if self.stage3 is not None:
-            self.stage3.reducer = self.reducer
-        if self.gathers is not None:  # see [Note: post-step gathers] in sharding/param_gather.py
-            # torch.compile would trace the mode that overlaps them and recompile as it comes and goes
-            self.gathers.overlap = self.config.overlap_param_gather and not runs_compiled_code(module)
+        # torch.compile would trace the post-step gathers' overlapping mode and recompile as it comes and goes
+        overlap = self.config.overlap_param_gather and not runs_compiled_code(module)
+        self.placement.attach(self.reducer, gathers, overlap=overlap)
         self.reducer.accumulating = not marks_micro_batches
         return self.optimizers
 
@@ -186,13 +194,12 @@ class ZeroEngine:
         shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
         unit_location = UnitIndex.of(self.module)
         units = trainable_units(params, names, self.config, unit_location, **shard)
-        if self.config.stage < 3:  # units of their own
+        if self.placement.units_from_optimizers:  # units of their own
             self.units += units
             unit_location.add(units)
             self.load_hooks += install_load_hooks(self.module, units)
         self.reducer.add_units(units)
-        if self.gathers is not None:
-            self.gathers.add_units(units)
+        self.placement.add_units(units)
         if self.average is not None:
             self.average.units_changed()
         return {p: unit_location(p) for p in params}, names
@@ -220,25 +227,18 @@ class ZeroEngine:
     def begin_training_forward(self) -> None:
         if self.buffer_sync is not None:  # see [Note: when buffers are broadcast] in sharding/buffer_sync.py
             self.buffer_sync.forward_starts(training=True, synchronized=not self.blocked)
-        if self.stage3 is not None:
-            self.stage3.begin_step()
+        self.placement.begin_step()
 
     def end_training_forward(self, *, step_ends: bool = False) -> None:
         """After a training forward; ``step_ends``: its backward happened inside it (manual optimization)."""
-        if self.stage3 is None:
-            self.settle()  # what the forward did not read (see [Note: post-step gathers])
-            return
-        self.stage3.end_forward()
-        if step_ends:
-            self.stage3.end_step()
+        self.placement.end_forward(step_ends=step_ends)
 
     def before_backward(self, loss: torch.Tensor) -> None:
         self.backward_end.arm_on(loss)  # the end-of-backward callback belongs to this backward
 
     def after_backward(self) -> None:
         """After a step's backward (not under manual optimization, whose step ends with its forward)."""
-        if self.stage3 is not None:
-            self.stage3.end_step()
+        self.placement.end_step()
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
@@ -261,29 +261,16 @@ class ZeroEngine:
         self.settle()
         if self.buffer_sync is not None:
             self.buffer_sync.forward_starts(training=False, synchronized=False)
-        if self.stage3 is None:
-            return step(*args, **kwargs)
-        if last is not None:
-            self._vote(1)
-        self.stage3.begin_step()
-        try:
-            output = step(*args, **kwargs)
-            self.stage3.end_forward()
-        finally:
-            self.stage3.end_step()
-        if last is not None and last():
-            while self._vote(0) > 0:  # others still have batches: issue what their forwards issue
-                self.stage3.shadow_step()
-        return output
+        join = Join(self._count_ranks_with_batch, last) if last is not None else None
+        return self.placement.forward_only(step, args, kwargs, join=join)
 
-    def _vote(self, has_batch: int) -> int:
+    def _count_ranks_with_batch(self, has_batch: int) -> int:
         flag = torch.tensor([has_batch], dtype=torch.int32, device=self.device)
         return int(collectives.all_reduce(flag, torch.distributed.ReduceOp.SUM).item())
 
     def settle(self) -> None:
         """Waits for the post-step parameter all-gathers still running (before anything reads parameters)."""
-        if self.gathers is not None:
-            self.gathers.wait_all()
+        self.placement.settle()
 
     def release_gradients(self) -> None:
         """Drops the gradients accumulated so far (as ``module.zero_grad()`` drops ddp's)."""
@@ -295,19 +282,17 @@ class ZeroEngine:
         """The whole state dict on every rank, in fp32 where training is mixed (the masters): the module's own
         where it is whole and fp32 already, else gathered onto the CPU one unit at a time. Collective."""
         self.settle()
-        if self.stage3 is None and not any(needs_masters(u) for u in self.units):
+        if isinstance(self.placement, Replicated) and not any(needs_masters(u) for u in self.units):
             return module.state_dict()
-        group = self.topology.shard_group
-        return full_state_dict(module, self.units, self.stage3, group=group, host_group=self.topology.host(group))
+        group, hold = self.topology.shard_group, self.placement.holding
+        return full_state_dict(module, self.units, hold, group=group, host_group=self.topology.host(group))
 
-    def sharded_state_dict(self, module: Module) -> dict[str, Any]:
-        """What the sharded checkpoint's Lightning state holds of the model: references to what no unit
-        shards (the shards themselves are written per rank)."""
+    def checkpoint_state_dict(self, module: Module) -> dict[str, Any]:
+        """The state dict by reference, nothing copied or gathered: what a checkpoint's Lightning state holds
+        (the units' values are written from the shards, per rank). Stage 3's sharded parameters are in it as
+        themselves: reading one outside a step raises (sharding/sharded_param.py)."""
         self.settle()
-        if self.stage3 is None:
-            return module.state_dict()
-        sharded = {id(p) for u in self.units for p in u.params}
-        return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) not in sharded}
+        return self.placement.checkpoint_state_dict(module)
 
     def parameter_norms(self, module: Module, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
         """Each parameter's norm and the total, from the shards (nothing gathered). Collective."""
@@ -319,36 +304,20 @@ class ZeroEngine:
     def gathered_parameters(
         self, targets: Sequence[Module | Parameter], modifier_rank: int | None = None
     ) -> Generator[list[Parameter], None, None]:
-        """The parameters of ``targets`` whole inside the block (see ``ZeroStrategy.gathered_parameters``)."""
+        """The parameters of ``targets`` (modules, with their submodules, or parameters) whole inside the block,
+        outside the steps too, like DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``.
+        Collective: enter it on every rank with the same targets (stage 3 gathers their units, one all-gather
+        each, and frees them after; stages 1 and 2 hold every parameter whole already). Changes made inside
+        are dropped, unless ``modifier_rank`` names the (global) rank whose values every rank then takes,
+        master weights included. Yields the parameters."""
         params = list(dict.fromkeys(p for t in targets for p in (t.parameters() if isinstance(t, Module) else [t])))
-        if self.stage3 is None:
-            self.settle()
+        with self.placement.gathered_parameters(self.module, params, modifier_rank):
             yield params
-            if modifier_rank is not None:
-                unit_location = UnitIndex.of(self.module)
-                for p in params:
-                    collectives.broadcast(p.data, src=modifier_rank)
-                    located = unit_location(p)
-                    if located is not None:
-                        located[0].write_owned(located[1], p.data)  # the master too
-            return
-        with self.stage3.gathered_params(params) as units:
-            yield params
-            if modifier_rank is not None:
-                for unit in units:  # whole units: every rank then keeps its own pieces of them
-                    collectives.broadcast(unit.flat_param, src=modifier_rank)
-                    for index, p in enumerate(unit.params):
-                        unit.write_owned(index, p.data)
 
     def gather_module(self, module: Module, device: torch.device) -> None:
         """Stage 3, between runs: makes ``module`` whole on ``device``, one unit at a time. Collective."""
-        if self.stage3 is None:
-            return
-        if self.stage3.in_step:
-            raise RuntimeError("gather_module() is for after a run, not inside a step")
-        gather_module(self.stage3, device)
-        ShardedModule.detach(module)
-        self.stage3, self.units = None, []
+        if isinstance(self.placement, Sharded):
+            self.placement, self.units = self.placement.gather_module(module, device), []
 
     def save(
         self, checkpoint: dict[str, Any], path: Any, *, module: Module, optimizers: Sequence[ZeroOptimizer]
@@ -372,9 +341,14 @@ class ZeroEngine:
         )
 
     def memory_bytes(self) -> dict[str, int]:
-        """This rank's persistent bytes by category (see ``memory.persistent_bytes``)."""
+        """This rank's persistent bytes by category, device and ``host_*`` (see ``memory.persistent_bytes``;
+        stage 3's units gathered for a moment: ``peak_gathered_bytes``), and ``weight_average`` while a
+        weight average is kept (this rank's share, sharding/averaging.py)."""
         offloaded = self.config.offload_optimizer != "none"
-        return persistent_bytes(self.units, self.optimizers, self.module, offloaded=offloaded)
+        totals = persistent_bytes(self.units, self.optimizers, self.module, offloaded=offloaded)
+        if self.average is not None:
+            totals["weight_average"] = self.average.nbytes()
+        return totals
 
     # --- the end -----------------------------------------------------------------------------------
     def teardown(self) -> None:
@@ -383,18 +357,12 @@ class ZeroEngine:
         module = self.module
         if self.stage3 is not None:
             self.peak_gathered_bytes = self.stage3.peak_gathered_bytes
-            self.stage3.abandon()
-            self.stage3.remove_hooks(module)
-        if self.gathers is not None:
-            self.gathers.remove_hooks()  # waits for the gathers still running
-            self.gathers = None
+        self.placement.teardown(module)
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
         for handle in self.load_hooks:
             handle.remove()
         self.load_hooks = []
-        if module is not None and self.config.stage < 3:  # stage 3's stay with the shards (ShardedModule)
-            UnitIndex.detach(module)
         self.buffer_sync = None
         self.average = None

@@ -150,7 +150,7 @@ def load_model(
             if unit.trainable:
                 unit.follow_master(group=group)  # the parameters follow the loaded master (``group``: the shard group)
             elif unit.gathered:  # a frozen unit kept whole: gather the loaded shards
-                collectives.wait(unit.unshard(async_op=False, group=group))
+                unit.unshard(async_op=False, group=group)
 
 
 def load_average(loaded: LoadedCheckpoint, average: WeightAverage) -> None:

@@ -3,7 +3,7 @@
 Lightning's checkpoints hold no generator state, so after a resume dropout draws other masks than the
 uninterrupted run did. Each rank's states (torch's CPU and current CUDA generator, Python's ``random``,
 NumPy's legacy global one) are gathered into Lightning's state in the checkpoint (about 8 KB a rank) and
-set again as the first training batch of a run resumed on as many ranks starts (front/checkpoint_hooks.py,
+set again as the first training batch of a run resumed on as many ranks starts (front/trainer_checkpoints.py,
 [Note: generators across a resume]). On another world size there is no rank-to-rank map: the states are
 not restored and the run goes on from the seeded ones.
 """

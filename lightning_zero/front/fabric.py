@@ -15,7 +15,6 @@ reads a checkpoint of either, at any world size and stage, and returns what it d
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
@@ -23,14 +22,11 @@ from typing import Any, Literal
 
 import lightning
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy, _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _Stateful
 from torch import Tensor
-from torch.distributed.distributed_c10d import _get_default_group
-from torch.distributed.utils import _sync_module_states as torch_sync_module_states
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -38,6 +34,7 @@ from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.front.precision import ZeroPrecision, as_zero_precision, check_skip_on_device, stage3_param_dtype
+from lightning_zero.front.prepare import config_for, place_module
 from lightning_zero.resilience.elastic import start_process_group
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.stage3_setup import ShardedModule
@@ -98,28 +95,12 @@ class ZeroFabricStrategy(DDPStrategy):
         config: ZeroConfig | None = None,
         *,
         stage: int | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **ddp_kwargs: Any,
     ) -> None:
-        config = config if config is not None else ZeroConfig()
-        if not isinstance(config, ZeroConfig):
-            raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
-        self.config = config if stage is None else dataclasses.replace(config, stage=stage)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=self.config.timeout),
-            start_method=start_method,
-        )
+        self.config = config_for(config, stage)
+        timeout = timedelta(seconds=self.config.timeout)
+        super().__init__(timeout=timeout, start_method=start_method, **ddp_kwargs)
         self._backward_sync_control = _NoSync(self)
         self.topology = Topology(shard_rank=0, shard_size=1)
         self.engine: ZeroEngine | None = None
@@ -192,20 +173,11 @@ class ZeroFabricStrategy(DDPStrategy):
             )
         self.engine.record_collectives(self._observing)
         construction, self._construction = self._construction, None
-        on_meta = any(p.is_meta for p in module.parameters())
-        if on_meta and self.config.stage != 3:
-            raise ValueError(
-                f"the model has parameters on the meta device, which only zero3 materializes; zero{self.config.stage}"
-            )
-        if construction is not None and construction.managed:
-            self.precision.convert_buffers(module)  # (parameters are cast as they are made whole)
-        else:
-            construction = None
-            module = self.precision.convert_module(module)
-            if not on_meta:  # (stage 3 initializes those sharded, from every rank's same generator)
-                module.to(self.root_device)
-                torch_sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, 0, [])
-        if self.config.stage == 3:
+        stage, device = self.config.stage, self.root_device
+        module, construction = place_module(
+            module, self.precision, stage=stage, device=device, construction=construction
+        )
+        if stage == 3:
             dtype = stage3_param_dtype(self.precision, self.config.gather_dtype)
             self.engine.shard(module, training=training, dtype=dtype, construction=construction, optimizers=optimizers)
         return module

@@ -27,7 +27,6 @@ from torch import Tensor
 from torch.nn import Module, Parameter, ParameterList
 from torch.optim.swa_utils import AveragedModel
 
-from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
 
 
@@ -178,7 +177,7 @@ class WeightAverage:
             if unit.trainable:
                 unit.follow_master(group=self.group)
             elif unit.gathered:  # a frozen stage-3 unit kept whole: gathered again from the written shard
-                collectives.wait(unit.unshard(async_op=False, group=self.group))
+                unit.unshard(async_op=False, group=self.group)
 
     # --- checkpoints -------------------------------------------------------------------------------
     def state(self) -> dict[str, Tensor]:

@@ -22,6 +22,7 @@ With ``offload`` the master, the reduced gradient partition (and stage 3's shard
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,6 +34,24 @@ from lightning_zero.config import HostOffload
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.layout import Bucket, FlatLayout, Piece
 from lightning_zero.sharding.offload import copy_to, host_empty
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameter values are.
+
+    [Note: a unit's states]
+    Stages 1 and 2 keep every unit ``WHOLE`` for its life. A stage-3 unit is ``SHARDED`` (only this rank's
+    shard; its parameters are placeholders, sharded_param.py) until ``unshard`` starts the all-gather into
+    its flat buffer (``GATHERING``: the buffer exists, its values are valid once the gather is waited on),
+    ``wait_gathered`` makes it ``GATHERED``, and ``reshard`` frees the buffer (``SHARDED`` again). After an
+    error (``abandon_gather``) a gather in flight is forgotten without waiting for peers that may never come,
+    and the unit counts as ``GATHERED``: its buffer is freed at the next ``reshard`` like any other.
+    """
+
+    WHOLE = "whole"
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
 
 
 class FlatUnit:
@@ -93,6 +112,8 @@ class FlatUnit:
 
         self.param_shard = None
         self.offload = offload
+        self.state = UnitState.WHOLE
+        self._gather: dist.Work | None = None  # the all-gather in flight (GATHERING)
         if shard_params:
             if offload is not None and offload.params:
                 self.param_shard = host_empty(layout.partition_numel, self.param_dtype, device, offload)
@@ -216,19 +237,35 @@ class FlatUnit:
         k = self._piece_index.get(index)
         return (None, None) if k is None else (self.pieces[k], self.piece_tensors[k])
 
-    # --- stage 3: gathered only while in use -------------------------------------------------------
+    # --- stage 3: gathered only while in use (see [Note: a unit's states]) ---------------------------
     @property
     def gathered(self) -> bool:
-        return self.flat_param.untyped_storage().nbytes() > 0
+        """The flat buffer exists (whole units, and stage-3 units gathered or being gathered)."""
+        return self.state is not UnitState.SHARDED
 
-    def unshard(self, *, async_op: bool, group=None) -> dist.Work | None:
-        """Allocates the flat buffer, starts the all-gather of every rank's shard into it and points
-        the parameters at it (their values are valid once the returned work is waited on)."""
+    def unshard(self, *, async_op: bool, group=None) -> None:
+        """Allocates the flat buffer, starts the all-gather of every rank's shard into it and points the
+        parameters at it: ``GATHERING`` (``async_op``; the values are valid after ``wait_gathered``), else
+        ``GATHERED``. Collective."""
         self._allocate()
         shard = self.param_shard
         if shard.device != self.flat_param.device:  # offloaded: brought to the device for the gather
             shard = shard.to(self.flat_param.device, non_blocking=shard.is_pinned())
-        return collectives.all_gather(self.flat_param, shard, async_op=async_op, group=group)
+        self._gather = collectives.all_gather(self.flat_param, shard, async_op=async_op, group=group)
+        self.state = UnitState.GATHERING
+        if not async_op:
+            self.wait_gathered()
+
+    def wait_gathered(self) -> None:
+        if self.state is UnitState.GATHERING:
+            work, self._gather = self._gather, None
+            collectives.wait(work)
+            self.state = UnitState.GATHERED
+
+    def abandon_gather(self) -> None:
+        """After an error: forgets the gather in flight without waiting on peers."""
+        if self.state is UnitState.GATHERING:
+            self._gather, self.state = None, UnitState.GATHERED
 
     def _allocate(self) -> None:
         storage = self.flat_param.untyped_storage()
@@ -238,9 +275,11 @@ class FlatUnit:
 
     def reshard(self) -> None:
         """Frees the flat buffer; until the next unshard each parameter is a placeholder (see stage3.py)."""
+        self.wait_gathered()
         for p, placeholder in zip(self.params, self._placeholders):
             p.data = placeholder
         self.flat_param.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
 
     def write_owned(self, index: int, value: Tensor) -> None:
         """Stores this rank's part of parameter ``index`` from its full ``value``."""
@@ -318,7 +357,7 @@ class FlatUnit:
         else:
             self.refresh_shard()
             if self.gathered:
-                collectives.wait(self.unshard(async_op=False, group=group))
+                self.unshard(async_op=False, group=group)
 
     def refresh_shard(self) -> None:
         """Stage 3 after a step: the shard follows the updated master (the next gather spreads it; a unit
@@ -374,6 +413,7 @@ def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
             unit._allocate()
             numel = unit.param_shard.numel()
             unit.flat_param.view(world, numel).copy_(rows[:, start : start + numel])
+            unit.state = UnitState.GATHERED
             start += numel
 
 

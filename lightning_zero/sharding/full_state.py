@@ -10,8 +10,8 @@ state dict on the CPU plus one unit (one bucket, for masters).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,6 @@ from torch.nn import Module
 
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
-from lightning_zero.sharding.stage3 import Stage3Runtime
 
 
 def needs_masters(unit: FlatUnit) -> bool:
@@ -45,11 +44,16 @@ def gather_masters(unit: FlatUnit, *, group=None) -> Iterator[tuple[int, Tensor]
 
 
 def full_state_dict(
-    model: Module, units: Sequence[FlatUnit], runtime: Stage3Runtime | None, *, group=None, host_group=None
+    model: Module,
+    units: Sequence[FlatUnit],
+    hold: Callable[[FlatUnit], AbstractContextManager],
+    *,
+    group=None,
+    host_group=None,
 ) -> dict[str, Tensor]:
     """The unsharded state dict (keys as ``model.state_dict()``; tied keys share a tensor), on the CPU.
-    ``runtime``: stage 3's, which gathers a unit's parameters; ``group``/``host_group``: the groups the
-    masters are sharded over (the host one for masters in host memory)."""
+    ``hold(unit)``: keeps a unit's parameters whole inside it (stage 3 gathers them, placement.py);
+    ``group``/``host_group``: the groups the masters are sharded over (the host one for masters on the host)."""
     entries = model.state_dict(keep_vars=True)
     owner = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
     out = {k: v.detach().to("cpu", copy=True) for k, v in entries.items() if id(v) not in owner}
@@ -61,7 +65,7 @@ def full_state_dict(
                 i: v.view(unit.shapes[i]) for i, v in gather_masters(unit, group=host_group if on_host else group)
             }
         else:
-            with runtime.gathered(unit) if runtime is not None else contextlib.nullcontext():
+            with hold(unit):
                 values = {i: unit.params[i].detach().to("cpu", copy=True) for i in set(keys.values())}
         out.update({k: values[i] for k, i in keys.items()})
     return {k: out[k] for k in entries}

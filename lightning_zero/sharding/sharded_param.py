@@ -15,7 +15,7 @@ works as on the whole model. Whatever reads its values goes through ``__torch_fu
   in the same order (the same code on every rank does);
 - anywhere else (callbacks between steps, after ``fit``, rank 0 alone) it raises one error that names the
   parameter and the ways to read it: ``lightning_zero.gathered_parameters(pl_module, ...)`` on every rank,
-  ``trainer.strategy.lightning_module_state_dict()`` or, after ``fit``, ``gather_module()``. A NaN
+  ``trainer.strategy.full_state_dict()`` or, after ``fit``, ``gather_module()``. A NaN
   never reaches user code.
 
 One exception: ``torch.equal`` between parameters outside a step answers by identity (a parameter equals
@@ -109,6 +109,6 @@ def read_error(name: str, where: str) -> RuntimeError:
         f"{name!r} is sharded across ranks by the ZeRO strategy (stage 3) and is not gathered {where}: its values"
         " can be read inside a training/validation/test/predict step, inside `with"
         " lightning_zero.gathered_parameters(pl_module, *modules_or_params):` entered on every rank, through"
-        " trainer.strategy.lightning_module_state_dict() (every rank), or after fit through"
+        " trainer.strategy.full_state_dict() (every rank), or after fit through"
         " trainer.strategy.gather_module(); lightning_zero.parameter_norms(pl_module) needs no gathering"
     )

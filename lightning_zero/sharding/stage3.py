@@ -50,11 +50,9 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd, in_backward
 from lightning_zero.sharding.flat_unit import FlatUnit, unshard_together
 from lightning_zero.sharding.sharded_param import ShardedParameter, original_class, read_error
@@ -133,7 +131,6 @@ class Stage3Runtime:
         self.backward_end = backward_end
         backward_end.on_begin.append(self.schedule.begin_backward)
         backward_end.on_end.insert(0, self._end_backward)  # before the reducer waits for every reduction
-        self._inflight: dict[int, dist.Work | None] = {}
         self.in_step = False
         self._forward_only_gathers: list[FlatUnit] = []  # this forward-only step's gathers, for shadow_step
         self._last_forward_only: list[FlatUnit] | None = None
@@ -176,15 +173,14 @@ class Stage3Runtime:
     def _start(self, unit: FlatUnit) -> None:
         if unit.gathered:
             return
-        self._inflight[id(unit)] = unit.unshard(async_op=True, group=self.group)
+        unit.unshard(async_op=True, group=self.group)
         if self.in_step and not torch.is_grad_enabled():
             self._forward_only_gathers.append(unit)
         gathered = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
     def _wait(self, unit: FlatUnit) -> None:
-        if id(unit) in self._inflight:
-            collectives.wait(self._inflight.pop(id(unit)))
+        unit.wait_gathered()
         if unit.gathered:
             self.mark_whole(unit)
 
@@ -319,7 +315,8 @@ class Stage3Runtime:
 
     def abandon(self) -> None:
         """After an error: forget pending work without waiting on peers that may never come."""
-        self._inflight.clear()
+        for unit in self.units:
+            unit.abandon_gather()
         self.in_step = False
 
     @contextmanager

@@ -46,11 +46,11 @@ class LiveBuckets(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 1:
-            trainer.strategy._reducer.peak_live_buckets = 0
+            trainer.strategy.engine.reducer.peak_live_buckets = 0
 
     def on_train_end(self, trainer, pl_module):
-        self.peak = trainer.strategy._reducer.peak_live_buckets
-        self.buckets = len(trainer.strategy._reducer.order)
+        self.peak = trainer.strategy.engine.reducer.peak_live_buckets
+        self.buckets = len(trainer.strategy.engine.reducer.order)
 
 
 def _worker(rank: int, world: int) -> None:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.cli.main import main
-from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
+from tests.support.helpers import EquivalenceModule, full_state, make_trainer, zero_strategy
 from tests.support.kill_target import Wide, trainer
 
 STEPS = 4
@@ -29,7 +29,7 @@ def _fit_and_save(rank: int, world: int, root) -> None:
     strategy = zero_strategy(3, param_persistence_threshold=0)
     trainer = make_trainer(strategy, world, steps=STEPS, callbacks=callbacks, enable_checkpointing=True)
     trainer.fit(module)
-    state = trainer.strategy.lightning_module_state_dict()  # gathered unit by unit: the last step's values
+    state = full_state(trainer.strategy)  # gathered unit by unit: the last step's values
     if rank == 0:
         torch.save(state, root / "gathered.pt")
 
@@ -85,7 +85,7 @@ def _fit_and_save_consolidated(rank: int, world: int, root) -> None:
         kwargs = dict(callbacks=callbacks, enable_checkpointing=True, plugins=[ZeroPrecision(precision)])
         trainer = make_trainer(strategy, world, steps=STEPS, **kwargs)
         trainer.fit(module)
-        state = trainer.strategy.lightning_module_state_dict()
+        state = full_state(trainer.strategy)
         if rank == 0:
             torch.save(state, root / f"gathered-{stage}-{precision}.pt")
         if stage < 3:
@@ -93,7 +93,7 @@ def _fit_and_save_consolidated(rank: int, world: int, root) -> None:
 
 
 def test_load_from_checkpoint_opens_the_consolidated_checkpoint(ranks, tmp_path, capsys):
-    """Under mixed precision the weights are the fp32 masters, as ``lightning_module_state_dict()`` returns
+    """Under mixed precision the weights are the fp32 masters, as ``full_state_dict()`` returns
     them (ddp's weights are fp32 too), not the 16-bit copies the forward reads."""
     ranks(_fit_and_save_consolidated, 2, tmp_path)
     capsys.readouterr()

@@ -48,7 +48,7 @@ class SameLaunchOrder(pl.Callback):
     rank-dependent order issues mismatched collectives, which gloo answers with an abort or a hang)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        order = [(unit.names[0], bucket.start) for unit, bucket in trainer.strategy._reducer.order]
+        order = [(unit.names[0], bucket.start) for unit, bucket in trainer.strategy.engine.reducer.order]
         orders = collectives.all_gather_object(order)
         first = next((k for k in range(len(order)) if len({o[k] for o in orders}) > 1), None)
         assert first is None, (
@@ -109,7 +109,7 @@ class Diverge(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 4 and trainer.global_rank == 0:
-            trainer.strategy._collective_log.append(("all_reduce", "world", 1, "torch.float32"))
+            trainer.strategy.engine.collective_log.append(("all_reduce", "world", 1, "torch.float32"))
 
 
 def _check_worker(rank: int, world: int) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
+from tests.support.helpers import EquivalenceModule, full_state, make_trainer, relative_error, zero_strategy
 
 CLIP = 0.3
 STEPS = 20
@@ -53,7 +53,7 @@ class RanksAgree(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
-        self.state = trainer.strategy.lightning_module_state_dict()
+        self.state = full_state(trainer.strategy)
         assert list(self.state) == list(pl_module.state_dict(keep_vars=True))  # (the keys: no value read)
         flat = torch.cat([v.reshape(-1).float() for v in self.state.values()])
         gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]

@@ -18,7 +18,7 @@ from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
 from lightning_zero.sharding.topology import make_topology
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
-from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
+from tests.support.helpers import EquivalenceModule, full_state, make_trainer, zero_strategy
 
 INJECT_AT, STEPS = 3, 6
 
@@ -54,7 +54,7 @@ def _snapshot(trainer, module) -> dict[str, torch.Tensor]:
     (zero,) = trainer.strategy.optimizers
     state = [v.clone() for s in zero.state.values() for v in s.values()]
     return {
-        "params": torch.cat([v.reshape(-1).float() for v in trainer.strategy.lightning_module_state_dict().values()]),
+        "params": torch.cat([v.reshape(-1).float() for v in full_state(trainer.strategy).values()]),
         "master": torch.cat([u.master for u in zero.units]).clone(),
         "state": torch.cat([t.reshape(-1).float() for t in state]),
         "scheduler": torch.tensor(trainer.lr_scheduler_configs[0].scheduler.last_epoch),

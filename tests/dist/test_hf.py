@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero.sharding import collectives
-from tests.support.helpers import make_trainer, relative_error, zero_strategy
+from tests.support.helpers import full_state, make_trainer, relative_error, zero_strategy
 
 pytest.importorskip("transformers")
 
@@ -44,7 +44,7 @@ def _tag(family: str, stage: int, options: dict) -> str:
 
 class Observe(pl.Callback):
     def on_train_start(self, trainer, pl_module):
-        self.initial = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        self.initial = {k: v.clone() for k, v in full_state(trainer.strategy).items()}
 
     def on_train_end(self, trainer, pl_module):
         self.memory = trainer.strategy.memory_bytes()
@@ -55,7 +55,7 @@ class Observe(pl.Callback):
             for k, v in s.items()
             if k in ("exp_avg", "exp_avg_sq")
         )
-        self.units = [(u.layout.partition_numel, u.trainable) for u in trainer.strategy._units]
+        self.units = [(u.layout.partition_numel, u.trainable) for u in trainer.strategy.engine.units]
 
 
 def _ddp_worker(rank: int, world: int, out_dir) -> None:

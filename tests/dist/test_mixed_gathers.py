@@ -9,7 +9,7 @@ import torch
 
 from lightning_zero.planning.memory import SavedBytes
 from lightning_zero.sharding import collectives
-from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
+from tests.support.helpers import EquivalenceModule, full_state, make_trainer, zero_strategy
 
 STEPS = 3
 RUNS = {"bf16": {}, "fp32": {"gather_dtype": "float32"}, "bf16-reduce": {"reduce_dtype": "bfloat16"}}
@@ -35,7 +35,7 @@ class Measure(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.memory = trainer.strategy.memory_bytes()
-        self.partition = sum(u.layout.partition_numel for u in trainer.strategy._units)
+        self.partition = sum(u.layout.partition_numel for u in trainer.strategy.engine.units)
 
 
 def _worker(rank: int, world: int, out_dir) -> None:
@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, out_dir) -> None:
         strategy = zero_strategy(3, param_persistence_threshold=0, **config)
         trainer = make_trainer(strategy, world, steps=STEPS, accumulate=1, callbacks=[measure], precision="bf16-mixed")
         trainer.fit(module)
-        state = trainer.strategy.lightning_module_state_dict()
+        state = full_state(trainer.strategy)
         flat = torch.cat([v.reshape(-1).float() for v in state.values()])
         assert all(torch.equal(flat, other) for other in collectives.all_gather_object(flat)), name
         matrices = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))

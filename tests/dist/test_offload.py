@@ -54,7 +54,7 @@ class CheckPlacement(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         strategy = trainer.strategy
         (zero,) = strategy.optimizers
-        device_buffers = {_storage(u.flat_param) for u in strategy._units} - {0}  # stage 3: freed units have none
+        device_buffers = {_storage(u.flat_param) for u in strategy.engine.units} - {0}  # stage 3: freed units have none
         device_buffers |= {_storage(u.flat_grad) for u in zero.units if u.flat_grad is not None}
         device_buffers |= {
             _storage(u.param_shard) for u in zero.units if self.offload_param == "none" and self.stage == 3

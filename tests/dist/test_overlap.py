@@ -98,7 +98,7 @@ class Stage1Timing(pl.Callback):
         self.buffers: list[int] = []
 
     def on_train_start(self, trainer, pl_module):
-        reducer = trainer.strategy._reducer
+        reducer = trainer.strategy.engine.reducer
         finish = reducer.finish_backward
 
         def wrapped():
@@ -111,7 +111,7 @@ class Stage1Timing(pl.Callback):
         self.before = trainer.strategy.traffic.elements["reduce_scatter"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.buffers.append(trainer.strategy._reducer.buffers_allocated)
+        self.buffers.append(trainer.strategy.engine.reducer.buffers_allocated)
 
 
 class TwoBackwards(EquivalenceModule):
@@ -167,7 +167,7 @@ class OverlapProbe(pl.Callback):
         self.read_ok: list[bool] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        gathers = trainer.strategy._gathers
+        gathers = trainer.strategy.engine.gathers
         self.pending_at_start.append(len(gathers._pending))
         if gathers._pending:
             weight = pl_module.net.blocks[3].lin.weight
@@ -251,7 +251,7 @@ def _persistent_worker(rank: int, world: int) -> None:
         make_trainer(strategy, world, steps=4, accumulate=1, callbacks=[probe]).fit(module)
         gathers = [[op for op in step if op[0] == "all_gather"] for step in probe.steps]
         if threshold:
-            runtime = strategy._stage3
+            runtime = strategy.engine.stage3
             units = [u for k in sorted(runtime.schedule.persistent) for u in runtime.scheduled[k]]
             persistent = [u for u in units if u.trainable]  # frozen ones do not change: not gathered again
             assert len(persistent) > 2
@@ -291,7 +291,7 @@ def _coalesce_worker(rank: int, world: int) -> None:
         module = EquivalenceModule("blocks", steps=6)
         strategy = zero_strategy(3, reduce_bucket_size=bucket, param_persistence_threshold=0)
         make_trainer(strategy, world, steps=6, accumulate=1, callbacks=[probe]).fit(module)
-        sizes = [u.layout.total_numel for u in strategy._stage3.units if u.trainable]
+        sizes = [u.layout.total_numel for u in strategy.engine.stage3.units if u.trainable]
         assert all(sum(step) == sum(sizes) for step in probe.steps), (probe.steps, sizes)  # every unit, once
         if bucket == 1:
             assert all(sorted(step) == sorted(sizes) for step in probe.steps), (probe.steps, sizes)

@@ -10,7 +10,9 @@ when used): never a NaN.
   others); ``lightning_zero.parameter_norms(pl_module)`` there gives every parameter's norm, as one process
   computes them, with no all-gather; inside ``lightning_zero.gathered_parameters(pl_module)`` the same
   code (and ddp's, unchanged) sees the real values: the EMA equals ddp's, the frozen parameter its
-  constructor's value, and ``trainer.strategy.lightning_module_state_dict()`` equals ddp's state dict.
+  constructor's value, and ``trainer.strategy.full_state_dict()`` equals ddp's state dict.
+- ``trainer.strategy.lightning_module_state_dict()`` (what Lightning's checkpoint holds) has every key of
+  ddp's, issues no collective, and under stage 3 its sharded parameters raise the same error when read.
 - ``gathered_parameters(..., modifier_rank=0)`` writes rank 0's values into every rank's shards and master
   weights: training goes on from them.
 """
@@ -23,7 +25,7 @@ import torch
 
 import lightning_zero
 from lightning_zero.sharding import collectives
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
+from tests.support.helpers import EquivalenceModule, full_state, make_trainer, relative_error, zero_strategy
 
 STEPS = 6
 PENALTY = 1e-3
@@ -71,7 +73,11 @@ class ReadsBetweenSteps(pl.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module):
         self._plain(lambda: pl_module.state_dict())
-        self.state = trainer.strategy.lightning_module_state_dict()
+        with collectives.record() as issued:
+            by_reference = trainer.strategy.lightning_module_state_dict()
+        self.reference_keys, self.reference_collectives = list(by_reference), list(issued)
+        self._plain(lambda: [v.sum() for v in by_reference.values()])
+        self.state = full_state(trainer.strategy)
         with collectives.record() as issued:  # (the ZeRO strategies' collectives)
             self.weight_norms = lightning_zero.parameter_norms(pl_module)
         self.gathers = [c for c in issued if c[0] == "all_gather"]
@@ -103,14 +109,16 @@ def _worker(rank: int, world: int) -> dict:
         module, reads, trainer = _fit(name, world)
         if name == "zero3":
             assert set(reads.errors) == {"frozen_scale"}, reads.errors  # the first parameter read, named
-            assert len(reads.errors) == STEPS * 2 + 2, reads.errors  # each batch, the epoch's end, the train's end
+            assert len(reads.errors) == STEPS * 2 + 3, reads.errors  # each batch, the epoch's end (2), the train's end
             if rank == 0:  # rank 0 alone, after fit: an error, and nothing waits for rank 1
                 with pytest.raises(RuntimeError, match=READ_ERROR):
                     module.state_dict()
         assert not reads.gathers, f"{name}: parameter_norms gathered {reads.gathers}"
+        assert not reads.reference_collectives, f"{name}: {reads.reference_collectives}"
+        assert reads.reference_keys == list(reads.state), name
         results[name] = {
             "weight_norms": reads.weight_norms,
-            "state": {k: v.float() for k, v in trainer.strategy.lightning_module_state_dict().items()},
+            "state": {k: v.float() for k, v in full_state(trainer.strategy).items()},
             "epoch_state": {k: v.float() for k, v in reads.state.items()},
             "norms": module.norms,
             "ema": reads.ema,
@@ -137,7 +145,7 @@ def _modified_worker(rank: int, world: int) -> dict:
     watch = Reinitialize()
     strategy = zero_strategy(3, param_persistence_threshold=0)
     make_trainer(strategy, world, steps=STEPS, callbacks=[watch]).fit(module)
-    return {"seen": watch.seen, "state": strategy.lightning_module_state_dict()}
+    return {"seen": watch.seen, "state": full_state(strategy)}
 
 
 def _reference() -> dict:

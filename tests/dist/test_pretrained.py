@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tests.support.helpers import make_trainer, zero_strategy
+from tests.support.helpers import full_state, make_trainer, zero_strategy
 
 pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
@@ -45,7 +45,7 @@ class Pretrained(HFModule):
     def on_train_start(self) -> None:
         if self.when == "start":
             self.peak = _peak_allocated(lambda: lightning_zero.load_pretrained(self.model, self.source))
-        self.loaded = {k: v.clone() for k, v in self.trainer.strategy.lightning_module_state_dict().items()}
+        self.loaded = {k: v.clone() for k, v in full_state(self.trainer.strategy).items()}
 
 
 def _peak_allocated(run) -> int:

@@ -29,7 +29,7 @@ from lightning_zero import LossScaleConfig, ZeroPrecision
 from lightning_zero.front.loss_scaler import HOST_LAG
 from lightning_zero.kernels import host
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
-from tests.support.helpers import HOST_READS, EquivalenceModule, make_trainer, zero_strategy
+from tests.support.helpers import HOST_READS, EquivalenceModule, full_state, make_trainer, zero_strategy
 
 INJECT_AT, STEPS = 3, 6  # StepLR's step_size is 7: both runs use the same learning rates, skip or not
 
@@ -56,7 +56,7 @@ def _training_state(zero: ZeroOptimizer) -> dict[str, torch.Tensor]:
 
 
 def _snapshot(trainer) -> dict[str, torch.Tensor]:
-    params = trainer.strategy.lightning_module_state_dict().values()
+    params = full_state(trainer.strategy).values()
     return {
         "params": torch.cat([v.reshape(-1).float() for v in params]),
         **_training_state(trainer.strategy.optimizers[0]),

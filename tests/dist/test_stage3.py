@@ -16,7 +16,7 @@ from lightning_zero import ZeroPrecision
 from lightning_zero.models.gpt import GPT
 from lightning_zero.planning.memory import formula_bytes
 from lightning_zero.sharding import collectives
-from tests.support.helpers import EquivalenceModule, TrafficPerStep, make_trainer, zero_strategy
+from tests.support.helpers import EquivalenceModule, TrafficPerStep, full_state, make_trainer, zero_strategy
 
 ACCUMULATE, STEPS, LAYERS = 2, 3, 4
 
@@ -25,12 +25,12 @@ class Observe(TrafficPerStep):
     """Records, while the strategy still shards, what the tests below assert on."""
 
     def on_train_start(self, trainer, pl_module):
-        runtime = trainer.strategy._stage3
+        runtime = trainer.strategy.engine.stage3
         self.flat_bytes_at_start = [u.flat_param.untyped_storage().nbytes() for u in runtime.units]
-        self.initial_state = trainer.strategy.lightning_module_state_dict()
+        self.initial_state = full_state(trainer.strategy)
 
     def on_train_end(self, trainer, pl_module):
-        runtime = trainer.strategy._stage3
+        runtime = trainer.strategy.engine.stage3
         self.units = runtime.units
         self.root = runtime.root
         self.peak_live_numel = runtime.peak_live_numel

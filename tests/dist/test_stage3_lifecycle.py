@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero.resilience.peer_failure import EXIT_CODE
 from lightning_zero.sharding import collectives
 from tests.support.dynamic_models import DynamicModule
-from tests.support.helpers import make_trainer, relative_error, zero_strategy
+from tests.support.helpers import full_state, make_trainer, relative_error, zero_strategy
 from tests.support.pool import RankFailure
 
 WIDTH, DEPTH = 1024, 16  # 16 units of 4 MiB: the whole model is 64 MiB, one unit 4 MiB
@@ -62,13 +62,13 @@ class SaveProbe(pl.Callback):
         self.traffic = collectives.Traffic()  # observed around the whole fit, its teardown included
 
     def on_train_end(self, trainer, pl_module):
-        units = trainer.strategy._units
+        units = trainer.strategy.engine.units
         self.shard_bytes = sum(u.param_shard.nbytes for u in units)
         self.unit_bytes = max(u.flat_param.nbytes for u in units)
         gathers = self.traffic.elements["all_gather"]
         self.peak = _peak_allocated(lambda: trainer.save_checkpoint(self.path))
         self.save_gathers = self.traffic.elements["all_gather"] - gathers
-        self.last_state = trainer.strategy.lightning_module_state_dict()  # asked for: gathered unit by unit
+        self.last_state = full_state(trainer.strategy)  # asked for: gathered unit by unit
         self.gathers_at_end = self.traffic.elements["all_gather"]
 
 
@@ -133,7 +133,7 @@ def _load_worker(rank: int, world: int, out_dir) -> None:
         module = Reloaded(_target())
         trainer = make_trainer(zero_strategy(stage, **config), world, steps=4)
         trainer.fit(module)
-        torch.save(trainer.strategy.lightning_module_state_dict(), out_dir / f"{name}-{rank}.pt")
+        torch.save(full_state(trainer.strategy), out_dir / f"{name}-{rank}.pt")
 
 
 def test_load_state_dict_during_fit_loads_into_the_shards(ranks, tmp_path):

@@ -120,8 +120,8 @@ def _worker(rank: int, world: int, out_dir) -> None:
             config = {"param_persistence_threshold": 0, "unit_min_params": 200} if stage == 3 else {}
             trainer, module = _fit(kind, zero_strategy(stage, **config), world)
             if kind == "sequential" and stage == 3:
-                assert len(trainer.strategy._stage3.scheduled) == 3  # the three Linear layers
-                assert not trainer.strategy._stage3.root
+                assert len(trainer.strategy.engine.stage3.scheduled) == 3  # the three Linear layers
+                assert not trainer.strategy.engine.stage3.root
             torch.save(trainer.strategy.gather_module().state_dict(), out_dir / f"{kind}-{stage}-{rank}.pt")
 
 

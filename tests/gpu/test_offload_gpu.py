@@ -32,7 +32,7 @@ class DeviceBytes(pl.Callback):
         (zero,) = strategy.optimizers
         self.allocated = torch.cuda.memory_allocated()
         self.memory = strategy.memory_bytes()
-        self.pooled = sum(b.nbytes for free in strategy._reducer._pool.values() for b in free)
+        self.pooled = sum(b.nbytes for free in strategy.engine.reducer._pool.values() for b in free)
         self.fused_units = len(zero.fused._moments) if zero.fused is not None else 0
         self.on_host = all(u.master.device.type == "cpu" and u.master.is_pinned() for u in zero.units) and all(
             v.device.type == "cpu" for s in zero.state.values() for v in s.values() if torch.is_tensor(v)

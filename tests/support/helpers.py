@@ -256,6 +256,13 @@ def make_trainer(
     )
 
 
+def full_state(strategy) -> dict[str, torch.Tensor]:
+    """The whole model's state dict as a user asks each strategy for it: the ZeRO strategies'
+    ``full_state_dict()`` (collective), ddp's and one device's ``lightning_module_state_dict()``."""
+    read = getattr(strategy, "full_state_dict", None) or strategy.lightning_module_state_dict
+    return read()
+
+
 def zero_strategy(stage: int, **config) -> lightning_zero.ZeroStrategy:
     config.setdefault("timeout", COLLECTIVE_TIMEOUT_S)
     return lightning_zero.ZeroStrategy(lightning_zero.ZeroConfig(stage=stage, **config))

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tests.support.helpers import relative_error, zero_strategy
+from tests.support.helpers import full_state, relative_error, zero_strategy
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 GLOBAL_BATCH = 8
@@ -151,7 +151,7 @@ def feature_trainer(name: str, world: int, root, **kwargs) -> pl.Trainer:
 
 
 def whole_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    return {k: v.detach().float().clone() for k, v in full_state(trainer.strategy).items()}
 
 
 def assert_close(a, b, what: str, tol: float = 1e-5) -> None:

@@ -1,0 +1,187 @@
+"""Where a module's parameter values are between steps: the one thing the engine does differently by stage.
+
+[Note: placements]
+``Replicated``: every rank holds every parameter whole. Stages 1 and 2 for their whole life, and a
+stage-3 module before it is sharded (while it is built) or after ``gather_module`` made it whole again.
+The units are the optimizers' parameter groups (the engine makes them); after a step each rank's updated
+chunks are all-gathered (``ParamGathers``, the post-step gathers), which must land before anything reads
+the parameters (``settle``).
+
+``Sharded`` (stage 3): each rank holds its shards of units made per module subtree
+(``shard_module``); a unit is gathered while in use, following the schedule (``Stage3Runtime``), and each
+unit's own state says where its values are (``UnitState``).
+
+The engine calls the same methods on either, at the step's boundaries (see [Note: the step's boundaries]
+in engine.py) and when the model is read; the stage decides which placement the engine starts with and
+``shard`` / ``gather_module`` move it from one to the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import Module, Parameter
+
+from lightning_zero.sharding import collectives
+from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
+from lightning_zero.sharding.grad_reduce import GradReducer
+from lightning_zero.sharding.param_gather import ParamGathers
+from lightning_zero.sharding.stage3 import Stage3Runtime
+from lightning_zero.sharding.stage3_setup import ShardedModule, gather_module
+
+
+@dataclass(frozen=True)
+class Join:
+    """Uneven forward-only steps: ``count(has_batch)`` is how many ranks have a batch (collective), ``last()``
+    whether this rank's batches ran out with this step."""
+
+    count: Callable[[int], int]
+    last: Callable[[], bool]
+
+
+class Replicated:
+    """Every parameter whole on every rank (see [Note: placements])."""
+
+    runtime: Stage3Runtime | None = None
+    units_from_optimizers = True  # the engine makes one unit per optimizer parameter group
+
+    def __init__(self) -> None:
+        self.gathers: ParamGathers | None = None  # while training: the post-step gathers
+
+    def attach(self, reducer: GradReducer, gathers: ParamGathers | None, *, overlap: bool) -> None:
+        self.gathers = gathers
+        if gathers is not None:  # see [Note: post-step gathers] in param_gather.py
+            gathers.overlap = overlap
+
+    def add_units(self, units: Sequence[FlatUnit]) -> None:
+        if self.gathers is not None:
+            self.gathers.add_units(units)
+
+    def settle(self) -> None:
+        """Waits for the post-step gathers still running (before anything reads parameters)."""
+        if self.gathers is not None:
+            self.gathers.wait_all()
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_forward(self, *, step_ends: bool) -> None:
+        self.settle()  # what the forward did not read (see [Note: post-step gathers])
+
+    def end_step(self) -> None:
+        pass
+
+    def forward_only(self, step: Callable, args: tuple, kwargs: dict, *, join: Join | None) -> Any:
+        return step(*args, **kwargs)
+
+    def holding(self, unit: FlatUnit) -> AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def checkpoint_state_dict(self, module: Module) -> dict[str, Any]:
+        return module.state_dict()
+
+    @contextmanager
+    def gathered_parameters(
+        self, module: Module, params: list[Parameter], modifier_rank: int | None
+    ) -> Generator[list[Parameter], None, None]:
+        self.settle()
+        yield params
+        if modifier_rank is not None:
+            unit_location = UnitIndex.of(module)
+            for p in params:
+                collectives.broadcast(p.data, src=modifier_rank)
+                located = unit_location(p)
+                if located is not None:
+                    located[0].write_owned(located[1], p.data)  # the master too
+
+    def teardown(self, module: Module | None) -> None:
+        if self.gathers is not None:
+            self.gathers.remove_hooks()  # waits for the gathers still running
+            self.gathers = None
+        if module is not None:
+            UnitIndex.detach(module)
+
+
+class Sharded:
+    """Stage 3: each rank its shards, units gathered while in use (see [Note: placements])."""
+
+    units_from_optimizers = False  # the units come from sharding the module
+
+    def __init__(self, runtime: Stage3Runtime) -> None:
+        self.runtime = runtime
+        self.gathers = None
+
+    def attach(self, reducer: GradReducer, gathers: ParamGathers | None, *, overlap: bool) -> None:
+        self.runtime.reducer = reducer
+
+    def add_units(self, units: Sequence[FlatUnit]) -> None:
+        pass  # (frozen units made trainable: the runtime has them already)
+
+    def settle(self) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        self.runtime.begin_step()
+
+    def end_forward(self, *, step_ends: bool) -> None:
+        self.runtime.end_forward()
+        if step_ends:
+            self.runtime.end_step()
+
+    def end_step(self) -> None:
+        self.runtime.end_step()
+
+    def forward_only(self, step: Callable, args: tuple, kwargs: dict, *, join: Join | None) -> Any:
+        """One forward-only step; with ``join`` a step of a Join (see [Note: uneven inputs] in stage3.py)."""
+        if join is not None:
+            join.count(1)
+        self.runtime.begin_step()
+        try:
+            output = step(*args, **kwargs)
+            self.runtime.end_forward()
+        finally:
+            self.runtime.end_step()
+        if join is not None and join.last():
+            while join.count(0) > 0:  # others still have batches: issue what their forwards issue
+                self.runtime.shadow_step()
+        return output
+
+    def holding(self, unit: FlatUnit) -> AbstractContextManager:
+        return self.runtime.gathered(unit)
+
+    def checkpoint_state_dict(self, module: Module) -> dict[str, Any]:
+        """Every entry of the state dict by reference: what no unit shards as it is, and each sharded
+        parameter itself, whose values read outside a step raise (sharded_param.py)."""
+        owned = {id(p) for unit in self.runtime.units for p in unit.params}
+        return {k: v if id(v) in owned else v.detach() for k, v in module.state_dict(keep_vars=True).items()}
+
+    @contextmanager
+    def gathered_parameters(
+        self, module: Module, params: list[Parameter], modifier_rank: int | None
+    ) -> Generator[list[Parameter], None, None]:
+        with self.runtime.gathered_params(params) as units:
+            yield params
+            if modifier_rank is not None:
+                for unit in units:  # whole units: every rank then keeps its own pieces of them
+                    collectives.broadcast(unit.flat_param, src=modifier_rank)
+                    for index, p in enumerate(unit.params):
+                        unit.write_owned(index, p.data)
+
+    def gather_module(self, module: Module, device: torch.device) -> Replicated:
+        """Makes ``module`` whole on ``device``, one unit at a time (collective); it is then replicated."""
+        if self.runtime.in_step:
+            raise RuntimeError("gather_module() is for after a run, not inside a step")
+        gather_module(self.runtime, device)
+        ShardedModule.detach(module)
+        return Replicated()
+
+    def teardown(self, module: Module | None) -> None:
+        """Releases the hooks; the module stays sharded (``ShardedModule`` keeps the units)."""
+        self.runtime.abandon()
+        if module is not None:
+            self.runtime.remove_hooks(module)
