@@ -57,6 +57,11 @@ def _integer(value: object) -> bool:
 class ZeroConfig:
     """How the ZeRO strategy shards and communicates.
 
+    The fields are flat, so that each keeps one name in YAML, on the CLI, in Hydra and in the DeepSpeed
+    mapping; they are listed (and declared) by concern: what is sharded (``stage``); communication
+    (``reduce_bucket_size`` .. ``timeout``); stage 3 (``unit_module_classes`` .. ``gather_dtype``); offload
+    and the step (``offload_optimizer`` .. ``fused_step``); checkpoints, buffers and debugging.
+
     Attributes:
         stage: 1 shards the optimizer state (and fp32 master weights); 2 also shards gradients; 3 also
             shards the parameters, gathering each unit only around its use.
@@ -75,6 +80,14 @@ class ZeroConfig:
         overlap_param_gather: stages 1 and 2: start the all-gathers of the updated parameters right after
             the optimizer step and wait for each bucket just before the first torch op that reads one of
             its parameters, so the gathers overlap the next forward (see sharding/param_gather.py).
+        reduce_dtype: the dtype gradients are accumulated and reduce-scattered in: "float32",
+            "bfloat16" or "float16"; None (default) keeps the parameters' dtype, except bf16 parameters
+            (stage 3 with bf16 gathers), whose gradients are reduced in fp32 for exactness. "bfloat16"
+            halves the bytes sent (DeepSpeed's ``communication_data_type``).
+        shard_group_size: hybrid sharding (sharding/topology.py): states are sharded inside groups of this
+            many consecutive ranks and replicated across groups, whose partitions are all-reduced once per
+            step; "node" = the ranks of one node; null (default) = the whole world. Must divide the
+            world size.
         timeout: seconds a collective may wait for the other ranks before the run fails with an error.
         unit_module_classes: stage 3: class names of the modules that become units (gathered and freed
             as a whole). Empty: every child of an ``nn.ModuleList`` (transformer blocks), then, outside
@@ -88,10 +101,6 @@ class ZeroConfig:
             hold this many elements (the last may cross it; DeepSpeed's ``stage3_prefetch_bucket_size``);
             0 turns prefetch off.
         param_persistence_threshold: stage 3: units of at most this many elements stay gathered.
-        reduce_dtype: the dtype gradients are accumulated and reduce-scattered in: "float32",
-            "bfloat16" or "float16"; None (default) keeps the parameters' dtype, except bf16 parameters
-            (stage 3 with bf16 gathers), whose gradients are reduced in fp32 for exactness. "bfloat16"
-            halves the bytes sent (DeepSpeed's ``communication_data_type``).
         gather_dtype: stage 3 with ``bf16-mixed``: "compute" (default) keeps parameter shards in bf16 and
             gathers units in bf16 from the fp32 master (half the bytes, and autocast keeps no second
             copy of each weight for backward); "float32" gathers fp32 weights that autocast casts.
@@ -106,14 +115,6 @@ class ZeroConfig:
             CUDA kernels run and, for offloaded units, the host AdamW kernel (kernels/host.py); "always"
             also for every CPU master (the host kernel, or the CUDA kernels' pure-torch reference without
             a C compiler); "never".
-        shard_group_size: hybrid sharding (sharding/topology.py): states are sharded inside groups of this
-            many consecutive ranks and replicated across groups, whose partitions are all-reduced once per
-            step; "node" = the ranks of one node; null (default) = the whole world. Must divide the
-            world size.
-        check_collectives: debug mode: record every collective the strategy issues and, before each
-            step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
-            the sequences when they differ): a rank that would issue a different collective fails with
-            an error naming the first difference instead of hanging later.
         broadcast_buffers: as ddp's default: every buffer (BatchNorm's running statistics) is broadcast from
             rank 0 before a step's first training forward and before validation during ``fit``, so every rank
             validates with the same statistics (sharding/buffer_sync.py). False: each rank keeps its own
@@ -126,133 +127,111 @@ class ZeroConfig:
             optimizer step, writes a checkpoint and exits with 128 + the signal's number (see
             resilience/preemption.py: ``PreemptionCheckpoint`` sets where; under SLURM with auto-requeue the job is
             requeued); false: the ranks stop at the same step boundary without writing.
+        check_collectives: debug mode: record every collective the strategy issues and, before each
+            step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
+            the sequences when they differ): a rank that would issue a different collective fails with
+            an error naming the first difference instead of hanging later.
     """
 
+    # what is sharded
     stage: int = 2
+    # communication
     reduce_bucket_size: int = 25_000_000
     overlap_comm: bool = True
     max_inflight_bytes: int = 200_000_000
     overlap_param_gather: bool = True
+    reduce_dtype: str | None = None
+    shard_group_size: int | str | None = None
     timeout: float = 1800.0
+    # stage 3
     unit_module_classes: list[str] = field(default_factory=list)
     unit_min_params: int = 1_000_000
     max_live_parameters: int = 1_000_000_000
     prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
-    reduce_dtype: str | None = None
     gather_dtype: str = "compute"
+    # offload and the step
     offload_optimizer: str = "none"
     offload_param: str = "none"
     offload_pin_memory: bool = True
     fused_step: str = "auto"
-    shard_group_size: int | str | None = None
-    check_collectives: bool = False
+    # checkpoints, buffers and debugging
     broadcast_buffers: bool = True
     save_consolidated: bool = False
     checkpoint_on_signal: bool = True
+    check_collectives: bool = False
 
     def __post_init__(self) -> None:
-        _check(
-            _integer(self.stage) and self.stage in SUPPORTED_STAGES,
-            "zero.stage",
-            self.stage,
-            f"one of {', '.join(map(str, SUPPORTED_STAGES))}",
-        )
-        _check(
-            _integer(self.reduce_bucket_size) and self.reduce_bucket_size > 0,
-            "zero.reduce_bucket_size",
-            self.reduce_bucket_size,
-            "an integer > 0 (elements)",
-        )
-        _check(isinstance(self.overlap_comm, bool), "zero.overlap_comm", self.overlap_comm, "true or false")
-        _check(
-            _integer(self.max_inflight_bytes) and self.max_inflight_bytes > 0,
-            "zero.max_inflight_bytes",
-            self.max_inflight_bytes,
-            "an integer > 0 (bytes)",
-        )
-        _check(
-            isinstance(self.overlap_param_gather, bool),
-            "zero.overlap_param_gather",
-            self.overlap_param_gather,
-            "true or false",
-        )
-        _check(_number(self.timeout) and self.timeout > 0, "zero.timeout", self.timeout, "a number of seconds > 0")
-        _check(
-            isinstance(self.unit_module_classes, (list, tuple))
-            and all(isinstance(c, str) for c in self.unit_module_classes),
-            "zero.unit_module_classes",
-            self.unit_module_classes,
-            "a list of module class names",
-        )
-        _check(
-            _integer(self.unit_min_params) and self.unit_min_params >= 0,
-            "zero.unit_min_params",
-            self.unit_min_params,
-            "an integer >= 0 (parameters)",
-        )
-        _check(
-            _integer(self.max_live_parameters) and self.max_live_parameters > 0,
-            "zero.max_live_parameters",
-            self.max_live_parameters,
-            "an integer > 0 (elements)",
-        )
-        _check(
-            _integer(self.prefetch_bucket_size) and self.prefetch_bucket_size >= 0,
-            "zero.prefetch_bucket_size",
-            self.prefetch_bucket_size,
-            "an integer >= 0 (elements)",
-        )
-        for key in ("offload_optimizer", "offload_param"):
-            _check(getattr(self, key) in ("none", "cpu"), f"zero.{key}", getattr(self, key), OFFLOAD_ALLOWED)
-        _check(
-            self.offload_param == "none" or (self.stage == 3 and self.offload_optimizer == "cpu"),
-            "zero.offload_param",
-            self.offload_param,
-            "none unless zero.stage is 3 and zero.offload_optimizer is cpu",
-        )
-        _check(
-            self.fused_step in ("auto", "always", "never"), "zero.fused_step", self.fused_step, "auto, always or never"
-        )
-        size = self.shard_group_size
-        _check(
-            size is None or size == "node" or (_integer(size) and size >= 1),
-            "zero.shard_group_size",
-            size,
-            'null (the whole world), "node" or an integer >= 1 that divides the world size',
-        )
-        pin = self.offload_pin_memory
-        _check(isinstance(pin, bool), "zero.offload_pin_memory", pin, "true or false")
-        _check(
-            isinstance(self.check_collectives, bool), "zero.check_collectives", self.check_collectives, "true or false"
-        )
-        _check(
-            isinstance(self.broadcast_buffers, bool), "zero.broadcast_buffers", self.broadcast_buffers, "true or false"
-        )
-        _check(
-            isinstance(self.save_consolidated, bool), "zero.save_consolidated", self.save_consolidated, "true or false"
-        )
-        _check(
-            isinstance(self.checkpoint_on_signal, bool),
-            "zero.checkpoint_on_signal",
-            self.checkpoint_on_signal,
-            "true or false",
-        )
-        _check(
-            self.reduce_dtype in (None, *REDUCE_DTYPES),
-            "zero.reduce_dtype",
-            self.reduce_dtype,
-            f"null or one of {', '.join(REDUCE_DTYPES)}",
-        )
-        _check(
-            self.gather_dtype in ("compute", "float32"), "zero.gather_dtype", self.gather_dtype, "compute or float32"
-        )
-        _check(
-            _integer(self.param_persistence_threshold) and self.param_persistence_threshold >= 0,
-            "zero.param_persistence_threshold",
-            self.param_persistence_threshold,
-            "an integer >= 0 (elements)",
-        )
+        size, dtypes = self.shard_group_size, ", ".join(REDUCE_DTYPES)
+        checks = [
+            ("stage", self.stage in SUPPORTED_STAGES, f"one of {', '.join(map(str, SUPPORTED_STAGES))}"),
+            # communication
+            (
+                "reduce_bucket_size",
+                _integer(self.reduce_bucket_size) and self.reduce_bucket_size > 0,
+                "an integer > 0 (elements)",
+            ),
+            ("overlap_comm", isinstance(self.overlap_comm, bool), "true or false"),
+            (
+                "max_inflight_bytes",
+                _integer(self.max_inflight_bytes) and self.max_inflight_bytes > 0,
+                "an integer > 0 (bytes)",
+            ),
+            ("overlap_param_gather", isinstance(self.overlap_param_gather, bool), "true or false"),
+            ("reduce_dtype", self.reduce_dtype in (None, *REDUCE_DTYPES), f"null or one of {dtypes}"),
+            ("timeout", _number(self.timeout) and self.timeout > 0, "a number of seconds > 0"),
+            (
+                "shard_group_size",
+                size is None or size == "node" or (_integer(size) and size >= 1),
+                'null (the whole world), "node" or an integer >= 1 that divides the world size',
+            ),
+            # stage 3
+            (
+                "unit_module_classes",
+                isinstance(self.unit_module_classes, (list, tuple))
+                and all(isinstance(c, str) for c in self.unit_module_classes),
+                "a list of module class names",
+            ),
+            (
+                "unit_min_params",
+                _integer(self.unit_min_params) and self.unit_min_params >= 0,
+                "an integer >= 0 (parameters)",
+            ),
+            (
+                "max_live_parameters",
+                _integer(self.max_live_parameters) and self.max_live_parameters > 0,
+                "an integer > 0 (elements)",
+            ),
+            (
+                "prefetch_bucket_size",
+                _integer(self.prefetch_bucket_size) and self.prefetch_bucket_size >= 0,
+                "an integer >= 0 (elements)",
+            ),
+            (
+                "param_persistence_threshold",
+                _integer(self.param_persistence_threshold) and self.param_persistence_threshold >= 0,
+                "an integer >= 0 (elements)",
+            ),
+            ("gather_dtype", self.gather_dtype in ("compute", "float32"), "compute or float32"),
+            # offload and the step
+            ("offload_optimizer", self.offload_optimizer in ("none", "cpu"), OFFLOAD_ALLOWED),
+            ("offload_param", self.offload_param in ("none", "cpu"), OFFLOAD_ALLOWED),
+            (
+                "offload_param",
+                self.offload_param == "none" or (self.stage == 3 and self.offload_optimizer == "cpu"),
+                "none unless zero.stage is 3 and zero.offload_optimizer is cpu",
+            ),
+            ("offload_pin_memory", isinstance(self.offload_pin_memory, bool), "true or false"),
+            ("fused_step", self.fused_step in ("auto", "always", "never"), "auto, always or never"),
+            # checkpoints, buffers and debugging
+            ("broadcast_buffers", isinstance(self.broadcast_buffers, bool), "true or false"),
+            ("save_consolidated", isinstance(self.save_consolidated, bool), "true or false"),
+            ("checkpoint_on_signal", isinstance(self.checkpoint_on_signal, bool), "true or false"),
+            ("check_collectives", isinstance(self.check_collectives, bool), "true or false"),
+        ]
+        _check(_integer(self.stage), "zero.stage", self.stage, f"one of {', '.join(map(str, SUPPORTED_STAGES))}")
+        for key, ok, allowed in checks:
+            _check(ok, f"zero.{key}", getattr(self, key), allowed)
 
     def host_offload(self) -> HostOffload | None:
         """Where units keep their training state: None on the device, else what goes to the host."""
