@@ -197,6 +197,10 @@ def read_deepspeed_config(
             size = _number(key, value, int)
             if size != -1:  # -1: off (DeepSpeed's default)
                 zero["shard_group_size"] = size
+        elif key == "zero_optimization.zero_quantized_weights":
+            if not isinstance(value, bool):
+                raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")
+            zero["quantized_weights"] = value
         elif key == "zero_optimization.zero_hpz_partition_size" and _number(key, value, int) == 1:
             no_effect.append(f"{key} (1: no secondary partition)")
         elif key == "zero_optimization.cpu_offload":  # DeepSpeed's older spelling of offload_optimizer: cpu

@@ -143,6 +143,7 @@ class ZeroEngine:
             param_persistence_threshold=self.config.param_persistence_threshold,
             backward_end=self.backward_end,
             group=self.topology.shard_group,
+            quantize_block=self.config.quantization_block_size if self.config.quantized_weights else None,
         )
         runtime.install_access_hooks(module)
         self.placement = Sharded(runtime)

@@ -61,6 +61,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch.distributed as dist
 from torch import Tensor
@@ -146,20 +147,20 @@ def first_divergence(sequences: list[list[tuple]]) -> str | None:
 
 
 class Pending:
-    """Several works waited on as one, then an optional copy (what a decomposed collective returns)."""
+    """Several works waited on as one, then what finishes them (a decomposed collective's copy-out, a
+    quantized gather's dequantization)."""
 
-    def __init__(self, works: list, then: tuple[Tensor, Tensor] | None = None) -> None:
+    def __init__(self, works: list, then: Callable[[], object] | None = None) -> None:
         self.works = works
-        self.then = then  # (destination, source) copied once every work is done
+        self.then = then  # called once every work is done
 
     def wait(self) -> None:
         for work in self.works:
-            work.wait()
+            wait(work)
         self.works = []
-        if self.then is not None:
-            destination, source = self.then
-            self.then = None
-            destination.copy_(source)
+        then, self.then = self.then, None
+        if then is not None:
+            then()
 
 
 def _decomposed(group) -> bool:
@@ -177,7 +178,7 @@ def _peers(group) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
-def _finish(works: list, then: tuple[Tensor, Tensor] | None, async_op: bool) -> Pending | None:
+def _finish(works: list, then: Callable[[], object] | None, async_op: bool) -> Pending | None:
     pending = Pending(works, then)
     if async_op:
         return pending
@@ -200,7 +201,7 @@ def reduce_scatter(output: Tensor, input: Tensor, *, async_op: bool, group=None)
         for chunk, peer in zip(chunks, peers)
     ]
     mine = chunks[dist.get_rank(group)]
-    return _finish(works, None if output.data_ptr() == mine.data_ptr() else (output, mine), async_op)
+    return _finish(works, None if output.data_ptr() == mine.data_ptr() else partial(output.copy_, mine), async_op)
 
 
 def all_gather(output: Tensor, input: Tensor, *, async_op: bool, group=None) -> dist.Work | Pending | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from lightning_zero.config import HostOffload
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.layout import Bucket, FlatLayout, Piece
 from lightning_zero.sharding.offload import copy_to, host_empty
+from lightning_zero.sharding.quantize import dequantize_into, quantize
 
 
 class UnitState(enum.Enum):
@@ -113,7 +115,8 @@ class FlatUnit:
         self.param_shard = None
         self.offload = offload
         self.state = UnitState.WHOLE
-        self._gather: dist.Work | None = None  # the all-gather in flight (GATHERING)
+        self._gather: dist.Work | collectives.Pending | None = None  # the all-gather in flight (GATHERING)
+        self.quantized_values = False  # gathered from int8 shards (quantize.py): not the exact weights
         if shard_params:
             if offload is not None and offload.params:
                 self.param_shard = host_empty(layout.partition_numel, self.param_dtype, device, offload)
@@ -243,18 +246,35 @@ class FlatUnit:
         """The flat buffer exists (whole units, and stage-3 units gathered or being gathered)."""
         return self.state is not UnitState.SHARDED
 
-    def unshard(self, *, async_op: bool, group=None) -> None:
+    def unshard(self, *, async_op: bool, group=None, quantize_block: int | None = None) -> None:
         """Allocates the flat buffer, starts the all-gather of every rank's shard into it and points the
         parameters at it: ``GATHERING`` (``async_op``; the values are valid after ``wait_gathered``), else
-        ``GATHERED``. Collective."""
+        ``GATHERED``. With ``quantize_block`` the shards travel as int8 with a scale per block of that many
+        elements (quantize.py's [Note: quantized weight gathers]). Collective."""
         self._allocate()
         shard = self.param_shard
         if shard.device != self.flat_param.device:  # offloaded: brought to the device for the gather
             shard = shard.to(self.flat_param.device, non_blocking=shard.is_pinned())
-        self._gather = collectives.all_gather(self.flat_param, shard, async_op=async_op, group=group)
+        self.quantized_values = quantize_block is not None
+        if quantize_block is None:
+            self._gather = collectives.all_gather(self.flat_param, shard, async_op=async_op, group=group)
+        else:
+            self._gather = self._gather_quantized(shard, quantize_block, group=group)
         self.state = UnitState.GATHERING
         if not async_op:
             self.wait_gathered()
+
+    def _gather_quantized(self, shard: Tensor, block: int, *, group=None) -> collectives.Pending:
+        values, scales = quantize(shard, block)
+        world = self.layout.world_size
+        all_values = values.new_empty(world * values.numel())
+        all_scales = scales.new_empty(world * scales.numel())
+        works = [
+            collectives.all_gather(all_values, values, async_op=True, group=group),
+            collectives.all_gather(all_scales, scales, async_op=True, group=group),
+        ]
+        rows = (self.flat_param.view(world, -1), all_values.view(world, -1), all_scales.view(world, -1))
+        return collectives.Pending(works, partial(dequantize_into, *rows, block))
 
     def wait_gathered(self) -> None:
         if self.state is UnitState.GATHERING:

@@ -165,6 +165,12 @@ class Sharded:
         self, module: Module, params: list[Parameter], modifier_rank: int | None
     ) -> Generator[list[Parameter], None, None]:
         with self.runtime.gathered_params(params) as units:
+            if modifier_rank is not None and any(u.quantized_values for u in units):
+                raise RuntimeError(
+                    "gathered_parameters(modifier_rank=...) inside a step under ZeroConfig(quantized_weights=True):"
+                    " the step gathered these parameters as int8, and writing them back would store the quantized"
+                    " values in the master weights; modify them between steps (where they are gathered exactly)"
+                )
             yield params
             if modifier_rank is not None:
                 for unit in units:  # whole units: every rank then keeps its own pieces of them

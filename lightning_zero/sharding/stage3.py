@@ -105,12 +105,15 @@ class Stage3Runtime:
         param_persistence_threshold: int,
         backward_end: BackwardEnd,
         group=None,
+        quantize_block: int | None = None,
     ) -> None:
         """``modules[i]`` is the module whose forward uses ``units[i]`` (several units may share one: its
         trainable and frozen parameters); None marks the root. Modules come in registration order (the
-        schedule's ``S``)."""
+        schedule's ``S``). ``quantize_block``: the step's gathers travel as int8 in blocks of that many
+        elements (quantize.py's [Note: quantized weight gathers]); other gathers are exact."""
         self.units = list(units)
         self.group = group
+        self.quantize_block = quantize_block
         self.root = [u for u, m in zip(units, modules) if m is None]
         by_module: dict[int, list[FlatUnit]] = {}
         self._modules: list[Module] = []
@@ -170,10 +173,11 @@ class Stage3Runtime:
                 callbacks.remove(fn)
 
     # --- the schedule's executor -------------------------------------------------------------------
-    def _start(self, unit: FlatUnit) -> None:
+    def _start(self, unit: FlatUnit, *, for_step: bool = False) -> None:
+        """Starts gathering ``unit``; ``for_step``: for the step's forward or backward (quantized if asked)."""
         if unit.gathered:
             return
-        unit.unshard(async_op=True, group=self.group)
+        unit.unshard(async_op=True, group=self.group, quantize_block=self.quantize_block if for_step else None)
         if self.in_step and not torch.is_grad_enabled():
             self._forward_only_gathers.append(unit)
         gathered = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
@@ -222,7 +226,7 @@ class Stage3Runtime:
 
     def gather(self, k: int) -> None:
         for unit in self.scheduled[k]:
-            self._start(unit)
+            self._start(unit, for_step=self.in_step)
 
     def wait(self, k: int) -> None:
         for unit in self.scheduled[k]:
@@ -288,7 +292,7 @@ class Stage3Runtime:
         self._forward_only_gathers = []
         self.schedule.begin_step()
         for unit in self.root:
-            self._start(unit)
+            self._start(unit, for_step=True)
         for unit in self.root:
             self._wait(unit)
 
@@ -310,7 +314,7 @@ class Stage3Runtime:
         """Issues the gathers of a forward-only step without running the model (see [Note: uneven inputs])."""
         scheduled = [u for k, units in enumerate(self.scheduled) if k not in self.schedule.persistent for u in units]
         for unit in self._last_forward_only if self._last_forward_only is not None else self.root + scheduled:
-            self._start(unit)
+            self._start(unit, for_step=True)
             self._free(unit)
 
     def abandon(self) -> None:
