@@ -59,7 +59,7 @@ class ZeroConfig:
 
     The fields are flat, so that each keeps one name in YAML, on the CLI, in Hydra and in the DeepSpeed
     mapping; they are listed (and declared) by concern: what is sharded (``stage``); communication
-    (``reduce_bucket_size`` .. ``timeout``); stage 3 (``unit_module_classes`` .. ``quantization_block_size``); offload
+    (``reduce_bucket_size`` .. ``timeout``); stage 3 and ZeRO++ (``unit_module_classes`` .. ``node_size``); offload
     and the step (``offload_optimizer`` .. ``fused_step``); checkpoints, buffers and debugging.
 
     Attributes:
@@ -110,6 +110,15 @@ class ZeroConfig:
             ``gathered_parameters`` stay exact (see sharding/quantize.py).
         quantization_block_size: elements per quantization block (one scale each); smaller blocks bound the
             error tighter (half a step of the block's largest magnitude / 127) and send more scales.
+        secondary_partition: stage 3: after a unit's forward gather each rank keeps its 1/K of the unit (K: the
+            ranks of its node, ``node_size``), so the unit's backward gather stays inside the node (ZeRO++'s hpZ;
+            DeepSpeed's ``zero_hpz_partition_size``). Costs up to Psi/K elements per rank between a forward and
+            its backward (``memory_bytes()["secondary_partition"]``); exact.
+        quantized_gradients: stages 2 and 3: gradients are reduce-scattered in two levels, at full precision
+            inside each node, then as block-wise int8 between nodes (ZeRO++'s qgZ; DeepSpeed's
+            ``zero_quantized_gradients``); see sharding/quantize.py.
+        node_size: ranks per node for ZeRO++'s two levels (null: the launcher's ranks per node); must divide
+            the world size.
         offload_optimizer: "cpu" keeps each rank's fp32 master partition, optimizer state and reduced
             gradient partition in host memory and runs the optimizer step there (ZeRO-Offload; see
             sharding/offload.py); "none" (default) keeps them on the device. Stages 1, 2 and 3.
@@ -158,6 +167,9 @@ class ZeroConfig:
     gather_dtype: str = "compute"
     quantized_weights: bool = False
     quantization_block_size: int = 256
+    secondary_partition: bool = False
+    quantized_gradients: bool = False
+    node_size: int | None = None
     # offload and the step
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -227,6 +239,20 @@ class ZeroConfig:
                 "quantization_block_size",
                 _integer(self.quantization_block_size) and self.quantization_block_size >= 1,
                 "an integer >= 1 (elements per int8 block with one scale)",
+            ),
+            ("secondary_partition", isinstance(self.secondary_partition, bool), "true or false"),
+            ("secondary_partition", not self.secondary_partition or self.stage == 3, "false unless zero.stage is 3"),
+            ("quantized_gradients", isinstance(self.quantized_gradients, bool), "true or false"),
+            ("quantized_gradients", not self.quantized_gradients or self.stage > 1, "false at zero.stage 1"),
+            (
+                "node_size",
+                self.node_size is None or (_integer(self.node_size) and self.node_size >= 1),
+                "null (the launcher's ranks per node) or an integer >= 1 that divides the world size",
+            ),
+            (
+                "shard_group_size",
+                self.shard_group_size is None or not (self.secondary_partition or self.quantized_gradients),
+                "null with zero.secondary_partition or zero.quantized_gradients (ZeRO++ shards over the world)",
             ),
             # offload and the step
             ("offload_optimizer", self.offload_optimizer in ("none", "cpu"), OFFLOAD_ALLOWED),

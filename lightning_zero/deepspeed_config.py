@@ -201,8 +201,16 @@ def read_deepspeed_config(
             if not isinstance(value, bool):
                 raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")
             zero["quantized_weights"] = value
-        elif key == "zero_optimization.zero_hpz_partition_size" and _number(key, value, int) == 1:
-            no_effect.append(f"{key} (1: no secondary partition)")
+        elif key == "zero_optimization.zero_hpz_partition_size":
+            size = _number(key, value, int)
+            if size > 1:
+                zero.update(secondary_partition=True, node_size=size)
+            else:
+                no_effect.append(f"{key} (1: no secondary partition)")
+        elif key == "zero_optimization.zero_quantized_gradients":
+            if not isinstance(value, bool):
+                raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")
+            zero["quantized_gradients"] = value
         elif key == "zero_optimization.cpu_offload":  # DeepSpeed's older spelling of offload_optimizer: cpu
             if not isinstance(value, bool):
                 raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")

@@ -144,6 +144,9 @@ class ZeroEngine:
             backward_end=self.backward_end,
             group=self.topology.shard_group,
             quantize_block=self.config.quantization_block_size if self.config.quantized_weights else None,
+            node=(self.topology.node_rank, self.topology.node_size, self.topology.node_group)
+            if self.config.secondary_partition
+            else None,
         )
         runtime.install_access_hooks(module)
         self.placement = Sharded(runtime)
@@ -349,6 +352,11 @@ class ZeroEngine:
         totals = persistent_bytes(self.units, self.optimizers, self.module, offloaded=offloaded)
         if self.average is not None:
             totals["weight_average"] = self.average.nbytes()
+        if self.config.secondary_partition:  # held between a forward and its backward, at most
+            size = self.topology.node_size
+            totals["secondary_partition"] = sum(
+                u.flat_param.numel() // size * u.flat_param.element_size() for u in self.units
+            )
         return totals
 
     # --- the end -----------------------------------------------------------------------------------

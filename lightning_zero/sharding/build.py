@@ -130,6 +130,7 @@ def wrap_optimizers(
         group=topology.shard_group,
         host_world=topology.host_world,
         average_over=world_size * topology.replicas,
+        two_level=_two_level(config, topology),
     )
     gathers = ParamGathers(reducer, group=topology.shard_group) if config.stage < 3 else None
     zero = [
@@ -146,3 +147,15 @@ def wrap_optimizers(
         for opt in optimizers
     ]
     return zero, reducer, gathers
+
+
+def _two_level(config: ZeroConfig, topology: Topology) -> dict | None:
+    """ZeRO++'s quantized gradients over more than one node (on one node there is nothing to cross)."""
+    if not config.quantized_gradients or topology.cross_group is None:
+        return None
+    return {
+        "node_size": topology.node_size,
+        "node_group": topology.node_group,
+        "cross_group": topology.cross_group,
+        "block": config.quantization_block_size,
+    }

@@ -63,8 +63,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_zero.sharding.quantize import dequantize_into, quantize
 
 Entry = tuple[str, str, int, str]  # (op, group role, numel, dtype)
 _observers: list[Callable[[Entry, int], None]] = []  # the active observers, innermost last: see observing
@@ -74,7 +77,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-ROLES = ("shard", "replicate")  # the roles topology.py gives its groups (their group_desc)
+ROLES = ("shard", "replicate", "node", "cross")  # the roles topology.py gives its groups (their group_desc)
 
 
 def group_role(group) -> str:
@@ -202,6 +205,29 @@ def reduce_scatter(output: Tensor, input: Tensor, *, async_op: bool, group=None)
     ]
     mine = chunks[dist.get_rank(group)]
     return _finish(works, None if output.data_ptr() == mine.data_ptr() else partial(output.copy_, mine), async_op)
+
+
+def reduce_scatter_two_level(
+    output: Tensor, input: Tensor, *, node_size: int, node_group, cross_group, block: int
+) -> None:
+    """``reduce_scatter`` over the world in two levels (ZeRO++'s qgZ; blocking). ``input``'s rows (row r to rank
+    r = node m * ``node_size`` + node rank j) are summed inside each node at full precision, node rank j
+    receiving every node's row j (one reduce-scatter over ``node_group``); then each of those M partial sums
+    travels as block-wise int8 (sharding/quantize.py) to its rank on node m (one all-to-all over
+    ``cross_group``), which dequantizes the M parts it receives and adds them up in node order."""
+    per_node = input.view(-1, node_size, output.numel())  # (M, K, C)
+    by_node_rank = per_node.transpose(0, 1).contiguous()  # (K, M, C): row j is node rank j's
+    mine = by_node_rank[dist.get_rank(node_group)]
+    reduce_scatter(mine.view(-1), by_node_rank.view(-1), async_op=False, group=node_group)
+    values, scales = quantize(mine, block)
+    values = values.contiguous()
+    received = (torch.empty_like(values), torch.empty_like(scales))
+    for out, sent in zip(received, (values, scales)):
+        _note("all_to_all", sent, sent.numel(), cross_group)
+        dist.all_to_all_single(out, sent, group=cross_group)
+    parts = torch.empty(mine.shape, dtype=torch.float32, device=mine.device)
+    dequantize_into(parts, *received, block)
+    output.copy_(parts.sum(dim=0))
 
 
 def all_gather(output: Tensor, input: Tensor, *, async_op: bool, group=None) -> dist.Work | Pending | None:

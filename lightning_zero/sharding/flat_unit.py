@@ -117,6 +117,7 @@ class FlatUnit:
         self.state = UnitState.WHOLE
         self._gather: dist.Work | collectives.Pending | None = None  # the all-gather in flight (GATHERING)
         self.quantized_values = False  # gathered from int8 shards (quantize.py): not the exact weights
+        self.secondary: Tensor | None = None  # hpZ: this rank's part of the unit inside its node (stage3.py)
         if shard_params:
             if offload is not None and offload.params:
                 self.param_shard = host_empty(layout.partition_numel, self.param_dtype, device, offload)
@@ -264,6 +265,18 @@ class FlatUnit:
         if not async_op:
             self.wait_gathered()
 
+    def keep_secondary(self, node_rank: int, node_size: int) -> None:
+        """hpZ: keeps this rank's 1/``node_size`` of the gathered unit (the node's ranks together hold it whole)."""
+        part = self.flat_param.numel() // node_size
+        self.secondary = self.flat_param[node_rank * part : (node_rank + 1) * part].clone()
+
+    def unshard_within_node(self, *, group=None) -> None:
+        """hpZ: gathers the unit from the secondary parts of the node's ranks (``GATHERING``); the values are
+        those its last gather from the shards gave (quantized or not). Collective over the node."""
+        self._allocate()
+        self._gather = collectives.all_gather(self.flat_param, self.secondary, async_op=True, group=group)
+        self.state = UnitState.GATHERING
+
     def _gather_quantized(self, shard: Tensor, block: int, *, group=None) -> collectives.Pending:
         values, scales = quantize(shard, block)
         world = self.layout.world_size
@@ -308,6 +321,7 @@ class FlatUnit:
 
     def write_owned_from(self, index: int, read: Callable[[int, int], Tensor]) -> None:
         """Stores this rank's part of parameter ``index``: elements [lo, hi) of it, as ``read(lo, hi)`` gives them."""
+        self.secondary = None  # (it mirrors the shards)
         piece = next((pc for pc in self.layout.pieces(self.rank) if pc.param == index), None)
         if piece is None:
             return
@@ -382,6 +396,7 @@ class FlatUnit:
     def refresh_shard(self) -> None:
         """Stage 3 after a step: the shard follows the updated master (the next gather spreads it; a unit
         gathered now must be gathered again, see ``unshard_together``). Stages 1 and 2: see ``publish``."""
+        self.secondary = None  # (it mirrors the shards)
         if self.staged_params is not None:
             copy_to(self.param_shard, self.staged_params)
         elif self.param_shard is not self.master and not self.params_current:

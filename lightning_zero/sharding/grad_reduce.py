@@ -76,11 +76,14 @@ class GradReducer:
         group=None,
         host_world=None,
         average_over: int | None = None,
+        two_level: dict | None = None,
     ) -> None:
         """``model``: stages 1 and 2 watch its modules' forwards (see [Note: stage-2 launch order]).
         ``coalesce_numel``: stage 3 (see [Note: stage-3 reduction buckets]). ``world_size``: the ranks of
         ``group``, which the layouts partition over; ``average_over``: the ranks gradients are averaged
-        over (default: the same; with hybrid sharding all of them, the replicas' sum completing the average)."""
+        over (default: the same; with hybrid sharding all of them, the replicas' sum completing the average).
+        ``two_level``: ZeRO++'s quantized gradients, the keyword arguments of
+        ``collectives.reduce_scatter_two_level`` (every reduce-scatter then blocks)."""
         self.stage = stage
         self.overlap = overlap
         self.world_size = world_size
@@ -92,6 +95,7 @@ class GradReducer:
         self.stage1_unreduced = False  # stage 1: a backward accumulated gradients no reduction has consumed yet
         self.backward_end = backward_end
         self.group = group
+        self.two_level = two_level
         self.host_world = host_world  # the world's group for host tensors (topology.py)
         self.peak_live_buckets = 0  # most bucket buffers alive at once (filling or in flight)
         self.buffers_allocated = 0  # bucket buffers ever allocated (the pool reuses them)
@@ -285,12 +289,18 @@ class GradReducer:
         """Reduce-scatters ``buffer`` (rank-major: row r goes to rank r), keeping in flight at most
         ``max_inflight_bytes`` of it and earlier launches."""
         own = buffer.view(self.world_size, -1)[self.order[slots[0]][0].rank]
-        work = collectives.reduce_scatter(own, buffer, async_op=self.overlap, group=self.group)
+        work = self._reduce_scatter(own, buffer, async_op=self.overlap)
         counted_bytes = buffer.nbytes if counted else 0
         self._inflight.append((slots, buffer, counted_bytes, work))
         self._inflight_bytes += counted_bytes
         while len(self._inflight) > 1 and self._inflight_bytes > self.max_inflight_bytes:
             self._retire_oldest()
+
+    def _reduce_scatter(self, output: Tensor, input: Tensor, *, async_op: bool) -> object:
+        if self.two_level is None:
+            return collectives.reduce_scatter(output, input, async_op=async_op, group=self.group)
+        collectives.reduce_scatter_two_level(output, input, **self.two_level)
+        return None
 
     def _retire_oldest(self) -> None:
         slots, buffer, counted_bytes, work = self._inflight.popleft()
@@ -397,7 +407,7 @@ class GradReducer:
                 out[id(unit)] = unit.flat_grad.new_empty(unit.layout.partition_numel)
             scratch = unit.flat_grad[bucket.start : bucket.start + bucket.numel].clone()
             target = out[id(unit)][unit.partition_slice(bucket)]
-            works.append(collectives.reduce_scatter(target, scratch, async_op=True, group=self.group))
+            works.append(self._reduce_scatter(target, scratch, async_op=True))
         for work in works:
             collectives.wait(work)
         return out

@@ -25,17 +25,18 @@ def scales_numel(numel: int, block: int) -> int:
 
 
 def quantize(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """``x`` (1-D, any float dtype) as int8 values and one fp32 scale per block of ``block`` elements (the last
-    block may be shorter)."""
-    n = x.numel()
+    """``x`` (``(..., n)``, any float dtype) as int8 values and one fp32 scale per block of ``block`` elements
+    of each row (the last block may be shorter). A non-finite value makes its block's scale non-finite, so
+    the block dequantizes to non-finite values (an fp16 overflow stays visible after a quantized reduction)."""
+    n, lead = x.shape[-1], x.shape[:-1]
     blocks = scales_numel(n, block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
-    padded[:n] = x.reshape(-1)
-    rows = padded.view(blocks, block)
-    scales = rows.abs().amax(dim=1) / LEVELS
+    padded = torch.zeros(*lead, blocks * block, dtype=torch.float32, device=x.device)
+    padded[..., :n] = x
+    rows = padded.view(*lead, blocks, block)
+    scales = rows.abs().amax(dim=-1) / LEVELS
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays zero
-    values = torch.round(rows / safe.unsqueeze(1)).clamp_(-LEVELS, LEVELS).to(torch.int8)
-    return values.view(-1)[:n], scales
+    values = torch.round(rows / safe.unsqueeze(-1)).clamp_(-LEVELS, LEVELS).to(torch.int8)
+    return values.view(*lead, blocks * block)[..., :n], scales
 
 
 def dequantize_into(out: Tensor, values: Tensor, scales: Tensor, block: int) -> None:

@@ -25,6 +25,16 @@ unit for its backward.
 Prefetching never takes more than ``max_live_parameters`` elements of gathered units (the root and
 persistent units not counted); a unit that is about to run is gathered regardless.
 
+[Note: a secondary partition]
+With ``ZeroConfig(secondary_partition=True)`` (ZeRO++'s hpZ) a unit gathered for a training forward (from
+the shards of every rank, across nodes) leaves each rank a copy of its 1/K of the whole unit, K being the
+ranks of its node (``FlatUnit.secondary``), and the unit's later gathers in the same step (its backward, a
+recomputation) all-gather those parts inside the node: the same values the forward computed with, so it is
+exact, and only the forward's gathers cross nodes. Whether a gather keeps a part or reads one follows from
+the schedule's events, the same on every rank; the parts are dropped when the step ends and whenever the
+shards change (a step of the optimizer, a write). Each rank holds up to Psi/K elements of them between a
+forward and its backward.
+
 [Note: compiled models]
 The module hooks run eagerly (``torch._dynamo.disable``): a unit compiled with ``torch.compile`` breaks its
 graph at them (or they run outside it), and its graphs never hold the schedule's state (which changes every
@@ -106,14 +116,18 @@ class Stage3Runtime:
         backward_end: BackwardEnd,
         group=None,
         quantize_block: int | None = None,
+        node: tuple[int, int, Any] | None = None,
     ) -> None:
         """``modules[i]`` is the module whose forward uses ``units[i]`` (several units may share one: its
         trainable and frozen parameters); None marks the root. Modules come in registration order (the
         schedule's ``S``). ``quantize_block``: the step's gathers travel as int8 in blocks of that many
-        elements (quantize.py's [Note: quantized weight gathers]); other gathers are exact."""
+        elements (quantize.py's [Note: quantized weight gathers]); other gathers are exact. ``node``: hpZ's
+        (node rank, node size, node group), see [Note: a secondary partition]."""
         self.units = list(units)
         self.group = group
         self.quantize_block = quantize_block
+        self.node = node
+        self._keep: set[int] = set()  # units whose gather in flight leaves a secondary part (hpZ)
         self.root = [u for u, m in zip(units, modules) if m is None]
         by_module: dict[int, list[FlatUnit]] = {}
         self._modules: list[Module] = []
@@ -177,7 +191,12 @@ class Stage3Runtime:
         """Starts gathering ``unit``; ``for_step``: for the step's forward or backward (quantized if asked)."""
         if unit.gathered:
             return
-        unit.unshard(async_op=True, group=self.group, quantize_block=self.quantize_block if for_step else None)
+        if for_step and unit.secondary is not None:
+            unit.unshard_within_node(group=self.node[2])
+        else:
+            unit.unshard(async_op=True, group=self.group, quantize_block=self.quantize_block if for_step else None)
+            if for_step and self.node is not None and torch.is_grad_enabled() and not in_backward():
+                self._keep.add(id(unit))
         if self.in_step and not torch.is_grad_enabled():
             self._forward_only_gathers.append(unit)
         gathered = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
@@ -185,6 +204,9 @@ class Stage3Runtime:
 
     def _wait(self, unit: FlatUnit) -> None:
         unit.wait_gathered()
+        if id(unit) in self._keep:
+            self._keep.discard(id(unit))
+            unit.keep_secondary(self.node[0], self.node[1])
         if unit.gathered:
             self.mark_whole(unit)
 
@@ -308,7 +330,13 @@ class Stage3Runtime:
         self.schedule.end_step()
         for unit in self.root:
             self._free(unit)
+        self._drop_secondaries()
         self.in_step = False
+
+    def _drop_secondaries(self) -> None:
+        self._keep.clear()
+        for unit in self.units:
+            unit.secondary = None
 
     def shadow_step(self) -> None:
         """Issues the gathers of a forward-only step without running the model (see [Note: uneven inputs])."""
@@ -321,6 +349,7 @@ class Stage3Runtime:
         """After an error: forget pending work without waiting on peers that may never come."""
         for unit in self.units:
             unit.abandon_gather()
+        self._drop_secondaries()
         self.in_step = False
 
     @contextmanager

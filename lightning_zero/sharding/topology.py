@@ -26,6 +26,7 @@ long as the default process group they were made on (destroying that destroys th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -49,6 +50,13 @@ class Topology:
     host_world: Any = None  # the gloo twins of the world, shard and replicate groups (themselves under gloo)
     host_shard: Any = None
     host_replicate: Any = None
+    # ZeRO++'s two levels (hpZ, qgZ): this rank is rank ``node_rank`` of the ``node_size`` consecutive ranks of
+    # its node (``node_group``; None: the world), and ``cross_group`` joins the ranks of the same node rank on
+    # every node (None when there is one node).
+    node_rank: int = 0
+    node_size: int = 1
+    node_group: Any = None
+    cross_group: Any = None
 
     def host(self, group) -> Any:
         """The group over the same ranks as ``group`` (None: the world) that takes CPU tensors."""
@@ -79,10 +87,41 @@ def resolve_shard_size(setting: int | str | None, *, world_size: int, local_worl
 
 
 def make_topology(
-    setting: int | str | None, *, rank: int, world_size: int, local_world_size: int, timeout: timedelta | None = None
+    setting: int | str | None,
+    *,
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    timeout: timedelta | None = None,
+    node_size: int | None = None,
 ) -> Topology:
     """The topology for ``setting`` on the default process group (collective: see [Note: making groups]);
-    its groups time out after ``timeout`` like the world's."""
+    its groups time out after ``timeout`` like the world's. ``node_size``: ZeRO++'s ranks per node (None:
+    no node groups)."""
+    if node_size is not None:
+        topology = _shards(setting, rank, world_size, local_world_size, timeout)
+        return _with_nodes(topology, rank, world_size, node_size, timeout)
+    return _shards(setting, rank, world_size, local_world_size, timeout)
+
+
+def _with_nodes(topology: Topology, rank: int, world_size: int, node_size: int, timeout: timedelta | None) -> Topology:
+    if world_size % node_size:
+        raise ValueError(f"zero.node_size must divide the world size {world_size}, got {node_size}")
+    nodes = world_size // node_size
+    if nodes == 1:
+        return dataclasses.replace(topology, node_rank=rank, node_size=node_size)
+    by_node = [list(range(n * node_size, (n + 1) * node_size)) for n in range(nodes)]
+    across = [list(range(j, world_size, node_size)) for j in range(node_size)]
+    node_group, _ = dist.new_subgroups_by_enumeration(by_node, timeout=timeout, group_desc="node")
+    cross_group, _ = dist.new_subgroups_by_enumeration(across, timeout=timeout, group_desc="cross")
+    return dataclasses.replace(
+        topology, node_rank=rank % node_size, node_size=node_size, node_group=node_group, cross_group=cross_group
+    )
+
+
+def _shards(
+    setting: int | str | None, rank: int, world_size: int, local_world_size: int, timeout: timedelta | None
+) -> Topology:
     size = resolve_shard_size(setting, world_size=world_size, local_world_size=local_world_size)
     world = dist.distributed_c10d._get_default_group()
     twins = "gloo" not in str(dist.get_backend())
@@ -124,10 +163,12 @@ def topology_for(topology: Topology, config: Any, rank: int, world_size: int, lo
     sharding: every rank calls it at the same point."""
     if topology.world is dist.distributed_c10d._get_default_group():
         return topology
+    zero_plus_plus = config.secondary_partition or config.quantized_gradients
     return make_topology(
         config.shard_group_size,
         rank=rank,
         world_size=world_size,
         local_world_size=local_world_size,
         timeout=timedelta(seconds=config.timeout),
+        node_size=(config.node_size or local_world_size) if zero_plus_plus else None,
     )

@@ -187,7 +187,7 @@ def test_no_effect_keys_are_reported_with_reasons():
 def test_unsupported_keys_are_listed_in_one_error():
     config = {
         **ZERO3,
-        "zero_optimization": {**ZERO3["zero_optimization"], "zero_quantized_weights": True},
+        "zero_optimization": {**ZERO3["zero_optimization"], "zero_quantized_nontrainable_weights": True},
         "activation_checkpointing": {"partition_activations": True},
         "optimizer": {"type": "Adam"},
     }
@@ -195,7 +195,7 @@ def test_unsupported_keys_are_listed_in_one_error():
         read_deepspeed_config(config)
     assert str(info.value).startswith(
         "DeepSpeed config: these keys are not supported: activation_checkpointing, optimizer,"
-        " zero_optimization.zero_quantized_weights."
+        " zero_optimization.zero_quantized_nontrainable_weights."
     )
     # unsupported values (NVMe, partial offload) are named in the same error as unsupported keys
     config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/local"}
@@ -206,7 +206,7 @@ def test_unsupported_keys_are_listed_in_one_error():
         "DeepSpeed config: these keys are not supported: activation_checkpointing, optimizer,"
         " zero_optimization.offload_optimizer.device 'nvme' (NVMe offload is not implemented; use 'cpu' or"
         " 'none'), zero_optimization.offload_param.ratio 0.5 (partial offload; remove it to offload all of it),"
-        " zero_optimization.zero_quantized_weights."
+        " zero_optimization.zero_quantized_nontrainable_weights."
     ), str(info.value)
 
 
@@ -273,14 +273,20 @@ def test_offload_sections_map():
     assert read_deepspeed_config(unpinned).zero.offload_pin_memory is False
 
 
-def test_mics_maps_to_hybrid_sharding_and_hpz_is_refused():
+def test_mics_maps_to_hybrid_sharding_and_zero_plus_plus_to_its_fields():
     mics = {"zero_optimization": {"stage": 3, "mics_shard_size": 8, "mics_hierarchical_params_gather": True}}
     with pytest.warns(UserWarning, match=r"mics_hierarchical_params_gather \(parameters are gathered inside"):
         assert read_deepspeed_config(mics).zero.shard_group_size == 8
     assert read_deepspeed_config({"zero_optimization": {"mics_shard_size": -1}}).zero.shard_group_size is None
     with pytest.warns(UserWarning, match=r"zero_hpz_partition_size \(1: no secondary partition\)"):
         read_deepspeed_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}})
-    with pytest.raises(ValueError, match="not supported: zero_optimization.zero_hpz_partition_size"):
-        read_deepspeed_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}})
+    plus = {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+    zero = read_deepspeed_config({"zero_optimization": plus}).zero
+    assert (zero.secondary_partition, zero.node_size, zero.quantized_weights, zero.quantized_gradients) == (
+        True,
+        8,
+        True,
+        True,
+    )
     with pytest.raises(ValueError, match="zero.shard_group_size must be null"):
         read_deepspeed_config({"zero_optimization": {"mics_shard_size": 0}})

@@ -63,3 +63,20 @@ def test_config_and_deepspeed_mapping():
         ZeroConfig(stage=2, quantized_weights=True)
     with pytest.raises(ValueError, match=r"zero.quantization_block_size must be an integer >= 1"):
         ZeroConfig(stage=3, quantized_weights=True, quantization_block_size=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stage": 2, "secondary_partition": True}, "zero.secondary_partition must be false unless zero.stage is 3"),
+        ({"stage": 1, "quantized_gradients": True}, "zero.quantized_gradients must be false at zero.stage 1"),
+        ({"stage": 3, "node_size": 0}, "zero.node_size must be null"),
+        (
+            {"stage": 3, "quantized_gradients": True, "shard_group_size": 2},
+            "zero.shard_group_size must be null with zero.secondary_partition or zero.quantized_gradients",
+        ),
+    ],
+)
+def test_bad_zero_plus_plus_settings_are_named(options, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig(**options)
