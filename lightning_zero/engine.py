@@ -321,6 +321,7 @@ class ZeroEngine:
     def gather_module(self, module: Module, device: torch.device) -> None:
         """Stage 3, between runs: makes ``module`` whole on ``device``, one unit at a time. Collective."""
         if isinstance(self.placement, Sharded):
+            self.peak_gathered_bytes = self.placement.runtime.peak_gathered_bytes
             self.placement, self.units = self.placement.gather_module(module, device), []
 
     def save(

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import lightning
 import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy, _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -95,12 +96,25 @@ class ZeroFabricStrategy(DDPStrategy):
         config: ZeroConfig | None = None,
         *,
         stage: int | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **ddp_kwargs: Any,
     ) -> None:
         self.config = config_for(config, stage)
-        timeout = timedelta(seconds=self.config.timeout)
-        super().__init__(timeout=timeout, start_method=start_method, **ddp_kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=self.config.timeout),
+            start_method=start_method,
+        )
         self._backward_sync_control = _NoSync(self)
         self.topology = Topology(shard_rank=0, shard_size=1)
         self.engine: ZeroEngine | None = None

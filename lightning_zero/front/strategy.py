@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -42,6 +43,7 @@ from lightning_zero.resilience.peer_failure import exit_if_peer_failed
 from lightning_zero.resilience.preemption import end_on_signal_outside_training, ensure_preemption_callback
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.construct import ShardedConstruction
+from lightning_zero.sharding.stage3_setup import ShardedModule
 from lightning_zero.sharding.topology import Topology, topology_for
 
 
@@ -54,8 +56,8 @@ class ZeroStrategy(DDPStrategy):
         stage: shortcut that overrides ``config.stage``.
         start_method: how Lightning starts the processes: "popen" (re-run the script, like ``ddp``) or
             "spawn" (like ``ddp_spawn``, for notebooks and tests).
-        ddp_kwargs: Lightning's ``DDPStrategy`` arguments (accelerator, parallel_devices, cluster_environment,
-            checkpoint_io, precision_plugin, process_group_backend); the timeout is ``config.timeout``.
+        The others are Lightning's ``DDPStrategy``'s (the timeout is ``config.timeout``; ddp's own options,
+        such as ``find_unused_parameters``, do not apply and are not taken).
     """
 
     strategy_name = "zero"
@@ -65,12 +67,25 @@ class ZeroStrategy(DDPStrategy):
         config: ZeroConfig | None = None,
         *,
         stage: int | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **ddp_kwargs: Any,
     ) -> None:
         self.config = config_for(config, stage)
-        timeout = timedelta(seconds=self.config.timeout)
-        super().__init__(timeout=timeout, start_method=start_method, **ddp_kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=self.config.timeout),
+            start_method=start_method,
+        )
         self.engine: ZeroEngine | None = None  # made with the process group (setup_environment), one per run
         self.topology = Topology(shard_rank=0, shard_size=1)  # likewise
         self.checkpoints = TrainerCheckpoints()
@@ -348,7 +363,7 @@ class ZeroStrategy(DDPStrategy):
         detach_average(self._averaging)
         self._averaging = []
         self._observing.close()
-        sharded = self.engine is not None and self.engine.stage3 is not None
+        sharded = module is not None and ShardedModule.of(module) is not None  # (by this run or an earlier one)
         if module is None or not (sharded or any(p.is_meta for p in module.parameters())):
             super().teardown()
             return

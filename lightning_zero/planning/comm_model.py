@@ -12,20 +12,28 @@ the shard group size K (K = N without hybrid sharding, where the "shard" group i
     zero3  reduce-scatter Bg * total and all-gathers of at most 2 Bp * total per micro-batch (forward and
            backward; the root unit and the persistent units are gathered once, so measured runs send less)
     hybrid (R = N / K replicas) adds, on the replicate group, an all-reduce of the partition: Bg * total / K
+    ZeRO++ (zero3, nodes of K ranks, int8 blocks of b elements with a 4-byte scale each, q = 1 + 4 / b):
+           qwZ    the world's all-gathers send q * total bytes instead of Bp * total
+           hpZ    the backward's all-gather of Bp * total moves to the node group
+           qgZ    the reduce-scatter of Bg * total moves to the node group, and an all-to-all of the node's
+                  partial sums, q * total / K bytes, crosses the nodes (the "cross" group)
 
 ``link_bytes`` turns buffers into bytes sent per rank by a ring collective over the group (a
 reduce-scatter or all-gather sends (n - 1) / n of the buffer, an all-reduce twice that) and splits them
 by link: the share of the ring's hops (ranks in order, the last back to the first) that join two nodes
 of ``per_node`` consecutive ranks goes to the inter-node link. NCCL's trees and in-network reductions
 move the same bytes in other shapes; this is the ring's count, which is what the ZeRO paper's volume
-analysis uses.
+analysis uses. ``algorithm="direct"`` counts our collectives on gloo instead (collectives.py's [Note:
+per-backend collectives]): each rank sends its 1/n of a reduce-scatter or all-gather to each peer directly,
+so a peer on another node costs the inter-node link 1/n of the buffer; an all-to-all sends the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-GROUP_OPS = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}  # ring: bytes sent = factor * (n-1)/n * buffer
+GROUP_OPS = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2, "all_to_all": 1}  # sent: factor * (n-1)/n * buffer
+ZERO_PLUS_PLUS = ("qwZ", "hpZ", "qgZ")
 
 
 def step_collectives(
@@ -37,12 +45,18 @@ def step_collectives(
     grad_bytes: int = 4,
     param_bytes: int = 4,
     micro_batches: int = 1,
+    zero_plus_plus: tuple[str, ...] = (),
+    node_size: int = 2,
+    block: int = 256,
 ) -> dict[tuple[str, str], float]:
-    """Buffer bytes per (group role, collective) one rank covers per optimizer step (see the Note)."""
+    """Buffer bytes per (group role, collective) one rank covers per optimizer step (see the Note);
+    ``zero_plus_plus``: some of ``ZERO_PLUS_PLUS`` (zero3), over nodes of ``node_size`` ranks."""
     shard_size = world_size if shard_size is None else shard_size
     grads, params = grad_bytes * total, param_bytes * total
     if strategy == "ddp":
         return {("world", "all_reduce"): grads}
+    if zero_plus_plus:
+        return _zero_plus_plus(set(zero_plus_plus), total, grads, params, micro_batches, node_size, block)
     role = "shard" if shard_size < world_size else "world"
     per_micro = {"zero1": 0, "zero2": 1, "zero3": 1}[strategy]
     out = {
@@ -54,6 +68,29 @@ def step_collectives(
     return out
 
 
+def _zero_plus_plus(
+    options: set[str], total: int, grads: float, params: float, micro_batches: int, node_size: int, block: int
+) -> dict[tuple[str, str], float]:
+    unknown = options - set(ZERO_PLUS_PLUS)
+    if unknown:
+        raise ValueError(f"zero_plus_plus must hold some of {', '.join(ZERO_PLUS_PLUS)}, got {sorted(unknown)}")
+    quantized = (1 + 4 / block) * total  # int8 values and a float scale per block
+    forward = quantized if "qwZ" in options else params
+    out: dict[tuple[str, str], float] = {}
+    for key, size in (
+        (("world", "all_gather"), forward),
+        (
+            ("node", "all_gather") if "hpZ" in options else ("world", "all_gather"),
+            params if "hpZ" in options else forward,
+        ),
+        (("node", "reduce_scatter") if "qgZ" in options else ("world", "reduce_scatter"), grads),
+    ):
+        out[key] = out.get(key, 0.0) + size * micro_batches
+    if "qgZ" in options:
+        out["cross", "all_to_all"] = quantized / node_size * micro_batches
+    return out
+
+
 def ring_inter_fraction(ranks: Sequence[int], per_node: int) -> float:
     """The share of a ring's hops over ``ranks`` (in order, the last back to the first) between two nodes."""
     n = len(ranks)
@@ -62,26 +99,46 @@ def ring_inter_fraction(ranks: Sequence[int], per_node: int) -> float:
     return sum(ranks[i] // per_node != ranks[(i + 1) % n] // per_node for i in range(n)) / n
 
 
-def group_ranks(role: str, *, world_size: int, shard_size: int) -> list[int]:
+def group_ranks(role: str, *, world_size: int, shard_size: int, per_node: int = 1) -> list[int]:
     """The ranks of rank 0's group of ``role`` (every group of a role has the same shape)."""
     if role == "world":
         return list(range(world_size))
     if role == "shard":
         return list(range(shard_size))
+    if role == "node":
+        return list(range(per_node))
+    if role == "cross":
+        return list(range(0, world_size, per_node))
     return list(range(0, world_size, shard_size))  # replicate
 
 
+def direct_inter_fraction(ranks: Sequence[int], per_node: int) -> float:
+    """The share of what the first of ``ranks`` sends directly to each other one that crosses nodes."""
+    if len(ranks) <= 1:
+        return 0.0
+    return sum(r // per_node != ranks[0] // per_node for r in ranks[1:]) / (len(ranks) - 1)
+
+
 def link_bytes(
-    collectives: dict[tuple[str, str], float], *, world_size: int, per_node: int, shard_size: int | None = None
+    collectives: dict[tuple[str, str], float],
+    *,
+    world_size: int,
+    per_node: int,
+    shard_size: int | None = None,
+    algorithm: str = "ring",
 ) -> tuple[float, float]:
-    """(intra-node, inter-node) bytes one rank sends per step for ``collectives`` (``step_collectives``)."""
+    """(intra-node, inter-node) bytes one rank sends per step for ``collectives`` (``step_collectives``), by
+    ring collectives or, ``algorithm="direct"``, by ours on gloo (see the Note)."""
+    if algorithm not in ("ring", "direct"):
+        raise ValueError(f"algorithm must be ring or direct, got {algorithm!r}")
     shard_size = world_size if shard_size is None else shard_size
     intra = inter = 0.0
     for (role, op), size in collectives.items():
-        ranks = group_ranks(role, world_size=world_size, shard_size=shard_size)
+        ranks = group_ranks(role, world_size=world_size, shard_size=shard_size, per_node=per_node)
         n = len(ranks)
         sent = GROUP_OPS[op] * (n - 1) / n * size
-        share = ring_inter_fraction(ranks, per_node)
+        direct = algorithm == "direct" and op != "all_reduce"
+        share = (direct_inter_fraction if direct else ring_inter_fraction)(ranks, per_node)
         inter += sent * share
         intra += sent * (1 - share)
     return intra, inter

@@ -88,8 +88,12 @@ def predict_step(
     grad_bytes: int = 4,
     param_bytes: int = 4,
     flops: float | None = None,
+    algorithm: str = "ring",
+    zero_plus_plus: tuple[str, ...] = (),
+    block: int = 256,
 ) -> StepTime:
-    """The step time of one rank (see [Note: the step-time model]); ``flops`` per token, default 6 Psi."""
+    """The step time of one rank (see [Note: the step-time model]); ``flops`` per token, default 6 Psi;
+    ``algorithm`` and ``zero_plus_plus`` as in comm_model.py (ZeRO++ over nodes of ``per_node`` ranks)."""
     compute = (flops or flops_per_token(psi)) * tokens * micro_batches / (hardware.tflops * 1e12)
     shard_size = world_size if strategy == "ddp" or shard_size is None else shard_size
     ops = step_collectives(
@@ -100,11 +104,15 @@ def predict_step(
         grad_bytes=grad_bytes,
         param_bytes=param_bytes,
         micro_batches=micro_batches,
+        zero_plus_plus=zero_plus_plus,
+        node_size=per_node,
+        block=block,
     )
     intra = inter = 0.0
     busy: dict[float, float] = {}  # compute window -> seconds of communication that must fit in it
     for (role, op), size in ops.items():
-        a, b = link_bytes({(role, op): size}, world_size=world_size, per_node=per_node, shard_size=shard_size)
+        one = {(role, op): size}
+        a, b = link_bytes(one, world_size=world_size, per_node=per_node, shard_size=shard_size, algorithm=algorithm)
         intra, inter = intra + a / (hardware.intra_gbs * 1e9), inter + b / (hardware.inter_gbs * 1e9)
         if role == "replicate":
             window = 0.0  # at the step, after the last backward

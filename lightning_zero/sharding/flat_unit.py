@@ -46,8 +46,11 @@ class UnitState(enum.Enum):
     shard; its parameters are placeholders, sharded_param.py) until ``unshard`` starts the all-gather into
     its flat buffer (``GATHERING``: the buffer exists, its values are valid once the gather is waited on),
     ``wait_gathered`` makes it ``GATHERED``, and ``reshard`` frees the buffer (``SHARDED`` again). After an
-    error (``abandon_gather``) a gather in flight is forgotten without waiting for peers that may never come,
-    and the unit counts as ``GATHERED``: its buffer is freed at the next ``reshard`` like any other.
+    error a gather in flight is forgotten without waiting for peers that may never come: a unit the
+    schedule keeps gathered for the whole run (``abandon_gather``) counts as ``GATHERED``, any other
+    (``forget_values``) as ``SHARDED`` again, so that the next run's schedule gathers it on every rank alike;
+    its buffer is left allocated (freeing it under a gather still in flight is unsafe) until that gather
+    reuses it.
     """
 
     WHOLE = "whole"
@@ -252,6 +255,7 @@ class FlatUnit:
         parameters at it: ``GATHERING`` (``async_op``; the values are valid after ``wait_gathered``), else
         ``GATHERED``. With ``quantize_block`` the shards travel as int8 with a scale per block of that many
         elements (quantize.py's [Note: quantized weight gathers]). Collective."""
+        self.wait_gathered()  # (never two gathers into one buffer at once)
         self._allocate()
         shard = self.param_shard
         if shard.device != self.flat_param.device:  # offloaded: brought to the device for the gather
@@ -273,6 +277,7 @@ class FlatUnit:
     def unshard_within_node(self, *, group=None) -> None:
         """hpZ: gathers the unit from the secondary parts of the node's ranks (``GATHERING``); the values are
         those its last gather from the shards gave (quantized or not). Collective over the node."""
+        self.wait_gathered()
         self._allocate()
         self._gather = collectives.all_gather(self.flat_param, self.secondary, async_op=True, group=group)
         self.state = UnitState.GATHERING
@@ -296,9 +301,14 @@ class FlatUnit:
             self.state = UnitState.GATHERED
 
     def abandon_gather(self) -> None:
-        """After an error: forgets the gather in flight without waiting on peers."""
+        """After an error: forgets the gather in flight without waiting on peers (see the Note)."""
         if self.state is UnitState.GATHERING:
             self._gather, self.state = None, UnitState.GATHERED
+
+    def forget_values(self) -> None:
+        """After an error: the unit counts as sharded again, its buffer left as it is (see the Note)."""
+        if self.state is not UnitState.WHOLE:
+            self._gather, self.state, self.secondary = None, UnitState.SHARDED, None
 
     def _allocate(self) -> None:
         storage = self.flat_param.untyped_storage()
@@ -437,6 +447,8 @@ def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
     by_dtype: dict[torch.dtype, list[FlatUnit]] = {}
     for unit in units:
         by_dtype.setdefault(unit.param_dtype, []).append(unit)
+    for unit in units:
+        unit.wait_gathered()
     for same in by_dtype.values():
         packed = torch.cat([u.param_shard for u in same]).to(same[0].flat_param.device)  # this rank's shards
         world = same[0].layout.world_size

@@ -103,7 +103,7 @@ class Replicated:
         if self.gathers is not None:
             self.gathers.remove_hooks()  # waits for the gathers still running
             self.gathers = None
-        if module is not None:
+        if module is not None and ShardedModule.of(module) is None:  # (a failed stage-3 set-up keeps its shards)
             UnitIndex.detach(module)
 
 
@@ -182,6 +182,7 @@ class Sharded:
         """Makes ``module`` whole on ``device``, one unit at a time (collective); it is then replicated."""
         if self.runtime.in_step:
             raise RuntimeError("gather_module() is for after a run, not inside a step")
+        self.teardown(module)  # (called inside a run too: its hooks would shard the module again)
         gather_module(self.runtime, device)
         ShardedModule.detach(module)
         return Replicated()

@@ -346,9 +346,15 @@ class Stage3Runtime:
             self._free(unit)
 
     def abandon(self) -> None:
-        """After an error: forget pending work without waiting on peers that may never come."""
+        """At the end of a run, after an error too: forgets pending work without waiting on peers that may never
+        come; what the schedule does not keep for the whole run counts as sharded (see [Note: a unit's states])."""
+        persistent = {id(u) for k in self.schedule.persistent for u in self.scheduled[k]}
         for unit in self.units:
-            unit.abandon_gather()
+            if id(unit) in persistent:
+                unit.abandon_gather()
+            elif unit.gathered:
+                unit.forget_values()
+                self._mark_sharded(unit)
         self._drop_secondaries()
         self.in_step = False
 

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.resilience.peer_failure import EXIT_CODE
 from lightning_zero.sharding import collectives
+from lightning_zero.sharding.flat_unit import UnitIndex
 from tests.support.dynamic_models import DynamicModule
 from tests.support.helpers import full_state, make_trainer, relative_error, zero_strategy
 from tests.support.pool import RankFailure
@@ -193,3 +194,30 @@ def _refused_worker(rank: int, world: int) -> None:
 
 def test_shape_dependent_optimizers_are_refused_on_every_rank(ranks):
     ranks(_refused_worker, 2)
+
+
+class GatherAtTrainEnd(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        trainer.strategy.gather_module("cpu")  # inside the run: its hooks must go with the shards
+        self.peak = trainer.strategy.peak_gathered_bytes
+
+
+def _gather_in_run_worker(rank: int, world: int) -> None:
+    pl.seed_everything(0)
+    module = DynamicModule("branch")
+    make_trainer(zero_strategy(3, param_persistence_threshold=0), world, steps=2).fit(module)
+    entries = len(UnitIndex.of(module)._entries)
+    assert entries > 0
+    with pytest.raises(ValueError, match="shard_group_size must divide the world size"):  # fails at set-up
+        make_trainer(zero_strategy(3, shard_group_size=3), world, steps=2).fit(module)
+    assert len(UnitIndex.of(module)._entries) == entries  # still sharded: the units stay findable
+    end = GatherAtTrainEnd()
+    make_trainer(zero_strategy(3, param_persistence_threshold=0), world, steps=2, callbacks=[end]).fit(module)
+    assert end.peak > 0
+    x, _ = module.data[:4]
+    module.net(x).sum()  # a forward after fit: plain whole parameters, no hook shards them again
+    assert all(type(p) is nn.Parameter and p.stride() != (0,) * p.dim() for p in module.parameters())
+
+
+def test_a_failed_set_up_keeps_the_shards_and_gather_module_inside_a_run_ends_sharding(ranks):
+    ranks(_gather_in_run_worker, 2)
