@@ -97,6 +97,13 @@ def estimate_main(args: list[str]) -> None:
         f" precision {parsed.precision}{hybrid}; per rank (the rank that needs the most), GiB:"
     )
     print(format_table(table, capacity))
+    if shard == world and parsed.nodes > 1:  # (ZeRO++'s secondary partition: stage 3's option across nodes)
+        b = 2 if parsed.precision != "32-true" else 4
+        extra = shape.psi * b / parsed.devices
+        print(
+            f"zero3 with a secondary partition per node (ZeRO++'s hpZ, zero.secondary_partition): up to"
+            f" {extra / 2**30:.2f} GiB more per rank, held between a forward and its backward"
+        )
     traffic = {"world": world, "per_node": parsed.devices, "shard_size": shard, "micro_batches": parsed.micro_batches}
     print(format_traffic(shape.psi, parsed.precision, **traffic))
     if capacity is not None:

@@ -375,3 +375,32 @@ def residual_layer_norm_bwd(
     launch("residual_layer_norm.cu", kernel, grid, block, args, device=hidden.device)
     dweight, dln_bias, dbias = (partial.sum(0) for partial in partials)  # (three tensors: outputs never alias)
     return dx, dbias.to(bias_dtype), dresidual, dweight.to(weight.dtype), dln_bias.to(ln_bias_dtype)
+
+
+def quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """int8 values and fp32 scales of ``x``'s rows in blocks of ``block`` elements (one CUDA block each)."""
+    n = x.shape[-1]
+    rows, per_row = (x.numel() // n if n else 0), -(-n // block)
+    values = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scales = torch.empty(*x.shape[:-1], per_row, dtype=torch.float32, device=x.device)
+    if rows * per_row:
+        args = (tensor(x, "x", dtypes=FLOATS), i64(rows), i64(n), i64(block), values.data_ptr(), scales.data_ptr())
+        launch("quantize.cu", f"quantize_blocks_{SUFFIX[x.dtype]}", rows * per_row, BLOCK, args, device=x.device)
+    return values, scales
+
+
+def dequantize_blocks(out: Tensor, values: Tensor, scales: Tensor, block: int) -> None:
+    """``out`` = each value times its block's scale, in ``out``'s dtype (``values`` and ``out``: (..., n))."""
+    n = values.shape[-1]
+    rows = values.numel() // n if n else 0
+    if rows == 0:
+        return
+    args = (
+        tensor(values, "values", dtypes=(torch.int8,), like=out),
+        tensor(scales, "scales", dtypes=(torch.float32,), like=out),
+        i64(rows),
+        i64(n),
+        i64(block),
+        tensor(out, "out", dtypes=FLOATS),
+    )
+    launch("quantize.cu", f"dequantize_blocks_{SUFFIX[out.dtype]}", grid_for(rows * n), BLOCK, args, device=out.device)

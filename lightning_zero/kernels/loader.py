@@ -39,6 +39,7 @@ SOURCES = (
     "bias_dropout_residual.cu",
     "bias_gelu.cu",
     "layer_norm.cu",
+    "quantize.cu",
     "reduce.cu",
     "residual_layer_norm.cu",
     "softmax_dropout.cu",

@@ -248,3 +248,33 @@ def adamw_(
 def check_finite_(grad: Tensor, found_inf: Tensor) -> None:
     """Sets ``found_inf`` to 1 if ``grad`` holds an inf or nan (device-side, like the kernel)."""
     found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(grad)).any().to(found_inf.dtype)))
+
+
+# --- block-wise int8 quantization (cuda_kernels/quantize.cu; sharding/quantize.py) ------------------------
+QUANTIZE_LEVELS = 127  # symmetric int8: -127..127 (-128 unused, so that negating a value is exact)
+
+
+def quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """int8 values and fp32 scales (absmax / 127, infinite where a value is not finite) of ``x``'s rows cut
+    into blocks of ``block`` elements."""
+    n, lead = x.shape[-1], x.shape[:-1]
+    blocks = -(-n // block)
+    padded = torch.zeros(*lead, blocks * block, dtype=torch.float32, device=x.device)
+    padded[..., :n] = x
+    rows = padded.view(*lead, blocks, block)
+    magnitudes = rows.abs()
+    scales = magnitudes.masked_fill(magnitudes.isnan(), float("inf")).amax(dim=-1) / QUANTIZE_LEVELS
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays zero
+    values = torch.round(rows / safe.unsqueeze(-1))
+    values = values.masked_fill_(values.isnan(), 0.0).clamp_(-QUANTIZE_LEVELS, QUANTIZE_LEVELS)
+    return values.to(torch.int8).view(*lead, blocks * block)[..., :n].contiguous(), scales
+
+
+def dequantize_blocks(out: Tensor, values: Tensor, scales: Tensor, block: int) -> None:
+    """``out`` = each value times its block's scale, computed in fp32, stored in ``out``'s dtype."""
+    n, blocks = values.shape[-1], scales.shape[-1]
+    lead = values.shape[:-1]
+    padded = torch.zeros(*lead, blocks * block, dtype=torch.float32, device=values.device)
+    padded[..., :n] = values
+    whole = padded.view(*lead, blocks, block) * scales.unsqueeze(-1)
+    out.copy_(whole.view(*lead, blocks * block)[..., :n])

@@ -159,4 +159,11 @@ def format_traffic(
         )
         intra, inter = link_bytes(ops, world_size=world, per_node=per_node, shard_size=size)
         lines.append(f"{name:<56}{intra / 1e9:>12.3f}{inter / 1e9:>12.3f}")
+    if shard_size == world and per_node < world:  # ZeRO++ over the nodes (with hybrid sharding it is refused)
+        ops = step_collectives(
+            "zero3", psi, world_size=world, grad_bytes=b, param_bytes=b, micro_batches=micro_batches,
+            zero_plus_plus=ZERO_PLUS_PLUS, node_size=per_node,
+        )  # fmt: skip
+        intra, inter = link_bytes(ops, world_size=world, per_node=per_node)
+        lines.append(f"{'zero3 + qwZ + hpZ + qgZ (ZeRO++)':<56}{intra / 1e9:>12.3f}{inter / 1e9:>12.3f}")
     return "\n".join(lines)

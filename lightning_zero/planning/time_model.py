@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_zero.planning.comm_model import link_bytes, step_collectives
+from lightning_zero.planning.comm_model import ZERO_PLUS_PLUS, link_bytes, step_collectives
 from lightning_zero.planning.memory import formula_bytes
 
 
@@ -214,14 +214,20 @@ def format_step_times(
         + (f"{'largest model':>16}" if capacity else ""),
     ]
     shard = links.get("shard_size") or links["world_size"]
-    for name in ("ddp", "zero1", "zero2", "zero3"):
+    rows = [(name, name, ()) for name in ("ddp", "zero1", "zero2", "zero3")]
+    if shard == links["world_size"] and links["per_node"] < links["world_size"]:  # ZeRO++ over the nodes
+        rows.append(("zero3++", "zero3", ZERO_PLUS_PLUS))
+    for label, name, plus in rows:
         grad = 4 if name == "ddp" else b  # ddp reduces fp32 gradients under every precision
-        t = predict_step(name, psi, hardware, tokens=tokens, grad_bytes=grad, param_bytes=b, flops=flops, **links)
+        kwargs = dict(tokens=tokens, grad_bytes=grad, param_bytes=b, flops=flops, zero_plus_plus=plus)
+        t = predict_step(name, psi, hardware, **kwargs, **links)
         fits = ""
         if capacity:
             size = links["world_size"] if name == "ddp" else shard
             fits = f"{largest_psi(name, capacity, shard_size=size, param_bytes=b) / 1e9:>14.2f}B"
         lines.append(
-            f"{name:<12}{t.compute:>10.3f}{t.intra:>10.3f}{t.inter:>10.3f}{t.exposed:>10.3f}{t.total:>10.3f}{fits}"
+            f"{label:<12}{t.compute:>10.3f}{t.intra:>10.3f}{t.inter:>10.3f}{t.exposed:>10.3f}{t.total:>10.3f}{fits}"
         )
+    if len(rows) > 4:
+        lines.append("zero3++: zero3 with quantized weights, a secondary partition per node and quantized gradients")
     return "\n".join(lines)

@@ -14,10 +14,12 @@ master weights, the optimizer, state dicts, ``gathered_parameters`` and checkpoi
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-LEVELS = 127  # symmetric int8: -127..127 (-128 unused, so that negating a value is exact)
+from lightning_zero.kernels import launchers, reference
+from lightning_zero.kernels.loader import use_kernels
+
+LEVELS = reference.QUANTIZE_LEVELS
 
 
 def scales_numel(numel: int, block: int) -> int:
@@ -26,25 +28,13 @@ def scales_numel(numel: int, block: int) -> int:
 
 def quantize(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """``x`` (``(..., n)``, any float dtype) as int8 values and one fp32 scale per block of ``block`` elements
-    of each row (the last block may be shorter). A non-finite value makes its block's scale non-finite, so
-    the block dequantizes to non-finite values (an fp16 overflow stays visible after a quantized reduction)."""
-    n, lead = x.shape[-1], x.shape[:-1]
-    blocks = scales_numel(n, block)
-    padded = torch.zeros(*lead, blocks * block, dtype=torch.float32, device=x.device)
-    padded[..., :n] = x
-    rows = padded.view(*lead, blocks, block)
-    scales = rows.abs().amax(dim=-1) / LEVELS
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays zero
-    values = torch.round(rows / safe.unsqueeze(-1)).clamp_(-LEVELS, LEVELS).to(torch.int8)
-    return values.view(*lead, blocks * block)[..., :n], scales
+    of each row (the last block may be shorter); a non-finite value makes its block's scale infinite, so the
+    block dequantizes to non-finite values (an fp16 overflow stays visible after a quantized reduction).
+    The CUDA kernel (cuda_kernels/quantize.cu) on CUDA tensors, its torch reference elsewhere."""
+    return (launchers if use_kernels(x) else reference).quantize_blocks(x, block)
 
 
 def dequantize_into(out: Tensor, values: Tensor, scales: Tensor, block: int) -> None:
     """Writes ``values * scale`` of each block into ``out`` (in its own dtype). Shapes: ``out`` and ``values``
     ``(..., n)``, ``scales`` ``(..., ceil(n / block))``: several ranks' gathered parts at once."""
-    n, blocks = values.shape[-1], scales.shape[-1]
-    lead = values.shape[:-1]
-    padded = torch.zeros(*lead, blocks * block, dtype=torch.float32, device=values.device)
-    padded[..., :n] = values
-    whole = padded.view(*lead, blocks, block) * scales.unsqueeze(-1)
-    out.copy_(whole.view(*lead, blocks * block)[..., :n])
+    (launchers if use_kernels(out) else reference).dequantize_blocks(out, values, scales, block)

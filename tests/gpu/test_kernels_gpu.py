@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_zero.kernels import loader, ops, reference
+from lightning_zero.kernels import launchers, loader, ops, reference
 from lightning_zero.kernels.adamw import FusedAdamW, check_finite_, fused_adamw_
 from lightning_zero.models.gpt import GPT, GPTConfig
 from tests.support.helpers import check_fused_adamw_under_grad_scaler, check_fused_gpt
@@ -335,3 +335,18 @@ def test_dropout_forward_and_backward_equal_the_cpu_reference(dtype):
 def test_fused_block_backward_on_gpu():
     cfg = dict(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=256)
     check_fused_gpt(cfg, 4, "cuda", out_tol=1e-4, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n", "block"), [(1, 1_000_003, 256), (4, 3001, 64)])
+def test_quantize_kernels_equal_the_cpu_reference(dtype, rows, n, block):
+    """ZeRO++'s int8 blocks (cuda_kernels/quantize.cu) bit for bit the torch reference on the CPU."""
+    x = (torch.randn(rows, n) * torch.logspace(-3, 2, n)).to(dtype)
+    values, scales = launchers.quantize_blocks(x.cuda(), block)
+    want_values, want_scales = reference.quantize_blocks(x, block)
+    assert torch.equal(values.cpu(), want_values) and torch.equal(scales.cpu(), want_scales)
+    out = torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
+    launchers.dequantize_blocks(out, values, scales, block)
+    want = torch.empty(rows, n, dtype=dtype)
+    reference.dequantize_blocks(want, want_values, want_scales, block)
+    assert torch.equal(out.cpu(), want)

@@ -50,3 +50,41 @@ def test_estimate_reports_hybrid_memory_and_traffic_by_link(capsys):
     code, out, err = run_cli(capsys, *args, "--nodes", "2", "--shard-group-size", "3")
     assert code == 2 and out == ""
     assert err.strip().splitlines()[-1].endswith("zero.shard_group_size must divide the world size 16, got 3")
+
+
+def test_zero_plus_plus_bytes_by_hand():
+    total, block = 1024, 256  # fp32, 4 ranks on 2 nodes; q = 1 + 4 / 256 bytes per quantized element
+    q = (1 + 4 / block) * total
+    ops = step_collectives("zero3", total, world_size=4, zero_plus_plus=("qwZ", "hpZ", "qgZ"), block=block)
+    assert ops == {
+        ("world", "all_gather"): q,  # the forward's, int8
+        ("node", "all_gather"): 4 * total,  # the backward's, inside the node
+        ("node", "reduce_scatter"): 4 * total,
+        ("cross", "all_to_all"): q / 2,  # the node's partial sums of this rank's half, int8
+    }
+    # our gloo collectives send each peer its part directly: 2 of a rank's 3 world peers are on the other node
+    intra, inter = link_bytes(ops, world_size=4, per_node=2, algorithm="direct")
+    assert inter == pytest.approx(0.75 * q * 2 / 3 + 0.5 * q / 2)
+    assert intra == pytest.approx(0.75 * q / 3 + 0.5 * 4 * total * 2)
+    plain = step_collectives("zero3", total, world_size=4)
+    assert link_bytes(plain, world_size=4, per_node=2, algorithm="direct")[1] == pytest.approx(
+        0.75 * 12 * total * 2 / 3
+    )
+    with pytest.raises(ValueError, match="zero_plus_plus must hold some of qwZ, hpZ, qgZ, got"):
+        step_collectives("zero3", total, world_size=4, zero_plus_plus=("qwz",))
+
+
+def test_estimate_adds_zero_plus_plus_across_nodes(capsys):
+    code, out, err = run_cli(
+        capsys, "estimate", "--params", "1.3e9", "--devices", "8", "--nodes", "4", "--cluster", "dgx-a100"
+    )
+    assert code == 0, err
+    assert "secondary partition per node (ZeRO++'s hpZ, zero.secondary_partition): up to 0.61 GiB" in out
+    sent = out.split("sent per rank per step")[1].split("predicted step")[0].splitlines()
+    traffic = {line[:56].strip(): line.split()[-1] for line in sent if line.startswith("zero3")}
+    assert float(traffic["zero3 + qwZ + hpZ + qgZ (ZeRO++)"]) < 0.3 * float(traffic["zero3"])
+    predicted = out.split("predicted step per rank")[1].splitlines()
+    steps = {
+        line.split()[0]: float(line.split()[5]) for line in predicted if line.startswith("zero3") and ":" not in line
+    }
+    assert steps["zero3++"] < steps["zero3"]

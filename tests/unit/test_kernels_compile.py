@@ -32,6 +32,7 @@ ENTRY_POINTS = {
         for k in ("layer_norm_fwd", "layer_norm_bwd_input", "layer_norm_bwd_params", *ROW_KERNELS["layer_norm.cu"])
         for d in DTYPES
     ],
+    "quantize.cu": [f"{k}_{d}" for k in ("quantize_blocks", "dequantize_blocks") for d in DTYPES],
     "reduce.cu": [f"column_sum_partial_{d}" for d in DTYPES],
     "residual_layer_norm.cu": [f"{k}_{d}" for k in ROW_KERNELS["residual_layer_norm.cu"] for d in DTYPES],
     "softmax_dropout.cu": [

@@ -290,3 +290,21 @@ def test_the_emulator_reports_what_a_gpu_would_hang_or_fault_on(tmp_path):
         )
     x, b = _randn(3, 37), _randn(37, seed=1)
     _close(launchers.bias_gelu_fwd(x, b, True), reference.bias_gelu(x, b, "tanh"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n", "block"), [(1, 1000, 256), (3, 300, 64), (2, 7, 256)])
+def test_quantize_and_dequantize_equal_the_reference_bitwise(dtype, rows, n, block):
+    x = (_randn(rows, n, seed=9) * torch.logspace(-3, 2, n)).to(dtype)
+    x[0, :block] = 0  # an all-zero block: scale 0
+    if n > 2 * block:
+        x[0, block + 3], x[0, 2 * block + 1] = float("inf"), float("nan")  # non-finite blocks stay non-finite
+    values, scales = launchers.quantize_blocks(x, block)
+    want_values, want_scales = reference.quantize_blocks(x, block)
+    assert torch.equal(values, want_values) and torch.equal(scales, want_scales)
+    out, want = torch.empty(rows, n, dtype=dtype), torch.empty(rows, n, dtype=dtype)
+    launchers.dequantize_blocks(out, values, scales, block)
+    reference.dequantize_blocks(want, values, scales, block)
+    assert torch.equal(out.isfinite(), want.isfinite()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+    if n > 2 * block:
+        assert not out[0, block : 3 * block].isfinite().any()
