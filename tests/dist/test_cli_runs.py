@@ -17,6 +17,7 @@ from tests.support.helpers import REPO
 SHORT = ["--trainer.max_steps=12", "--trainer.val_check_interval=6", "--trainer.limit_val_batches=2"]
 RUNS = {  # name -> (configs, the summary's heading)
     "zero3": (["gpt.yaml", "stage/zero3.yaml", "model/tiny.yaml"], "zero3: 2 ranks, precision 32-true"),
+    "zero3pp": (["gpt.yaml", "stage/zero3pp.yaml", "model/tiny.yaml"], "zero3: 2 ranks, precision 32-true"),
     "zero1-16": (
         ["gpt.yaml", "stage/zero1.yaml", "precision/16-mixed.yaml", "model/tiny.yaml"],
         "zero1: 2 ranks, precision 16-mixed",
@@ -32,6 +33,8 @@ def _fit(rank: int, world: int, root) -> dict[str, str]:
         args = [arg for config in configs for arg in ("--config", str(REPO / "configs" / config))]
         if name == "deepspeed":
             args.append(f"--deepspeed_config={root / 'ds_config.json'}")
+        if name == "zero3pp":  # the 2 ranks as 2 nodes of 1
+            args.append("--zero.node_size=1")
         out = io.StringIO()
         logged = logging.StreamHandler(out)  # Lightning's rank_zero_info lines
         logging.getLogger("lightning.pytorch").addHandler(logged)

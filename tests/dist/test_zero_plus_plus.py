@@ -8,7 +8,7 @@
   same on every rank;
 - qgZ alone, and all three together, end within 1% of plain stage 3's loss, ranks identical, the same
   collectives on every rank (``check_collectives``), gradients crossing nodes as int8;
-- under fp16 an overflow on one rank still skips the step on every rank with qgZ;
+- under fp16 an overflow on one rank still skips the step on every rank with qgZ (and at stage 3 all three);
 - a checkpoint of the run with all three holds the fp32 masters: it resumes under zero1 with those weights;
 - a LoRA fine-tune of the tests' tiny Hugging Face Llama with all three ends within 1% of plain stage 3's loss.
 """
@@ -169,7 +169,8 @@ def _overflow_worker(rank: int, world: int) -> dict:
     for stage, value, one_element in itertools.product((2, 3), (float("inf"), float("nan")), (True, False)):
         for quantized in (False, True):
             pl.seed_everything(0)
-            strategy = zero_strategy(stage, reduce_bucket_size=50, quantized_gradients=quantized, node_size=NODE)
+            plus = (ALL_THREE if stage == 3 else {"quantized_gradients": True}) if quantized else {}
+            strategy = zero_strategy(stage, reduce_bucket_size=50, node_size=NODE, **plus)
             plugin = ZeroPrecision("16-mixed", loss_scale=LossScaleConfig(hysteresis=1))
             trainer = make_trainer(strategy, world, steps=6, plugins=[plugin])
             trainer.fit(InjectOnRankOne(value, one_element))
