@@ -117,6 +117,8 @@ class ZeroConfig:
         quantized_gradients: stages 2 and 3: gradients are reduce-scattered in two levels, at full precision
             inside each node, then as block-wise int8 between nodes (ZeRO++'s qgZ; DeepSpeed's
             ``zero_quantized_gradients``); see sharding/quantize.py.
+        quantized_gradient_bits: 8 (default) or 4: the bits of each gradient value crossing nodes with
+            ``quantized_gradients`` (4: half the bytes, 16x the rounding step: see the README for when it holds).
         node_size: ranks per node for ZeRO++'s two levels (null: the launcher's ranks per node); must divide
             the world size.
         offload_optimizer: "cpu" keeps each rank's fp32 master partition, optimizer state and reduced
@@ -169,6 +171,7 @@ class ZeroConfig:
     quantization_block_size: int = 256
     secondary_partition: bool = False
     quantized_gradients: bool = False
+    quantized_gradient_bits: int = 8
     node_size: int | None = None
     # offload and the step
     offload_optimizer: str = "none"
@@ -244,6 +247,7 @@ class ZeroConfig:
             ("secondary_partition", not self.secondary_partition or self.stage == 3, "false unless zero.stage is 3"),
             ("quantized_gradients", isinstance(self.quantized_gradients, bool), "true or false"),
             ("quantized_gradients", not self.quantized_gradients or self.stage > 1, "false at zero.stage 1"),
+            ("quantized_gradient_bits", self.quantized_gradient_bits in (8, 4), "8 or 4"),
             (
                 "node_size",
                 self.node_size is None or (_integer(self.node_size) and self.node_size >= 1),

@@ -254,19 +254,19 @@ def check_finite_(grad: Tensor, found_inf: Tensor) -> None:
 QUANTIZE_LEVELS = 127  # symmetric int8: -127..127 (-128 unused, so that negating a value is exact)
 
 
-def quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """int8 values and fp32 scales (absmax / 127, infinite where a value is not finite) of ``x``'s rows cut
-    into blocks of ``block`` elements."""
+def quantize_blocks(x: Tensor, block: int, levels: int = QUANTIZE_LEVELS) -> tuple[Tensor, Tensor]:
+    """int8 values in [-levels, levels] and fp32 scales (absmax / levels, infinite where a value is not
+    finite) of ``x``'s rows cut into blocks of ``block`` elements."""
     n, lead = x.shape[-1], x.shape[:-1]
     blocks = -(-n // block)
     padded = torch.zeros(*lead, blocks * block, dtype=torch.float32, device=x.device)
     padded[..., :n] = x
     rows = padded.view(*lead, blocks, block)
     magnitudes = rows.abs()
-    scales = magnitudes.masked_fill(magnitudes.isnan(), float("inf")).amax(dim=-1) / QUANTIZE_LEVELS
+    scales = magnitudes.masked_fill(magnitudes.isnan(), float("inf")).amax(dim=-1) / levels
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays zero
     values = torch.round(rows / safe.unsqueeze(-1))
-    values = values.masked_fill_(values.isnan(), 0.0).clamp_(-QUANTIZE_LEVELS, QUANTIZE_LEVELS)
+    values = values.masked_fill_(values.isnan(), 0.0).clamp_(-levels, levels)
     return values.to(torch.int8).view(*lead, blocks * block)[..., :n].contiguous(), scales
 
 

@@ -16,7 +16,8 @@ the shard group size K (K = N without hybrid sharding, where the "shard" group i
            qwZ    the world's all-gathers send q * total bytes instead of Bp * total
            hpZ    the backward's all-gather of Bp * total moves to the node group
            qgZ    the reduce-scatter of Bg * total moves to the node group, and an all-to-all of the node's
-                  partial sums, q * total / K bytes, crosses the nodes (the "cross" group)
+                  partial sums, q * total / K bytes, crosses the nodes (the "cross" group; with 4 bits
+                  (1/2 + 4 / b) * total / K)
 
 ``link_bytes`` turns buffers into bytes sent per rank by a ring collective over the group (a
 reduce-scatter or all-gather sends (n - 1) / n of the buffer, an all-reduce twice that) and splits them
@@ -48,6 +49,7 @@ def step_collectives(
     zero_plus_plus: tuple[str, ...] = (),
     node_size: int = 2,
     block: int = 256,
+    gradient_bits: int = 8,
 ) -> dict[tuple[str, str], float]:
     """Buffer bytes per (group role, collective) one rank covers per optimizer step (see the Note);
     ``zero_plus_plus``: some of ``ZERO_PLUS_PLUS`` (zero3), over nodes of ``node_size`` ranks."""
@@ -56,7 +58,8 @@ def step_collectives(
     if strategy == "ddp":
         return {("world", "all_reduce"): grads}
     if zero_plus_plus:
-        return _zero_plus_plus(set(zero_plus_plus), total, grads, params, micro_batches, node_size, block)
+        options = set(zero_plus_plus)
+        return _zero_plus_plus(options, total, grads, params, micro_batches, node_size, block, gradient_bits)
     role = "shard" if shard_size < world_size else "world"
     per_micro = {"zero1": 0, "zero2": 1, "zero3": 1}[strategy]
     out = {
@@ -69,7 +72,14 @@ def step_collectives(
 
 
 def _zero_plus_plus(
-    options: set[str], total: int, grads: float, params: float, micro_batches: int, node_size: int, block: int
+    options: set[str],
+    total: int,
+    grads: float,
+    params: float,
+    micro_batches: int,
+    node_size: int,
+    block: int,
+    gradient_bits: int,
 ) -> dict[tuple[str, str], float]:
     unknown = options - set(ZERO_PLUS_PLUS)
     if unknown:
@@ -87,7 +97,8 @@ def _zero_plus_plus(
     ):
         out[key] = out.get(key, 0.0) + size * micro_batches
     if "qgZ" in options:
-        out["cross", "all_to_all"] = quantized / node_size * micro_batches
+        packed = (gradient_bits / 8 + 4 / block) * total  # int4: two values a byte
+        out["cross", "all_to_all"] = packed / node_size * micro_batches
     return out
 
 

@@ -158,4 +158,5 @@ def _two_level(config: ZeroConfig, topology: Topology) -> dict | None:
         "node_group": topology.node_group,
         "cross_group": topology.cross_group,
         "block": config.quantization_block_size,
+        "bits": config.quantized_gradient_bits,
     }

@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.sharding.quantize import dequantize_into, quantize
+from lightning_zero.sharding.quantize import dequantize_int4_into, dequantize_into, quantize, quantize_int4
 
 Entry = tuple[str, str, int, str]  # (op, group role, numel, dtype)
 _observers: list[Callable[[Entry, int], None]] = []  # the active observers, innermost last: see observing
@@ -208,25 +208,26 @@ def reduce_scatter(output: Tensor, input: Tensor, *, async_op: bool, group=None)
 
 
 def reduce_scatter_two_level(
-    output: Tensor, input: Tensor, *, node_size: int, node_group, cross_group, block: int
+    output: Tensor, input: Tensor, *, node_size: int, node_group, cross_group, block: int, bits: int = 8
 ) -> None:
     """``reduce_scatter`` over the world in two levels (ZeRO++'s qgZ; blocking). ``input``'s rows (row r to rank
     r = node m * ``node_size`` + node rank j) are summed inside each node at full precision, node rank j
     receiving every node's row j (one reduce-scatter over ``node_group``); then each of those M partial sums
-    travels as block-wise int8 (sharding/quantize.py) to its rank on node m (one all-to-all over
-    ``cross_group``), which dequantizes the M parts it receives and adds them up in node order."""
+    travels as block-wise int8 (``bits`` 8) or int4 (4, two to a byte; sharding/quantize.py) to its rank on
+    node m (one all-to-all over ``cross_group``), which dequantizes the M parts it receives and adds them up
+    in node order."""
     per_node = input.view(-1, node_size, output.numel())  # (M, K, C)
     by_node_rank = per_node.transpose(0, 1).contiguous()  # (K, M, C): row j is node rank j's
     mine = by_node_rank[dist.get_rank(node_group)]
     reduce_scatter(mine.view(-1), by_node_rank.view(-1), async_op=False, group=node_group)
-    values, scales = quantize(mine, block)
+    values, scales = (quantize if bits == 8 else quantize_int4)(mine, block)
     values = values.contiguous()
     received = (torch.empty_like(values), torch.empty_like(scales))
     for out, sent in zip(received, (values, scales)):
         _note("all_to_all", sent, sent.numel(), cross_group)
         dist.all_to_all_single(out, sent, group=cross_group)
     parts = torch.empty(mine.shape, dtype=torch.float32, device=mine.device)
-    dequantize_into(parts, *received, block)
+    (dequantize_into if bits == 8 else dequantize_int4_into)(parts, *received, block)
     output.copy_(parts.sum(dim=0))
 
 

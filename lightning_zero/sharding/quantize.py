@@ -14,12 +14,14 @@ master weights, the optimizer, state dicts, ``gathered_parameters`` and checkpoi
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from lightning_zero.kernels import launchers, reference
 from lightning_zero.kernels.loader import use_kernels
 
 LEVELS = reference.QUANTIZE_LEVELS
+INT4_LEVELS = 7
 
 
 def scales_numel(numel: int, block: int) -> int:
@@ -32,6 +34,23 @@ def quantize(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     block dequantizes to non-finite values (an fp16 overflow stays visible after a quantized reduction).
     The CUDA kernel (cuda_kernels/quantize.cu) on CUDA tensors, its torch reference elsewhere."""
     return (launchers if use_kernels(x) else reference).quantize_blocks(x, block)
+
+
+def quantize_int4(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """As ``quantize`` with 4 bits: values in [-7, 7] with scales absmax / 7, two to a byte (``(..., ceil(n /
+    2))`` uint8, the even element in the low half). Torch ops on any device."""
+    values, scales = reference.quantize_blocks(x, block, levels=INT4_LEVELS)
+    n = values.shape[-1]
+    nibbles = torch.zeros(*values.shape[:-1], n + n % 2, dtype=torch.uint8, device=values.device)
+    nibbles[..., :n] = (values + INT4_LEVELS + 1).to(torch.uint8)  # 1..15 (0: padding)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), scales
+
+
+def dequantize_int4_into(out: Tensor, packed: Tensor, scales: Tensor, block: int) -> None:
+    """Writes what ``quantize_int4`` packed into ``out`` (``(..., n)``, its own dtype)."""
+    n = out.shape[-1]
+    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)[..., :n]
+    reference.dequantize_blocks(out, nibbles.to(torch.int8) - (INT4_LEVELS + 1), scales, block)
 
 
 def dequantize_into(out: Tensor, values: Tensor, scales: Tensor, block: int) -> None:

@@ -127,6 +127,7 @@ def _qgz_worker(rank: int, world: int, root) -> dict:
     for name, options in (
         ("plain", {}),
         ("qgZ", {"quantized_gradients": True}),
+        ("qgZ int4", {"quantized_gradients": True, "quantized_gradient_bits": 4}),
         ("all", ALL_THREE),
     ):
         trainer, module, _ = _fit(world, _plus(**options))
@@ -152,7 +153,8 @@ def test_quantized_gradients_and_all_three_end_within_one_percent(ranks, tmp_pat
     for rank, result in enumerate(results):
         plain = sum(result["plain"]["losses"][-4:])
         assert result["plain"]["cross_int8"] == 0 and result["plain"]["world_reduce"] > 0
-        for name in ("qgZ", "all"):
+        assert result["qgZ int4"]["cross_int8"] < 0.6 * result["qgZ"]["cross_int8"]  # two values a byte
+        for name in ("qgZ", "qgZ int4", "all"):
             run = result[name]
             assert run["world_reduce"] == 0 and run["cross_int8"] > 0, name  # gradients cross nodes as int8
             final = sum(run["losses"][-4:])

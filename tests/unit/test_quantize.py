@@ -8,7 +8,15 @@ import torch
 
 from lightning_zero import ZeroConfig
 from lightning_zero.deepspeed_config import read_deepspeed_config
-from lightning_zero.sharding.quantize import LEVELS, dequantize_into, quantize, scales_numel
+from lightning_zero.sharding.quantize import (
+    INT4_LEVELS,
+    LEVELS,
+    dequantize_int4_into,
+    dequantize_into,
+    quantize,
+    quantize_int4,
+    scales_numel,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -80,3 +88,20 @@ def test_config_and_deepspeed_mapping():
 def test_bad_zero_plus_plus_settings_are_named(options, message):
     with pytest.raises(ValueError, match=message):
         ZeroConfig(**options)
+
+
+def test_int4_packs_two_values_a_byte_within_half_a_step():
+    torch.manual_seed(3)
+    x = torch.randn(3, 301) * torch.logspace(-2, 1, 301)
+    x[1, 70] = float("inf")
+    packed, scales = quantize_int4(x, 64)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 151)
+    out = torch.empty(3, 301)
+    dequantize_int4_into(out, packed, scales, 64)
+    assert not out[1, 64:128].isfinite().any() and out[1, 128:].isfinite().all()
+    finite = torch.ones(3, 301, dtype=torch.bool)
+    finite[1, 64:128] = False
+    padded = torch.zeros(3, 320)
+    padded[:, :301] = x.nan_to_num(posinf=0.0)
+    bound = (padded.view(3, 5, 64).abs().amax(-1) / INT4_LEVELS / 2).repeat_interleave(64, dim=1)[:, :301]
+    assert torch.all(((out - x).abs() <= bound * (1 + 1e-6) + 1e-7)[finite])
