@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from lightning_zero.checkpoint import hugging_face
 from lightning_zero.checkpoint.consolidate import write_consolidated
 from lightning_zero.checkpoint.format import (
     AVERAGED,
@@ -332,6 +333,7 @@ def _lightning(
     lightning["optimizer_groups"] = [
         [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers
     ]
+    lightning.update(hugging_face.describe(model))  # see [Note: the Hugging Face description in a checkpoint]
     return lightning
 
 

@@ -45,6 +45,7 @@ from lightning_zero.checkpoint.format import (
     read_metadata,
     unsafe_pickle_error,
 )
+from lightning_zero.checkpoint.hugging_face import export_hugging_face
 from lightning_zero.cli.args import InputError, Parser
 from lightning_zero.cli.estimate import estimate_main
 from lightning_zero.config import ZeroConfig, stage_of_strategy
@@ -166,16 +167,22 @@ def _apply_deepspeed(config, path: str, ignore: tuple[str, ...]) -> None:
     rank_zero_info(f"lightning-zero: applied the DeepSpeed config {path}")
 
 
-def _checkpoint_command(args: list[str], *, prog: str, description: str, source: str, output: str, trust: str, run):
+def _checkpoint_command(
+    args: list[str], *, prog: str, description: str, source: str, output: str, trust: str, run, flags=None
+):
     """consolidate and convert-deepspeed: a checkpoint in, a file out, ``--trust-pickles``; a CheckpointError
-    is bad input. ``run(source, output, trust_pickles)`` returns the line to print."""
+    is bad input. ``run(source, output, trust_pickles, **flags)`` returns the line to print; ``flags``: more
+    switches (name -> help)."""
     parser = Parser(prog=prog, description=description)
     parser.add_argument("source", help=source)
     parser.add_argument("output", help=output)
     parser.add_argument("--trust-pickles", action="store_true", help=trust)
+    for name, help_text in (flags or {}).items():
+        parser.add_argument(f"--{name}", action="store_true", help=help_text)
     parsed = parser.parse_args(args)
     try:
-        print(run(parsed.source, parsed.output, parsed.trust_pickles))
+        switches = {name: getattr(parsed, name) for name in flags or {}}
+        print(run(parsed.source, parsed.output, parsed.trust_pickles, **switches))
     except CheckpointError as error:
         raise InputError(str(error)) from error
 
@@ -186,13 +193,21 @@ def consolidate_main(args: list[str]) -> None:
         prog="lightning-zero consolidate",
         description="Write the fp32 weights of a sharded checkpoint directory (streamed, parameter by parameter):"
         " a .ckpt loads with MyModule.load_from_checkpoint (hyper-parameters included), a .pt with torch.load and"
-        " module.load_state_dict, a .safetensors with safetensors.",
+        " module.load_state_dict, a .safetensors with safetensors; with --hf a new directory as Hugging Face's"
+        " save_pretrained writes it (config.json, sharded safetensors with their index).",
         source="a checkpoint directory written by the ZeRO strategies",
-        output="the output file: .ckpt (a Lightning checkpoint), .pt, or .safetensors",
+        output="the output file: .ckpt (a Lightning checkpoint), .pt, or .safetensors; with --hf a new directory",
         trust="unpickle the checkpoint's Lightning state (lightning.pt) without restrictions (weights_only=False),"
         " as checkpoints of older versions may need. Unpickling can run any code: only for a checkpoint you trust.",
-        run=lambda source, output, trust: f"wrote {consolidate(source, output, weights_only=not trust)}",
+        run=_consolidate,
+        flags={"hf": "export the LightningModule's Hugging Face model for AutoModel*.from_pretrained(OUTPUT)"},
     )
+
+
+def _consolidate(source: str, output: str, trust: bool, *, hf: bool) -> str:
+    if hf:
+        return f"wrote {export_hugging_face(source, output, weights_only=not trust)}"
+    return f"wrote {consolidate(source, output, weights_only=not trust)}"
 
 
 def convert_deepspeed_main(args: list[str]) -> None:

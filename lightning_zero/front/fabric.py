@@ -32,6 +32,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint import io as checkpoint_io
+from lightning_zero.checkpoint.hugging_face import HUGGING_FACE
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.front.precision import ZeroPrecision, as_zero_precision, check_skip_on_device, stage3_param_dtype
@@ -49,6 +50,7 @@ INTERNAL_KEYS = (
     "lr_schedulers",
     "pytorch-lightning_version",
     ZeroPrecision.__qualname__,
+    HUGGING_FACE,
 )
 
 

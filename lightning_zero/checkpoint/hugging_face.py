@@ -1,0 +1,126 @@
+"""A sharded checkpoint of a LightningModule that holds a Hugging Face model, exported as ``save_pretrained``
+writes it: ``config.json`` and the weights in safetensors files of at most ``max_shard_bytes`` each with
+their index (one ``model.safetensors`` when they fit), which ``AutoModelForCausalLM.from_pretrained(out_dir)``
+loads with no lightning_zero installed.
+
+[Note: the Hugging Face description in a checkpoint]
+When the model being saved holds a Hugging Face ``PreTrainedModel`` (the outermost one: anything with a
+``config`` that has ``to_json_string`` and a ``save_pretrained``), every checkpoint records where it is and its
+configuration in Lightning's state under ``HUGGING_FACE``: ``{"prefix": "model.", "config": {...}}`` (plain
+JSON values, so the state still loads with ``weights_only=True``). The export takes the keys under that
+prefix without it, writes one copy of each tied parameter (as ``save_pretrained``: the model ties them again
+on load), and streams the weights in fp32 (the masters) parameter by parameter from the ranks' shards, as
+``consolidate`` does: never the whole model in memory. The description is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from torch.nn import Module
+
+from lightning_zero.checkpoint.consolidate import _sources, _write_safetensors
+from lightning_zero.checkpoint.format import (
+    CheckpointError,
+    check_files,
+    fsync_dir,
+    load_lightning_state,
+    read_metadata,
+)
+
+HUGGING_FACE = "hugging_face"
+MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default
+
+
+def describe(model: Module) -> dict[str, Any]:
+    """``{HUGGING_FACE: {"prefix", "config"}}`` for the outermost Hugging Face model inside ``model``, else {}."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if hasattr(module, "save_pretrained") and hasattr(config, "to_json_string"):
+            prefix = f"{name}." if name else ""
+            return {HUGGING_FACE: {"prefix": prefix, "config": json.loads(config.to_json_string())}}
+    return {}
+
+
+def _checked(description: Any, path: Path) -> tuple[str, dict[str, Any]]:
+    if description is None:
+        raise CheckpointError(
+            f"{path}: holds no Hugging Face model (its LightningModule had no transformers PreTrainedModel when it was"
+            " saved); export it with consolidate to .ckpt, .pt or .safetensors instead"
+        )
+    ok = isinstance(description, dict) and isinstance(description.get("prefix"), str)
+    ok = ok and isinstance(description.get("config"), dict) and isinstance(description["config"].get("model_type"), str)
+    if not ok:
+        raise CheckpointError(f"{path}: its Hugging Face description is malformed: {str(description)[:200]}")
+    return description["prefix"], description["config"]
+
+
+def export_hugging_face(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    weights_only: bool = True,
+) -> Path:
+    """Writes the Hugging Face model of a sharded checkpoint to the new directory ``out_dir`` (see the module's
+    docstring), atomically. Bad input raises a one-line CheckpointError before anything is written."""
+    directory, out_dir = Path(checkpoint), Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir}: exists (nothing is overwritten: remove it or choose another name)")
+    if not out_dir.parent.is_dir():
+        raise CheckpointError(f"{out_dir.parent}: no such directory to write {out_dir.name} into")
+    if not (isinstance(max_shard_bytes, int) and max_shard_bytes > 0):
+        raise CheckpointError(f"max_shard_bytes must be an integer > 0, got {max_shard_bytes!r}")
+    meta = read_metadata(directory)
+    check_files(directory, meta, checksum=True)
+    lightning = load_lightning_state(directory, weights_only=weights_only)
+    prefix, config = _checked(lightning.get(HUGGING_FACE), directory)
+    seen, weights = set(), []
+    for key, source in _sources(directory, meta, lightning):
+        if key.startswith(prefix) and source[0] not in seen:  # (a tied parameter once)
+            seen.add(source[0])
+            weights.append((key.removeprefix(prefix), source))
+    if not weights:
+        raise CheckpointError(f"{directory}: no weights under {prefix!r}, where its Hugging Face model was")
+    shards: list[list] = [[]]
+    size = 0
+    for key, source in weights:
+        nbytes = math.prod(source[2]) * source[3].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, source))
+        size += nbytes
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        _write(partial, config, shards)
+        os.replace(partial, out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # nothing is left behind
+        raise
+    fsync_dir(out_dir.parent)
+    return out_dir
+
+
+def _write(directory: Path, config: dict[str, Any], shards: list[list]) -> None:
+    config = {**config, "torch_dtype": "float32"}  # the fp32 masters
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if len(shards) == 1:
+        _write_safetensors(directory / "model.safetensors", shards[0])
+        return
+    weight_map, total = {}, 0
+    for index, shard in enumerate(shards, start=1):
+        name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(directory / name, shard)
+        for key, (_, _, shape, dtype) in shard:
+            weight_map[key] = name
+            total += math.prod(shape) * dtype.itemsize
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
