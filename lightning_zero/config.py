@@ -140,6 +140,10 @@ class ZeroConfig:
             fp32 with the hyper-parameters, which ``MyModule.load_from_checkpoint`` opens in a plain process;
             rank 0 streams it from the shard files (about one parameter in memory), at every save. The
             ``lightning-zero consolidate`` command writes the same from any checkpoint afterwards.
+        async_save: a checkpoint save copies this rank's state to host memory and returns; a writer thread
+            writes, hashes, agrees and publishes it while training goes on (checkpoint/background.py). At most
+            one save is in flight (the next save and the end of the run wait for it); a failed one raises on
+            every rank at the next training step; saves on a preemption signal complete before the exit.
         checkpoint_on_signal: on SIGTERM or SIGUSR1 (SLURM's requeue signal) every rank finishes its
             optimizer step, writes a checkpoint and exits with 128 + the signal's number (see
             resilience/preemption.py: ``PreemptionCheckpoint`` sets where; under SLURM with auto-requeue the job is
@@ -181,6 +185,7 @@ class ZeroConfig:
     # checkpoints, buffers and debugging
     broadcast_buffers: bool = True
     save_consolidated: bool = False
+    async_save: bool = False
     checkpoint_on_signal: bool = True
     check_collectives: bool = False
 
@@ -271,6 +276,7 @@ class ZeroConfig:
             # checkpoints, buffers and debugging
             ("broadcast_buffers", isinstance(self.broadcast_buffers, bool), "true or false"),
             ("save_consolidated", isinstance(self.save_consolidated, bool), "true or false"),
+            ("async_save", isinstance(self.async_save, bool), "true or false"),
             ("checkpoint_on_signal", isinstance(self.checkpoint_on_signal, bool), "true or false"),
             ("check_collectives", isinstance(self.check_collectives, bool), "true or false"),
         ]

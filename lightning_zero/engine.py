@@ -28,6 +28,7 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint import save as checkpoint_save
+from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.config import ZeroConfig
 from lightning_zero.planning.memory import persistent_bytes
 from lightning_zero.sharding import collectives
@@ -82,6 +83,7 @@ class ZeroEngine:
         self._checked = 0  # how much of it every rank has agreed on
         self.sharded_init_peak_bytes: int | None = None  # stage 3 built sharded: see construct.py
         self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
+        self.background = _background_saves(config, topology)  # with config.async_save
 
     # --- set-up ------------------------------------------------------------------------------------
     def construction(self) -> ShardedConstruction:
@@ -229,6 +231,8 @@ class ZeroEngine:
 
     # --- steps (see [Note: the step's boundaries]) -------------------------------------------------
     def begin_training_forward(self) -> None:
+        if self.background is not None:  # a failed background save raises here, on every rank alike
+            self.background.poll()
         if self.buffer_sync is not None:  # see [Note: when buffers are broadcast] in sharding/buffer_sync.py
             self.buffer_sync.forward_starts(training=True, synchronized=not self.blocked)
         self.placement.begin_step()
@@ -325,11 +329,20 @@ class ZeroEngine:
             self.placement, self.units = self.placement.gather_module(module, device), []
 
     def save(
-        self, checkpoint: dict[str, Any], path: Any, *, module: Module, optimizers: Sequence[ZeroOptimizer]
+        self,
+        checkpoint: dict[str, Any],
+        path: Any,
+        *,
+        module: Module,
+        optimizers: Sequence[ZeroOptimizer],
+        synchronous: bool = False,
     ) -> None:
         """Writes ``checkpoint`` (the front door's own state) and each rank's shards of ``module``, ``optimizers``
-        and the weight average as a checkpoint directory (collective; checkpoint/save.py)."""
+        and the weight average as a checkpoint directory (collective; checkpoint/save.py); in the background with
+        ``config.async_save`` unless ``synchronous``."""
         self.settle()
+        if self.background is not None:
+            self.background.wait()  # at most one save in flight
         checkpoint_save.save(
             checkpoint,
             path,
@@ -343,7 +356,20 @@ class ZeroEngine:
             writes_shards=self.topology.writes_checkpoint_shards,
             consolidated=self.config.save_consolidated,
             average=self.average,
+            background=None if synchronous else self.background,
         )
+
+    def after_saves(self, then: Callable[[], None]) -> None:
+        """Runs ``then`` once the save in flight has succeeded (background saves), else now."""
+        if self.background is not None:
+            self.background.defer(then)
+        else:
+            then()
+
+    def finish_saves(self) -> None:
+        """Waits for a background save in flight (raising its error): before an exit that must leave it done."""
+        if self.background is not None:
+            self.background.wait()
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's persistent bytes by category, device and ``host_*`` (see ``memory.persistent_bytes``;
@@ -363,7 +389,14 @@ class ZeroEngine:
     # --- the end -----------------------------------------------------------------------------------
     def teardown(self) -> None:
         """Releases hooks; a stage-3 module stays sharded where it is (nothing is gathered, even after an
-        error): ``full_state_dict`` or ``gather_module`` make it whole when asked."""
+        error): ``full_state_dict`` or ``gather_module`` make it whole when asked. A background save in flight
+        is finished first; its error is raised once everything is released."""
+        try:
+            self.finish_saves()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         module = self.module
         if self.stage3 is not None:
             self.peak_gathered_bytes = self.stage3.peak_gathered_bytes
@@ -376,3 +409,12 @@ class ZeroEngine:
         self.load_hooks = []
         self.buffer_sync = None
         self.average = None
+
+
+def _background_saves(config: ZeroConfig, topology: Topology) -> BackgroundSaves | None:
+    """With ``config.async_save``: the writer and its own group of every rank (collective: made at set-up)."""
+    if not config.async_save:
+        return None
+    many = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    group = torch.distributed.new_group(backend="gloo") if many else None
+    return BackgroundSaves(group, poll_group=topology.host_world)

@@ -30,7 +30,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ import torch
 from torch.nn import Module
 
 from lightning_zero.checkpoint import hugging_face
+from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.consolidate import write_consolidated
 from lightning_zero.checkpoint.format import (
     AVERAGED,
@@ -89,15 +90,20 @@ def _is_elementwise(value: Any, numel: int) -> bool:
 
 
 def _unit_payload(
-    unit: FlatUnit, optimizer: ZeroOptimizer | None, weights_only: bool, averaged: torch.Tensor | None
+    unit: FlatUnit,
+    optimizer: ZeroOptimizer | None,
+    weights_only: bool,
+    averaged: torch.Tensor | None,
+    keep: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[str, Any]:
+    """``keep(tensor)``: the host tensor written for ``tensor`` (a copy when the save finishes in the background)."""
     # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
     master = unit.master_partition() if unit.trainable else unit.param_shard
     if master is None:
         raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
-    payload: dict[str, Any] = {"master": master.float().cpu()}
+    payload: dict[str, Any] = {"master": keep(master.float())}
     if averaged is not None:  # see [Note: averaged weights in a checkpoint] in format.py
-        payload["averaged"] = averaged
+        payload["averaged"] = keep(averaged)
     if weights_only or optimizer is None:
         return payload
     state: dict[str, torch.Tensor] = {}
@@ -112,7 +118,7 @@ def _unit_payload(
                     state[key] = torch.zeros(unit.layout.partition_numel, dtype=value.dtype)
                 state[key][piece.partition_offset : piece.partition_offset + piece.numel] = value.reshape(-1)
             else:
-                scalars[piece.param][key] = value.cpu() if torch.is_tensor(value) else value
+                scalars[piece.param][key] = keep(value) if torch.is_tensor(value) else value
     payload.update(state=state, scalars=scalars)
     return payload
 
@@ -134,9 +140,9 @@ def _describe(error: BaseException, what: Path) -> str:
     return f"{what}: {cause}"
 
 
-def _agree(problem: str | None, path: Path, rank: int) -> None:
-    """Raises the first rank's problem on every rank (a collective: every rank calls it)."""
-    problems = [p for p in collectives.all_gather_object(problem) if p is not None]
+def _agree(problem: str | None, path: Path, rank: int, group=None) -> None:
+    """Raises the first rank's problem on every rank (a collective over ``group``: every rank calls it)."""
+    problems = [p for p in collectives.all_gather_object(problem, group=group) if p is not None]
     if problems:
         raise CheckpointError(f"cannot save checkpoint {path}: {problems[0]}")
 
@@ -248,12 +254,15 @@ def save(
     writes_shards: bool = True,
     consolidated: bool = False,
     average: WeightAverage | None = None,
+    background: BackgroundSaves | None = None,
 ) -> None:
     """Writes Lightning's ``checkpoint`` dict and the ranks' shards as the directory ``path`` (collective;
-    see [Note: the save protocol]). ``world_size`` ranks hold the partitions, this one as ``shard_rank``
-    (default: ``rank``); with hybrid sharding only the first shard group ``writes_shards`` (the others
-    hold replicas of the same partitions), and ``rank`` 0 coordinates. ``consolidated``: rank 0 also writes
-    the whole model's fp32 weights as a Lightning checkpoint into it, from the shard files (format.py).
+    see [Note: the save protocol]); with ``background`` the files are written by its writer thread once this
+    rank's state is copied to the host (background.py's [Note: background saves]). ``world_size`` ranks hold
+    the partitions, this one as ``shard_rank`` (default: ``rank``); with hybrid sharding only the first shard
+    group ``writes_shards`` (the others hold replicas of the same partitions), and ``rank`` 0 coordinates.
+    ``consolidated``: rank 0 also writes the whole model's fp32 weights as a Lightning checkpoint into it, from
+    the shard files (format.py).
     ``average``: a weight-averaging callback's, saved beside the weights (format.py)."""
     path = Path(path)
     partial = partial_dir(path)
@@ -270,19 +279,67 @@ def save(
 
     weights_only = "optimizer_states" not in checkpoint
     owner = {id(u): opt for opt in optimizers for u in opt.units}
+    keep = background.host_copy if background is not None else (lambda t: t.cpu())
     name = rank_file(rank if shard_rank is None else shard_rank) if writes_shards else None
-    entry, problem = None, None
-    try:
+    shard, lightning, meta, problem = None, None, None, None
+    try:  # what this step must copy before training goes on; the files come after (maybe in the background)
         if writes_shards:
             averaged = average.partitions(units) if average is not None else [None] * len(units)
             payloads = zip(units, averaged)
-            shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only, a) for u, a in payloads]}
+            shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only, a, keep) for u, a in payloads]}
+        if rank == 0:
+            lightning = _lightning(checkpoint, model, units, optimizers, average)
+            if background is not None:
+                lightning = _copy_tensors(lightning, keep)
+            meta = _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, {})
+    except CheckpointError as error:
+        problem = str(error)
+    except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
+        problem = _describe(error, partial / (name or LIGHTNING))
+    if background is None:
+        _write_files(path, partial, rank, name, shard, lightning, meta, consolidated, problem)
+        return
+    group = background.group
+    background.start(
+        lambda: _write_files(path, partial, rank, name, shard, lightning, meta, consolidated, problem, group)
+    )
+
+
+def _copy_tensors(value: Any, keep: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with every tensor in it (dicts, lists, tuples) replaced by ``keep(tensor)``."""
+    if torch.is_tensor(value):
+        return keep(value)
+    if isinstance(value, dict):
+        return {k: _copy_tensors(v, keep) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_copy_tensors(v, keep) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_tensors(v, keep) for v in value)
+    return value
+
+
+def _write_files(
+    path: Path,
+    partial: Path,
+    rank: int,
+    name: str | None,
+    shard: dict | None,
+    lightning: dict | None,
+    meta: Metadata | None,
+    consolidated: bool,
+    problem: str | None,
+    group=None,
+) -> None:
+    """Phases 2 and 3 of [Note: the save protocol], the ranks agreeing over ``group``."""
+    entry = None
+    try:
+        if problem is None and name is not None:
             entry = write_atomically(partial / name, lambda f: torch.save(shard, f))
     except CheckpointError as error:
         problem = str(error)
     except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
         problem = _describe(error, partial / name)
-    written = collectives.all_gather_object((name, entry, problem))
+    written = collectives.all_gather_object((name, entry, problem), group=group)
     problems = [p for _, _, p in written if p is not None]
     if problems:
         if rank == 0:
@@ -294,9 +351,8 @@ def save(
     if rank == 0:
         try:
             files = {n: e for n, e, _ in written if n is not None}
-            lightning = _lightning(checkpoint, model, units, optimizers, average)
             files[LIGHTNING] = write_atomically(partial / LIGHTNING, lambda f: torch.save(lightning, f))
-            meta = _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, files)
+            meta.files = files
             if consolidated:  # streamed from the shard files just written: about one parameter in memory
                 write_consolidated(partial, meta, lightning, partial / CONSOLIDATED)
                 size = (partial / CONSOLIDATED).stat().st_size
@@ -310,7 +366,7 @@ def save(
         except Exception as error:  # noqa: BLE001
             shutil.rmtree(partial, ignore_errors=True)
             problem = str(error) if isinstance(error, CheckpointError) else _describe(error, path)
-    _agree(problem, path, rank)
+    _agree(problem, path, rank, group)
     _pause("published")
 
 

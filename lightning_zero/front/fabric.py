@@ -258,6 +258,7 @@ class ZeroFabricStrategy(DDPStrategy):
         Trainer's or Fabric's, any world size and stage); returns the other entries. Collective."""
         state = state if isinstance(state, dict) else {"model": state} if isinstance(state, Module) else {}
         module, optimizers = self._stateful(state)
+        self.engine.finish_saves()  # (one of ours may still be finishing in the background)
         loaded = checkpoint_io.open_checkpoint(
             path,
             rank=self.global_rank,

@@ -288,15 +288,25 @@ class ZeroStrategy(DDPStrategy):
             self.engine, checkpoint, filepath, module=module, optimizers=optimizers, world_size=self.world_size
         )
 
+    def finish_saves(self) -> None:
+        """Waits for a checkpoint save finishing in the background (``ZeroConfig(async_save=True)``); raises
+        its error. Collective only in what the save itself still has to agree on."""
+        if self.engine is not None:
+            self.engine.finish_saves()
+
     def remove_checkpoint(self, filepath: Any) -> None:
-        """ModelCheckpoint's top-k: hidden first, then deleted, so a half-removed one is never visible."""
-        checkpoint_save.remove(filepath, rank=self.global_rank)
+        """ModelCheckpoint's top-k: hidden first, then deleted, so a half-removed one is never visible; after the
+        save that replaces it has succeeded, when saves finish in the background."""
+        rank = self.global_rank
+        remove = lambda: checkpoint_save.remove(filepath, rank=rank)  # noqa: E731
+        self.engine.after_saves(remove) if self.engine is not None else remove()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint directory (saved at any world size and stage) or a plain Lightning checkpoint file
         (from ``ddp`` or one device); pickled state is loaded with ``weights_only=True`` unless
         ``trainer.fit(..., weights_only=False)`` says the file is trusted."""
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        self.finish_saves()  # (one of ours may still be finishing in the background)
         return self.checkpoints.open(
             checkpoint_path,
             rank=self.global_rank,

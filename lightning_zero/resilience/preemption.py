@@ -122,6 +122,9 @@ class PreemptionCheckpoint(Callback):
             self.saved_path = self._path(trainer)
             if not _saved_already(trainer, self.saved_path):  # ModelCheckpoint's last.ckpt of this very step
                 trainer.save_checkpoint(self.saved_path)
+            finish = getattr(trainer.strategy, "finish_saves", None)
+            if finish is not None:  # a save finishing in the background is done before the exit
+                finish()
             if trainer.is_global_zero:
                 log.warning(f"{name}: saved {self.saved_path} at step {trainer.global_step}; exiting")
         environment = _slurm_requeue(trainer)

@@ -53,9 +53,13 @@ def _train(fabric, model, optimizer, batches, losses: list) -> None:
             optimizer.zero_grad()
 
 
-def _fabric(stage: int, world: int, **kwargs) -> Fabric:
+def _fabric(stage: int, world: int, async_save: bool = False, **kwargs) -> Fabric:
     config = ZeroConfig(
-        stage=stage, param_persistence_threshold=0, reduce_bucket_size=100, timeout=COLLECTIVE_TIMEOUT_S
+        stage=stage,
+        param_persistence_threshold=0,
+        reduce_bucket_size=100,
+        timeout=COLLECTIVE_TIMEOUT_S,
+        async_save=async_save,
     )
     fabric = Fabric(strategy=ZeroFabricStrategy(config), accelerator="cpu", devices=world, **kwargs)
     fabric.launch()

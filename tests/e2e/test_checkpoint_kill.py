@@ -40,11 +40,11 @@ def _visible(dirpath: Path) -> dict[str, int]:
     return steps
 
 
-def _kill_at(phase: str, nth: int, dirpath: Path) -> None:
+def _kill_at(phase: str, nth: int, dirpath: Path, mode: str) -> None:
     marker = dirpath.parent / f"{phase}.paused"
     env = {**os.environ, PAUSE_ENV: f"{phase}@{nth}:{marker}", "OMP_NUM_THREADS": "1"}
     target = subprocess.Popen(
-        [sys.executable, str(SUPPORT / "kill_target.py"), str(dirpath)],
+        [sys.executable, str(SUPPORT / "kill_target.py"), str(dirpath), *([mode] if mode == "async" else [])],
         env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
@@ -58,11 +58,13 @@ def _kill_at(phase: str, nth: int, dirpath: Path) -> None:
     assert marker.exists(), f"the save never reached phase {phase!r} (exit code {target.returncode})"
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("phase", PHASES)
-def test_kill_during_each_phase_of_a_save(ranks, tmp_path, phase):
+def test_kill_during_each_phase_of_a_save(ranks, tmp_path, phase, mode):
+    """``mode`` async: the same saves finishing in the background (ZeroConfig(async_save=True)) leave the same."""
     dirpath = tmp_path / "ckpts"
     dirpath.mkdir()
-    _kill_at(phase, PHASES[phase], dirpath)
+    _kill_at(phase, PHASES[phase], dirpath, mode)
     visible = _visible(dirpath)
     assert "last.ckpt" in visible, f"{phase}: last.ckpt vanished: {sorted(visible)}"
     expected_last = 2 if phase == "exchanged" else 1

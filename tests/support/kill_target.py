@@ -1,5 +1,6 @@
 """Trains on 2 ranks, saving after every step (the newest checkpoint, plus last.ckpt overwritten each
-time), until killed or done (test_checkpoint_kill.py stops a save at a chosen phase and kills it)."""
+time), until killed or done (test_checkpoint_kill.py stops a save at a chosen phase and kills it); with a
+second argument "async", the saves finish in the background."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ class Wide(pl.LightningModule):
         return DataLoader(self.data, batch_size=4)
 
 
-def trainer(world: int, dirpath: str, steps: int) -> pl.Trainer:
+def trainer(world: int, dirpath: str, steps: int, async_save: bool = False) -> pl.Trainer:
     return pl.Trainer(
-        strategy=ZeroStrategy(ZeroConfig(stage=2, timeout=60)),
+        strategy=ZeroStrategy(ZeroConfig(stage=2, timeout=60, async_save=async_save)),
         accelerator="cpu",
         devices=world,
         max_steps=steps,
@@ -51,12 +52,13 @@ def trainer(world: int, dirpath: str, steps: int) -> pl.Trainer:
     )
 
 
-def train(rank: int, world: int, dirpath: str, steps: int, ckpt: str | None) -> None:
+def train(rank: int, world: int, dirpath: str, steps: int, ckpt: str | None, async_save: bool = False) -> None:
     pl.seed_everything(0)
-    t = trainer(world, dirpath, steps)
+    t = trainer(world, dirpath, steps, async_save)
     t.fit(Wide(), ckpt_path=ckpt)
     assert t.global_step == steps
 
 
 if __name__ == "__main__":
-    spawn_local_ranks(train, 2, str(Path(sys.argv[1])), STEPS, None, start_method="fork")  # imports once
+    background = sys.argv[2:] == ["async"]
+    spawn_local_ranks(train, 2, str(Path(sys.argv[1])), STEPS, None, background, start_method="fork")  # imports once

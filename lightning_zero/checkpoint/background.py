@@ -1,0 +1,110 @@
+"""Saves that finish in the background (``ZeroConfig(async_save=True)``): the step that saves only copies
+this rank's shards (and, on rank 0, Lightning's state) to host memory; a writer thread does the rest of the
+save protocol (save.py's [Note: the save protocol]) while training goes on.
+
+[Note: background saves]
+- At most one save is in flight: the next save, the end of the run (``wait``) and a preemption wait for it.
+- What must follow a save's success (ModelCheckpoint's removal of the checkpoint it replaces as the best) is
+  deferred to after it (``defer``), as a synchronous save orders it: a kill in between never leaves neither.
+- The writers agree on each phase's verdict over a group of their own (a gloo group of every rank, made at
+  set-up, used by no one else), so their collectives never interleave with training's.
+- Whether the save is done is agreed at a step boundary (``poll``: one MIN all-reduce of a flag per step while
+  a save is in flight, issued by every rank at the same point), so a failed save raises its one-line
+  ``CheckpointError`` on every rank at the same step, never on one rank while the others go on.
+- A kill during a background save leaves exactly what a synchronous save killed at the same phase leaves: the
+  writer runs the same phases on the same files.
+- Host copies are reused from one save to the next (the previous save is done when the next copies), pinned
+  when they come from a CUDA device, so a save of the same model allocates nothing after the first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_zero.sharding import collectives
+
+
+class BackgroundSaves:
+    """``group``: the writers' own group of every rank (None in a world of one); ``poll_group``: the training
+    thread's group of every rank for CPU tensors (topology.py's ``host_world``; None: the world)."""
+
+    def __init__(self, group=None, poll_group=None) -> None:
+        self.group, self.poll_group = group, poll_group
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pool: dict[tuple, list[Tensor]] = {}  # the previous save's host copies, by (shape, dtype, pinned)
+        self._taken: dict[tuple, list[Tensor]] = {}
+        self._device_copies = False
+        self._lock = threading.Lock()
+        self._deferred: list[Callable[[], None]] | None = None  # while a save runs: what follows its success
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def host_copy(self, tensor: Tensor) -> Tensor:
+        """A host copy of ``tensor`` that stays as it is while training changes ``tensor`` (see the Note)."""
+        pinned = tensor.is_cuda
+        key = (tuple(tensor.shape), tensor.dtype, pinned)
+        free = self._pool.get(key)
+        copy = free.pop() if free else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+        self._taken.setdefault(key, []).append(copy)
+        copy.copy_(tensor.detach(), non_blocking=pinned)
+        self._device_copies |= pinned
+        return copy
+
+    def start(self, work: Callable[[], None]) -> None:
+        """Runs ``work`` (the rest of a save) in the writer thread, once the host copies have landed."""
+        if self._device_copies:
+            torch.cuda.synchronize()  # the copies are read by the writer, off the streams that made them
+        self._pool, self._taken, self._device_copies = self._taken, {}, False
+        self._error = None
+        self._deferred = []
+        self._thread = threading.Thread(target=self._run, args=(work,), name="lightning_zero-save", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        succeeded = False
+        try:
+            work()
+            succeeded = True
+        except BaseException as error:  # noqa: BLE001 - raised in the training thread (poll, wait)
+            self._error = error
+        with self._lock:
+            deferred, self._deferred = self._deferred, None
+        for then in deferred if succeeded else ():
+            then()
+
+    def defer(self, then: Callable[[], None]) -> None:
+        """Runs ``then`` after the save in flight has succeeded (dropped if it fails), or now if none is."""
+        with self._lock:
+            if self._deferred is not None:
+                self._deferred.append(then)
+                return
+        then()
+
+    def poll(self) -> None:
+        """At a step boundary, on every rank: once every rank's writer is done, its error (the same on every
+        rank: the writers agreed on it) is raised here. Collective while a save is in flight."""
+        if self._thread is None:
+            return
+        done = torch.tensor([0 if self._thread.is_alive() else 1], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            collectives.all_reduce(done, dist.ReduceOp.MIN, group=self.poll_group)
+        if int(done.item()):
+            self.wait()
+
+    def wait(self) -> None:
+        """Waits for the save in flight, if any; raises its error."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
