@@ -18,7 +18,9 @@ collectives on every rank.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -146,12 +148,24 @@ class ZeroEngine:
             backward_end=self.backward_end,
             group=self.topology.shard_group,
             quantize_block=self.config.quantization_block_size if self.config.quantized_weights else None,
-            node=(self.topology.node_rank, self.topology.node_size, self.topology.node_group)
-            if self.config.secondary_partition
-            else None,
+            node=self._secondary_partition(),
         )
         runtime.install_access_hooks(module)
         self.placement = Sharded(runtime)
+
+    def _secondary_partition(self) -> tuple[int, int, Any] | None:
+        """hpZ's (node rank, node size, node group) when asked for and there is more than one node."""
+        if not self.config.secondary_partition:
+            return None
+        if self.topology.cross_group is None:  # one node: the backward's gathers stay in it anyway
+            if self.rank == 0:
+                warnings.warn(
+                    "zero.secondary_partition: the run has one node (zero.node_size = the world size), so every"
+                    " gather stays inside it already; the secondary partition is off",
+                    stacklevel=2,
+                )
+            return None
+        return self.topology.node_rank, self.topology.node_size, self.topology.node_group
 
     @property
     def stage3(self) -> Stage3Runtime | None:
@@ -262,14 +276,26 @@ class ZeroEngine:
             if self.reducer is not None:
                 self.reducer.accumulating = accumulating
 
-    def forward_only(self, step: Callable, *args: Any, last: Callable[[], bool] | None = None, **kwargs: Any) -> Any:
+    def forward_only(
+        self,
+        step: Callable,
+        *args: Any,
+        last: Callable[[], bool] | None = None,
+        checked_as: str = "before a forward-only step",
+        **kwargs: Any,
+    ) -> Any:
         """One forward-only step (evaluation). Stage 3: with ``last`` (whether this rank ran out of batches after
         this one) a step of a Join (see [Note: uneven inputs] in sharding/stage3.py); without, every rank must
-        run as many."""
+        run as many. With ``config.check_collectives`` the ranks' collectives are compared first (``checked_as``
+        names the place), by a rank that has run out too, at each step the others run."""
         self.settle()
         if self.buffer_sync is not None:
             self.buffer_sync.forward_starts(training=False, synchronized=False)
-        join = Join(self._count_ranks_with_batch, last) if last is not None else None
+        check = functools.partial(self.check_collectives, checked_as)
+        if last is None or isinstance(self.placement, Replicated):
+            check()
+            return self.placement.forward_only(step, args, kwargs, join=None)
+        join = Join(self._count_ranks_with_batch, last, check)
         return self.placement.forward_only(step, args, kwargs, join=join)
 
     def _count_ranks_with_batch(self, has_batch: int) -> int:
@@ -379,7 +405,7 @@ class ZeroEngine:
         totals = persistent_bytes(self.units, self.optimizers, self.module, offloaded=offloaded)
         if self.average is not None:
             totals["weight_average"] = self.average.nbytes()
-        if self.config.secondary_partition:  # held between a forward and its backward, at most
+        if self.stage3 is not None and self.stage3.node is not None:  # held between a forward and its backward
             size = self.topology.node_size
             totals["secondary_partition"] = sum(
                 u.flat_param.numel() // size * u.flat_param.element_size() for u in self.units

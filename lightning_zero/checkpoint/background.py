@@ -50,13 +50,21 @@ class BackgroundSaves:
     def host_copy(self, tensor: Tensor) -> Tensor:
         """A host copy of ``tensor`` that stays as it is while training changes ``tensor`` (see the Note)."""
         pinned = tensor.is_cuda
-        key = (tuple(tensor.shape), tensor.dtype, pinned)
-        free = self._pool.get(key)
-        copy = free.pop() if free else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
-        self._taken.setdefault(key, []).append(copy)
+        copy = self._host_empty(tuple(tensor.shape), tensor.dtype, pinned)
         copy.copy_(tensor.detach(), non_blocking=pinned)
         self._device_copies |= pinned
         return copy
+
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """A zeroed host buffer for this save (one the previous save wrote, when it had one of this size)."""
+        return self._host_empty((numel,), dtype, False).zero_()
+
+    def _host_empty(self, shape: tuple, dtype: torch.dtype, pinned: bool) -> Tensor:
+        key = (shape, dtype, pinned)
+        free = self._pool.get(key)
+        buffer = free.pop() if free else torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        self._taken.setdefault(key, []).append(buffer)
+        return buffer
 
     def start(self, work: Callable[[], None]) -> None:
         """Runs ``work`` (the rest of a save) in the writer thread, once the host copies have landed."""

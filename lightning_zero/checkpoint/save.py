@@ -95,8 +95,10 @@ def _unit_payload(
     weights_only: bool,
     averaged: torch.Tensor | None,
     keep: Callable[[torch.Tensor], torch.Tensor],
+    zeros: Callable[[int, torch.dtype], torch.Tensor],
 ) -> dict[str, Any]:
-    """``keep(tensor)``: the host tensor written for ``tensor`` (a copy when the save finishes in the background)."""
+    """``keep(tensor)``: the host tensor written for ``tensor`` (a copy when the save finishes in the background);
+    ``zeros(numel, dtype)``: a zeroed host buffer (reused from save to save in the background)."""
     # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
     master = unit.master_partition() if unit.trainable else unit.param_shard
     if master is None:
@@ -115,7 +117,7 @@ def _unit_payload(
         for key, value in optimizer.optimizer.state[tensor].items():
             if _is_elementwise(value, piece.numel):
                 if key not in state:  # assembled on the CPU: no partition-sized spike on the device
-                    state[key] = torch.zeros(unit.layout.partition_numel, dtype=value.dtype)
+                    state[key] = zeros(unit.layout.partition_numel, value.dtype)
                 state[key][piece.partition_offset : piece.partition_offset + piece.numel] = value.reshape(-1)
             else:
                 scalars[piece.param][key] = keep(value) if torch.is_tensor(value) else value
@@ -280,13 +282,15 @@ def save(
     weights_only = "optimizer_states" not in checkpoint
     owner = {id(u): opt for opt in optimizers for u in opt.units}
     keep = background.host_copy if background is not None else (lambda t: t.cpu())
+    zeros = background.host_zeros if background is not None else (lambda n, dtype: torch.zeros(n, dtype=dtype))
     name = rank_file(rank if shard_rank is None else shard_rank) if writes_shards else None
     shard, lightning, meta, problem = None, None, None, None
     try:  # what this step must copy before training goes on; the files come after (maybe in the background)
         if writes_shards:
             averaged = average.partitions(units) if average is not None else [None] * len(units)
             payloads = zip(units, averaged)
-            shard = {"units": [_unit_payload(u, owner.get(id(u)), weights_only, a, keep) for u, a in payloads]}
+            pieces = [_unit_payload(u, owner.get(id(u)), weights_only, a, keep, zeros) for u, a in payloads]
+            shard = {"units": pieces}
         if rank == 0:
             lightning = _lightning(checkpoint, model, units, optimizers, average)
             if background is not None:

@@ -66,9 +66,10 @@ class ZeroModule(Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine[0]
         self.calls += 1
-        engine.check_collectives(f"before call {self.calls} of the model")
+        where = f"before call {self.calls} of the model"
         if not torch.is_grad_enabled():  # (whatever the mode: a model in eval() mode may still be trained)
-            return engine.forward_only(self.module, *args, **kwargs)
+            return engine.forward_only(self.module, *args, checked_as=where, **kwargs)
+        engine.check_collectives(where)
         engine.begin_training_forward()
         output = self.module(*args, **kwargs)
         engine.end_training_forward()

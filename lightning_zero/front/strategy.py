@@ -216,13 +216,13 @@ class ZeroStrategy(DDPStrategy):
 
     def _forward_only_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         """Stage 3: one forward-only step of a Join (see [Note: uneven inputs] in sharding/stage3.py)."""
-        self._check_collectives()
         trainer = self.lightning_module.trainer
 
         def last() -> bool:  # this rank's loop has run out of batches
             return trainer._active_loop is not None and trainer._active_loop.batch_progress.is_last_batch
 
-        return self.engine.forward_only(step, *args, last=last, **kwargs)
+        where = f"before global step {trainer.global_step}"
+        return self.engine.forward_only(step, *args, last=last, checked_as=where, **kwargs)
 
     def _check_collectives(self) -> None:
         self.engine.check_collectives(f"before global step {self.lightning_module.trainer.global_step}")

@@ -38,10 +38,12 @@ from lightning_zero.sharding.stage3_setup import ShardedModule, gather_module
 @dataclass(frozen=True)
 class Join:
     """Uneven forward-only steps: ``count(has_batch)`` is how many ranks have a batch (collective), ``last()``
-    whether this rank's batches ran out with this step."""
+    whether this rank's batches ran out with this step; ``check()`` runs at every step on every rank, one that
+    has run out included (the collective check of ``ZeroConfig.check_collectives``)."""
 
     count: Callable[[int], int]
     last: Callable[[], bool]
+    check: Callable[[], None]
 
 
 class Replicated:
@@ -140,7 +142,8 @@ class Sharded:
         """One forward-only step; with ``join`` a step of a Join (see [Note: uneven inputs] in stage3.py)."""
         if join is not None:
             join.count(1)
-        self.runtime.begin_step()
+            join.check()
+        self.runtime.begin_step(training=False)
         try:
             output = step(*args, **kwargs)
             self.runtime.end_forward()
@@ -148,6 +151,7 @@ class Sharded:
             self.runtime.end_step()
         if join is not None and join.last():
             while join.count(0) > 0:  # others still have batches: issue what their forwards issue
+                join.check()
                 self.runtime.shadow_step()
         return output
 

@@ -149,7 +149,8 @@ class Stage3Runtime:
         backward_end.on_begin.append(self.schedule.begin_backward)
         backward_end.on_end.insert(0, self._end_backward)  # before the reducer waits for every reduction
         self.in_step = False
-        self._forward_only_gathers: list[FlatUnit] = []  # this forward-only step's gathers, for shadow_step
+        self._forward_only_gathers: list[tuple[FlatUnit, bool]] = []  # this forward-only step's (unit, for_step)
+        self._training_step = False  # the step in progress trains (set by begin_step: the same on every rank)
         self._last_forward_only: list[FlatUnit] | None = None
         self.peak_gathered_bytes = 0  # largest size of all gathered units together (root, persistent included)
         self._handles = []
@@ -195,10 +196,12 @@ class Stage3Runtime:
             unit.unshard_within_node(group=self.node[2])
         else:
             unit.unshard(async_op=True, group=self.group, quantize_block=self.quantize_block if for_step else None)
-            if for_step and self.node is not None and torch.is_grad_enabled() and not in_backward():
+            # see [Note: a secondary partition]: decided by the schedule's state, never by this rank's grad mode
+            forward = self._training_step and not self.schedule.in_backward_pass
+            if for_step and self.node is not None and forward and unit not in self.root:
                 self._keep.add(id(unit))
-        if self.in_step and not torch.is_grad_enabled():
-            self._forward_only_gathers.append(unit)
+        if self.in_step and not self._training_step:
+            self._forward_only_gathers.append((unit, for_step))
         gathered = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
@@ -306,11 +309,11 @@ class Stage3Runtime:
                 self.reducer.reduce_unit(unit)
 
     # --- step boundaries --------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Before a training/validation/test/predict step: the root unit is gathered for the step."""
+    def begin_step(self, *, training: bool = True) -> None:
+        """Before a training (``training``) or validation/test/predict step: the root unit is gathered for it."""
         if self.in_step:  # the last step had no backward (training_step returned None)
             self.end_step()
-        self.in_step = True
+        self.in_step, self._training_step = True, training
         self._forward_only_gathers = []
         self.schedule.begin_step()
         for unit in self.root:
@@ -325,7 +328,7 @@ class Stage3Runtime:
 
     def end_step(self) -> None:
         """After the step's backward (or forward when there is none): everything not persistent is freed."""
-        if self._forward_only_gathers and not torch.is_grad_enabled():
+        if self._forward_only_gathers and not self._training_step:
             self._last_forward_only = self._forward_only_gathers
         self.schedule.end_step()
         for unit in self.root:
@@ -341,8 +344,9 @@ class Stage3Runtime:
     def shadow_step(self) -> None:
         """Issues the gathers of a forward-only step without running the model (see [Note: uneven inputs])."""
         scheduled = [u for k, units in enumerate(self.scheduled) if k not in self.schedule.persistent for u in units]
-        for unit in self._last_forward_only if self._last_forward_only is not None else self.root + scheduled:
-            self._start(unit, for_step=True)
+        everything = [(unit, True) for unit in self.root + scheduled]
+        for unit, for_step in self._last_forward_only if self._last_forward_only is not None else everything:
+            self._start(unit, for_step=for_step)  # (quantized or exact, as the others' forwards gather it)
             self._free(unit)
 
     def abandon(self) -> None:

@@ -186,6 +186,11 @@ class Schedule:
         self._active.clear()
 
     # --- backward --------------------------------------------------------------------------------------
+    @property
+    def in_backward_pass(self) -> bool:
+        """Whether this step's backward has begun (by the schedule's events: the same on every rank)."""
+        return self._in_backward
+
     def begin_backward(self) -> None:
         self.end_forward()
         if not self._in_backward:

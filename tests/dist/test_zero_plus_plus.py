@@ -19,12 +19,14 @@ import itertools
 
 import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader, Subset
 
 from lightning_zero import LossScaleConfig, ZeroPrecision
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.quantize import LEVELS
 from lightning_zero.sharding.topology import make_topology
 from tests.dist.test_fp16 import InjectOnRankOne
+from tests.support.dynamic_models import DynamicModule, Indexed
 from tests.support.helpers import (
     EquivalenceModule,
     TrafficPerStep,
@@ -224,3 +226,58 @@ def test_a_llama_lora_fine_tune_with_all_three_ends_within_one_percent(ranks):
     finals = ranks(_llama_worker, WORLD)[0]
     assert finals["all"] != finals["plain"]
     assert abs(finals["all"] - finals["plain"]) <= 0.01 * finals["plain"], finals
+
+
+class ManualExperts(DynamicModule):
+    """Data-dependent experts under manual optimization: a rank serves the experts it did not run as its
+    backward begins (inside autograd), where the rank that ran them kept their secondary parts in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__("experts", steps=3)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        self.manual_backward(torch.nn.functional.cross_entropy(self.net(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _manual_worker(rank: int, world: int) -> dict:
+    out = {}
+    for name, options in (("plain", {}), ("hpZ", {"secondary_partition": True})):
+        pl.seed_everything(0)
+        module = ManualExperts()
+        budget = 2 * max(sum(p.numel() for p in e.parameters()) for e in module.net.modules() if e is not module.net)
+        strategy = _plus(max_live_parameters=budget + 64, **options)
+        make_trainer(strategy, world, steps=3, accumulate=1, clip=None).fit(module)
+        out[name] = full_state(strategy)
+    return out
+
+
+def test_secondary_parts_follow_the_schedule_under_manual_optimization_and_routed_experts(ranks):
+    for result in ranks(_manual_worker, WORLD):
+        for key, value in result["plain"].items():
+            assert relative_error(result["hpZ"][key], value) <= 1e-5, key
+
+
+class GatheringValidation(DynamicModule):
+    def validation_step(self, batch, batch_idx):
+        with self.trainer.strategy.gathered_parameters(self.net.blocks[1].lin):  # an exact gather in the step
+            pass
+        self._evaluate(batch)
+
+
+def _uneven_worker(rank: int, world: int) -> None:
+    pl.seed_everything(0)
+    module = GatheringValidation("skip")
+    mine = Subset(Indexed(module.data, 5), range(rank, 5, world))  # 3 batches on rank 0, 2 on rank 1
+    strategy = zero_strategy(3, param_persistence_threshold=0, quantized_weights=True, check_collectives=True)
+    with collectives.record() as issued:
+        make_trainer(strategy, world).validate(module, DataLoader(mine, batch_size=1), verbose=False)
+    assert collectives.first_divergence(collectives.all_gather_object(issued)) is None
+
+
+def test_uneven_evaluation_replays_quantized_and_exact_gathers_alike(ranks):
+    ranks(_uneven_worker, 2)
