@@ -44,7 +44,7 @@ from lightning_zero.sharding.build import (
     wrap_optimizers,
 )
 from lightning_zero.sharding.construct import ShardedConstruction
-from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
+from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.full_state import full_state_dict, needs_masters, parameter_norms
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.param_gather import ParamGathers, runs_compiled_code
@@ -58,6 +58,7 @@ from lightning_zero.sharding.stage3_setup import (
     shard_module,
 )
 from lightning_zero.sharding.topology import Topology
+from lightning_zero.sharding.unit_index import UnitIndex
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.sharding.construct import ShardedConstruction
-from lightning_zero.sharding.flat_unit import UnitIndex
+from lightning_zero.sharding.unit_index import UnitIndex
 
 
 class _Source:

@@ -10,12 +10,13 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
-from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
+from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.optimizer_check import check_elementwise
 from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.topology import Topology
+from lightning_zero.sharding.unit_index import UnitIndex
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 

@@ -28,11 +28,12 @@ import torch
 from torch.nn import Module, Parameter
 
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
+from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import ShardedModule, gather_module
+from lightning_zero.sharding.unit_index import UnitIndex
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,10 @@ from torch import Tensor
 from torch.nn import Module, ModuleDict, ModuleList, Parameter, ParameterDict, ParameterList
 
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.flat_unit import FlatUnit, UnitIndex
+from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.stage3 import Stage3Runtime
+from lightning_zero.sharding.unit_index import UnitIndex
 
 InitFn = Callable[[Module, torch.Generator], None]
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.resilience.peer_failure import EXIT_CODE
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.flat_unit import UnitIndex
+from lightning_zero.sharding.unit_index import UnitIndex
 from tests.support.dynamic_models import DynamicModule
 from tests.support.helpers import full_state, make_trainer, relative_error, zero_strategy
 from tests.support.pool import RankFailure
