@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import resource
-import signal
-from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -23,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.format import CheckpointError
+from tests.dist.test_checkpoint_safety import _file_size_limit
 from tests.support.helpers import EquivalenceModule, full_state, make_trainer, verify_checkpoint, zero_strategy
 
 STEPS = 4
@@ -67,18 +66,6 @@ def test_background_saves_hold_what_synchronous_ones_do(ranks, tmp_path):
             a = torch.load(tmp_path / f"resumed-{stage}-False-{rank}.pt", weights_only=True)
             b = torch.load(tmp_path / f"resumed-{stage}-True-{rank}.pt", weights_only=True)
             assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@contextmanager
-def _file_size_limit(limit: int):
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
 
 
 class SaveOnAFullDisk(pl.Callback):
