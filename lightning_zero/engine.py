@@ -23,6 +23,7 @@ import hashlib
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack, contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -421,6 +422,8 @@ class ZeroEngine:
         try:
             self.finish_saves()
         finally:
+            if self.background is not None:
+                self.background.release()
             self._release()
 
     def _release(self) -> None:
@@ -443,5 +446,6 @@ def _background_saves(config: ZeroConfig, topology: Topology) -> BackgroundSaves
     if not config.async_save:
         return None
     many = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    group = torch.distributed.new_group(backend="gloo") if many else None
+    timeout = timedelta(seconds=config.timeout)  # (torch's default would leave a lost peer's save waiting 30 min)
+    group = torch.distributed.new_group(backend="gloo", timeout=timeout) if many else None
     return BackgroundSaves(group, poll_group=topology.host_world)

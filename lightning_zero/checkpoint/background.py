@@ -47,6 +47,10 @@ class BackgroundSaves:
     def in_flight(self) -> bool:
         return self._thread is not None
 
+    def release(self) -> None:
+        """Frees the host copies kept for the next save (at the end of a run, once no save is in flight)."""
+        self._pool, self._taken = {}, {}
+
     def host_copy(self, tensor: Tensor) -> Tensor:
         """A host copy of ``tensor`` that stays as it is while training changes ``tensor`` (see the Note)."""
         pinned = tensor.is_cuda
@@ -94,7 +98,9 @@ class BackgroundSaves:
             if self._deferred is not None:
                 self._deferred.append(then)
                 return
-        then()
+            failed = self._thread is not None and self._error is not None  # (done, its error not yet raised)
+        if not failed:
+            then()
 
     def poll(self) -> None:
         """At a step boundary, on every rank: once every rank's writer is done, its error (the same on every
@@ -109,10 +115,11 @@ class BackgroundSaves:
 
     def wait(self) -> None:
         """Waits for the save in flight, if any; raises its error."""
-        thread, self._thread = self._thread, None
+        thread = self._thread
         if thread is None:
             return
         thread.join()
+        self._thread = None
         error, self._error = self._error, None
         if error is not None:
             raise error

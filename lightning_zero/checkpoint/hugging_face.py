@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from lightning_zero.checkpoint.format import (
 )
 
 HUGGING_FACE = "hugging_face"
+OURS = ".lightning_zero_export"  # marks a hidden directory as one an export of ours created
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default
 
 
@@ -43,7 +45,12 @@ def describe(model: Module) -> dict[str, Any]:
         config = getattr(module, "config", None)
         if hasattr(module, "save_pretrained") and hasattr(config, "to_json_string"):
             prefix = f"{name}." if name else ""
-            return {HUGGING_FACE: {"prefix": prefix, "config": json.loads(config.to_json_string())}}
+            try:
+                return {HUGGING_FACE: {"prefix": prefix, "config": json.loads(config.to_json_string())}}
+            except (TypeError, ValueError) as error:  # the checkpoint is still saved, without the description
+                warnings.warn(f"lightning_zero: {name or 'the model'}'s config is not JSON ({error}); checkpoints"
+                              " will not export it for Hugging Face", stacklevel=2)  # fmt: skip
+                return {}
     return {}
 
 
@@ -97,10 +104,16 @@ def export_hugging_face(
         shards[-1].append((key, source))
         size += nbytes
     partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    if partial.exists() or partial.is_symlink():
+        if not (partial.is_dir() and (partial / OURS).exists()):
+            raise CheckpointError(f"{partial}: exists and was not made by lightning_zero; nothing was overwritten")
+        shutil.rmtree(partial)  # left by an export that was killed
     partial.mkdir()
+    (partial / OURS).touch()
     try:
         _write(partial, config, shards)
+        (partial / OURS).unlink()
+        fsync_dir(partial)
         os.replace(partial, out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # nothing is left behind
@@ -110,8 +123,11 @@ def export_hugging_face(
 
 
 def _write(directory: Path, config: dict[str, Any], shards: list[list]) -> None:
-    config = {**config, "torch_dtype": "float32"}  # the fp32 masters
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    config = {**config, "torch_dtype": "float32", "dtype": "float32"}  # the fp32 masters (both spellings)
+    with open(directory / "config.json", "w") as f:
+        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     if len(shards) == 1:
         _write_safetensors(directory / "model.safetensors", shards[0])
         return

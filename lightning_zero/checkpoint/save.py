@@ -24,6 +24,7 @@ in which the name is absent.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import errno
 import os
@@ -309,16 +310,23 @@ def save(
     )
 
 
-def _copy_tensors(value: Any, keep: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with every tensor in it (dicts, lists, tuples) replaced by ``keep(tensor)``."""
+def _copy_tensors(value: Any, keep: Callable[[torch.Tensor], torch.Tensor], memo: dict | None = None) -> Any:
+    """``value`` with every tensor in it (dicts of any kind, lists, tuples) replaced by ``keep(tensor)``, a tensor
+    held in several places (tied entries) copied once."""
+    memo = {} if memo is None else memo
     if torch.is_tensor(value):
-        return keep(value)
+        if id(value) not in memo:
+            memo[id(value)] = keep(value)
+        return memo[id(value)]
     if isinstance(value, dict):
-        return {k: _copy_tensors(v, keep) for k, v in value.items()}
+        out = copy.copy(value)  # (its own kind: OrderedDict, defaultdict, ...)
+        for key, item in value.items():
+            out[key] = _copy_tensors(item, keep, memo)
+        return out
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_copy_tensors(v, keep) for v in value))
+        return type(value)(*(_copy_tensors(v, keep, memo) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_copy_tensors(v, keep) for v in value)
+        return type(value)(_copy_tensors(v, keep, memo) for v in value)
     return value
 
 

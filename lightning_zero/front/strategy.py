@@ -367,8 +367,17 @@ class ZeroStrategy(DDPStrategy):
         """Releases hooks; a stage-3 module stays sharded where it is (nothing is gathered, even after an
         error): ``full_state_dict()`` or ``gather_module()`` make it whole when asked."""
         module = self.lightning_module
-        if self.engine is not None:
-            self.engine.teardown()
+        failed = None
+        try:
+            if self.engine is not None:
+                self.engine.teardown()
+        except Exception as error:  # (a background save's failure: raised once everything else is released)
+            failed = error
+        self._release(module)
+        if failed is not None:
+            raise failed
+
+    def _release(self, module: pl.LightningModule | None) -> None:
         self.checkpoints.clear()
         detach_average(self._averaging)
         self._averaging = []

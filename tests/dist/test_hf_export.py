@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.hugging_face import export_hugging_face
 from tests.support.helpers import full_state, make_trainer, run_cli, zero_strategy
 
@@ -56,6 +57,14 @@ def test_exported_models_load_with_from_pretrained(ranks, tmp_path, capsys):
         assert all(torch.equal(again[k], v) for k, v in state.items())
         tied = family == "gpt2"  # its head is the embedding: one copy, as save_pretrained writes
         assert ("lm_head.weight" in index["weight_map"]) != tied, family
+        config = json.loads((out / "config.json").read_text())
+        assert (config["dtype"], config["torch_dtype"]) == ("float32", "float32")  # the masters, whatever trained
+        foreign = tmp_path / f".{family}-again.partial"  # someone else's directory where ours would go
+        foreign.mkdir()
+        (foreign / "theirs.txt").write_text("keep")
+        with pytest.raises(CheckpointError, match="exists and was not made by lightning_zero; nothing was overwritten"):
+            export_hugging_face(tmp_path / f"{family}.ckpt", tmp_path / f"{family}-again")
+        assert (foreign / "theirs.txt").read_text() == "keep"
 
 
 def _plain_checkpoint(rank: int, world: int, root) -> None:
