@@ -8,6 +8,7 @@ boundaries (engine.py's [Note: the step's boundaries]) and answers Lightning's c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -297,9 +298,11 @@ class ZeroStrategy(DDPStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's top-k: hidden first, then deleted, so a half-removed one is never visible; after the
         save that replaces it has succeeded, when saves finish in the background."""
-        rank = self.global_rank
-        remove = lambda: checkpoint_save.remove(filepath, rank=rank)  # noqa: E731
-        self.engine.after_saves(remove) if self.engine is not None else remove()
+        remove = functools.partial(checkpoint_save.remove, filepath, rank=self.global_rank)
+        if self.engine is not None:
+            self.engine.after_saves(remove)
+        else:
+            remove()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint directory (saved at any world size and stage) or a plain Lightning checkpoint file

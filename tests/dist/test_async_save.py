@@ -21,8 +21,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.format import CheckpointError
-from tests.dist.test_checkpoint_safety import _file_size_limit
-from tests.support.helpers import EquivalenceModule, full_state, make_trainer, verify_checkpoint, zero_strategy
+from tests.support.helpers import (
+    EquivalenceModule,
+    file_size_limit,
+    full_state,
+    make_trainer,
+    verify_checkpoint,
+    zero_strategy,
+)
 
 STEPS = 4
 
@@ -83,7 +89,7 @@ class SaveOnAFullDisk(pl.Callback):
 def _full_disk_worker(rank: int, world: int, root: Path) -> None:
     watch = SaveOnAFullDisk(root / "full.ckpt")
     trainer = make_trainer(zero_strategy(2, async_save=True), world, steps=6, callbacks=[watch])
-    with _file_size_limit(4096 if rank == 1 else resource.RLIM_INFINITY):
+    with file_size_limit(4096 if rank == 1 else resource.RLIM_INFINITY):
         with pytest.raises(
             CheckpointError, match=r"cannot save checkpoint .*full\.ckpt: .*rank-00001\.pt: File too large"
         ):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import signal
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +23,7 @@ from lightning_zero.checkpoint.shards import ShardReader
 from tests.support.helpers import (
     EquivalenceModule,
     Poison,
+    file_size_limit,
     make_trainer,
     poison_checkpoint,
     verify_checkpoint,
@@ -33,19 +33,6 @@ from tests.support.helpers import (
 
 def _listing(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-@contextmanager
-def _file_size_limit(limit: int):
-    """A full disk on this rank: writes past ``limit`` bytes fail with EFBIG (SIGXFSZ ignored)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
 
 
 @contextmanager
@@ -91,7 +78,7 @@ def _safety_worker(rank: int, world: int, root: Path) -> None:
 
     # A full disk on rank 1, for a new name and over the existing checkpoint: nothing is left behind.
     for target in (root / "full.ckpt", good):
-        with _file_size_limit(4096 if rank == 1 else resource.RLIM_INFINITY):
+        with file_size_limit(4096 if rank == 1 else resource.RLIM_INFINITY):
             message = rf"cannot save checkpoint {target}: .*rank-00001.pt: File too large"
             _raises_everywhere(message, trainer.save_checkpoint, target)
     assert _listing(root) == before and verify_checkpoint(good) == step

@@ -11,6 +11,8 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
+import signal
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -341,6 +343,19 @@ def world_of_one() -> Iterator[None]:
         os.environ.clear()
         os.environ.update(environ)
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """A full disk on this rank: writes past ``limit`` bytes fail with EFBIG (SIGXFSZ ignored)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
 def save_stage2_checkpoint(root: Path) -> Path:
