@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,12 @@ from lightning_zero.checkpoint.consolidate import _sources, _write_safetensors
 from lightning_zero.checkpoint.format import (
     CheckpointError,
     check_files,
-    fsync_dir,
     load_lightning_state,
     read_metadata,
 )
+from lightning_zero.checkpoint.publish import check_new_directory, write_new_directory
 
 HUGGING_FACE = "hugging_face"
-OURS = ".lightning_zero_export"  # marks a hidden directory as one an export of ours created
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default
 
 
@@ -77,10 +75,7 @@ def export_hugging_face(
     """Writes the Hugging Face model of a sharded checkpoint to the new directory ``out_dir`` (see the module's
     docstring), atomically. Bad input raises a one-line CheckpointError before anything is written."""
     directory, out_dir = Path(checkpoint), Path(out_dir)
-    if out_dir.exists():
-        raise CheckpointError(f"{out_dir}: exists (nothing is overwritten: remove it or choose another name)")
-    if not out_dir.parent.is_dir():
-        raise CheckpointError(f"{out_dir.parent}: no such directory to write {out_dir.name} into")
+    check_new_directory(out_dir)
     if not (isinstance(max_shard_bytes, int) and max_shard_bytes > 0):
         raise CheckpointError(f"max_shard_bytes must be an integer > 0, got {max_shard_bytes!r}")
     meta = read_metadata(directory)
@@ -103,23 +98,7 @@ def export_hugging_face(
             size = 0
         shards[-1].append((key, source))
         size += nbytes
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    if partial.exists() or partial.is_symlink():
-        if not (partial.is_dir() and (partial / OURS).exists()):
-            raise CheckpointError(f"{partial}: exists and was not made by lightning_zero; nothing was overwritten")
-        shutil.rmtree(partial)  # left by an export that was killed
-    partial.mkdir()
-    (partial / OURS).touch()
-    try:
-        _write(partial, config, shards)
-        (partial / OURS).unlink()
-        fsync_dir(partial)
-        os.replace(partial, out_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)  # nothing is left behind
-        raise
-    fsync_dir(out_dir.parent)
-    return out_dir
+    return write_new_directory(out_dir, lambda directory: _write(directory, config, shards))
 
 
 def _write(directory: Path, config: dict[str, Any], shards: list[list]) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_zero.checkpoint.dcp import DcpReader, is_dcp, read_dcp
 from lightning_zero.checkpoint.format import (
     AVERAGED,
     AVERAGED_IN_SHARDS,
@@ -35,6 +36,8 @@ from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")  # not restored from a checkpoint
+# param-group keys that torch versions add to an optimizer (a checkpoint from an older torch lacks them)
+VERSIONED_KEYS = {*IMPLEMENTATION_KEYS, "maximize", "decoupled_weight_decay"}
 
 
 @dataclass
@@ -42,7 +45,7 @@ class LoadedCheckpoint:
     path: Path
     meta: Metadata
     lightning: dict[str, Any]
-    reader: ShardReader | PlainReader
+    reader: ShardReader | PlainReader | DcpReader
 
     @property
     def average(self) -> dict[str, Any] | None:
@@ -61,18 +64,25 @@ def open_checkpoint(
     rank: int,
     world_size: int,
     optimizer_names: list[list[list[str]]],
+    model_names: list[str] | None = None,
     weights_only: bool = True,
 ) -> LoadedCheckpoint:
     """Checks a sharded checkpoint directory on every rank (sizes everywhere, each file's sha256 on one
-    rank), or reads a plain Lightning checkpoint file (``plain.py``), and raises the first problem any
-    rank found, on all of them. Pickled state is loaded with ``weights_only`` (True: no code can run;
-    False only for a file you trust). ``optimizer_names`` matches a plain file's optimizer state."""
+    rank), or reads a plain Lightning checkpoint file (``plain.py``) or a torch.distributed.checkpoint
+    directory (``dcp.py``), and raises the first problem any rank found, on all of them. Pickled state is
+    loaded with ``weights_only`` (True: no code can run; False only for a file you trust).
+    ``optimizer_names`` matches a plain file's or DCP's optimizer state, ``model_names`` (the module's
+    state-dict keys) a DCP's model."""
     path = Path(path)
     problem, loaded = None, None
     try:
         if path.is_file():
             loaded = LoadedCheckpoint(
                 path, *read_plain(path, optimizer_names=optimizer_names, weights_only=weights_only)
+            )
+        elif is_dcp(path):
+            loaded = LoadedCheckpoint(
+                path, *read_dcp(path, model_names=model_names or [], optimizer_names=optimizer_names)
             )
         else:
             meta = read_metadata(path)
@@ -106,6 +116,8 @@ def load_model(
         replicated = {**replicated, **loaded.lightning[AVERAGED]}
     in_shards = averaged and loaded.average["in_shards"]
     saved = {p.name: tuple(p.shape) for u in loaded.meta.units for p in u.params}
+    if isinstance(loaded.reader, DcpReader):  # every tensor is read from its files by range
+        saved.update(loaded.reader.shapes)
     saved.update({k: tuple(v.shape) for k, v in replicated.items()})
     params = dict(model.named_parameters())
     param_ids = {id(p) for p in params.values()}
@@ -203,7 +215,12 @@ def _read_pieces(units, params, buffers, replicated, read) -> None:
             read(name, 0, p.numel(), value)
             p.copy_(value.view(p.shape))
     for key, value in buffers.items():
-        value.copy_(replicated[key])
+        if key in replicated:
+            value.copy_(replicated[key])
+        else:  # (a DCP checkpoint's)
+            whole = torch.empty(value.numel(), dtype=value.dtype)
+            read(key, 0, value.numel(), whole)
+            value.copy_(whole.view(value.shape))
 
 
 def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimizer) -> None:
@@ -214,7 +231,14 @@ def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimize
             f"{loaded.path}: optimizer {index} differs from the checkpoint's: param groups (by parameter name)"
             f" {optimizer.param_names()} here, {saved_names} saved"
         )
-    for group, saved in zip(optimizer.param_groups, loaded.lightning["optimizer_groups"][index]):
+    saved_groups = loaded.lightning["optimizer_groups"][index]
+    lacking = sorted({k for g in saved_groups for k in optimizer.optimizer.defaults if k not in g} - VERSIONED_KEYS)
+    if lacking:  # a different optimizer's state (an SGD checkpoint under Adam, say): never loaded as this one's
+        raise CheckpointError(
+            f"{loaded.path}: optimizer {index} is a {type(optimizer.optimizer).__name__}, whose param groups have"
+            f" {lacking}; the checkpoint's do not (it saved another kind of optimizer)"
+        )
+    for group, saved in zip(optimizer.param_groups, saved_groups):
         # hyper-parameters come back; how this run's optimizer computes (fused, foreach, ...) stays its own
         group.update({k: v for k, v in saved.items() if k not in IMPLEMENTATION_KEYS})
     problem = None

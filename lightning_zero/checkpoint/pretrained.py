@@ -1,9 +1,10 @@
 """Loading pretrained (unsharded) weights into a model wherever its parameters live.
 
 ``load_pretrained(module, source)`` accepts a state dict, a ``.safetensors`` file, a ``.pt``/``.bin``
-file (loaded with ``weights_only=True`` and memory-mapped) or a Hugging Face checkpoint directory
-(``model.safetensors``, or sharded ``*.safetensors`` with ``model.safetensors.index.json``). Each
-parameter is written where it lives, reading only what this rank keeps:
+file (loaded with ``weights_only=True`` and memory-mapped), a Hugging Face checkpoint directory
+(``model.safetensors``, or sharded ``*.safetensors`` with ``model.safetensors.index.json``) or a
+torch.distributed.checkpoint directory (FSDP2's or torchtitan's model; ``dcp.py``). Each parameter is
+written where it lives, reading only what this rank keeps:
 
 - inside ``configure_model`` under stage 3 (``ShardedConstruction``): this rank's slice of each
   parameter, read as a slice of the file;
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_zero.checkpoint.dcp import DcpSource, is_dcp
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.unit_index import UnitIndex
 
@@ -37,10 +39,15 @@ class _Source:
     def __init__(self, source: Mapping[str, Tensor] | str | os.PathLike) -> None:
         self.tensors: dict[str, Tensor] = {}
         self.files: dict[str, Path] = {}  # name -> safetensors file
+        self.saved: dict[str, str] = {}  # name -> key in a DCP checkpoint
         if isinstance(source, Mapping):
             self.tensors = dict(source)
             return
         path = Path(source)
+        if is_dcp(path):  # its model: the largest section of tensors, without optimizer state (dcp.py)
+            self.dcp = DcpSource(path)
+            self.saved = self.dcp.model_section([])[0]
+            return
         if path.is_dir():
             index = path / "model.safetensors.index.json"
             if index.exists():
@@ -66,7 +73,7 @@ class _Source:
         self._open: dict[Path, object] = {}
 
     def names(self) -> list[str]:
-        return list(self.tensors) + list(self.files)
+        return list(self.tensors) + list(self.files) + list(self.saved)
 
     def _slice(self, name: str):
         from safetensors import safe_open
@@ -77,12 +84,18 @@ class _Source:
         return self._open[file].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.saved:
+            return self.dcp.shape(self.saved[name])
         return tuple(self.tensors[name].shape) if name in self.tensors else tuple(self._slice(name).get_shape())
 
     def read(self, name: str, lo: int, hi: int) -> Tensor:
         """Elements [lo, hi) of the flattened tensor ``name``, reading no more than the rows they span."""
         if name in self.tensors:
             return self.tensors[name].reshape(-1)[lo:hi]
+        if name in self.saved:
+            out = torch.empty(hi - lo, dtype=self.dcp.tensors[self.saved[name]].properties.dtype)
+            self.dcp.read(self.saved[name], lo, hi, out)
+            return out
         piece = self._slice(name)
         shape = piece.get_shape()
         if len(shape) == 0:

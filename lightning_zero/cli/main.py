@@ -8,7 +8,8 @@
 - ``estimate``: per-rank memory of ddp / zero1 / zero2 / zero3 before a run.
 - ``consolidate CKPT_DIR OUT``: the fp32 weights of a sharded checkpoint, as a Lightning checkpoint (``.ckpt``,
   for ``load_from_checkpoint``) or a plain state dict (``.pt``, ``.safetensors``) (``--trust-pickles``: only
-  for a checkpoint you trust, whose Lightning state safe loading refuses).
+  for a checkpoint you trust, whose Lightning state safe loading refuses); with ``--hf`` a Hugging Face
+  directory, with ``--dcp`` a torch.distributed.checkpoint directory for FSDP2.
 - ``convert-deepspeed DS_DIR OUT.ckpt --trust-pickles``: a DeepSpeed ZeRO checkpoint as a plain Lightning
   checkpoint file, to resume from under any stage (migration in).
 
@@ -37,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_zero  # noqa: F401  (registers the zero strategies)
 from lightning_zero.checkpoint.consolidate import consolidate
+from lightning_zero.checkpoint.dcp_export import export_dcp
 from lightning_zero.checkpoint.deepspeed_import import convert as convert_deepspeed
 from lightning_zero.checkpoint.format import (
     CheckpointError,
@@ -168,20 +170,22 @@ def _apply_deepspeed(config, path: str, ignore: tuple[str, ...]) -> None:
 
 
 def _checkpoint_command(
-    args: list[str], *, prog: str, description: str, source: str, output: str, trust: str, run, flags=None
+    args: list[str], *, prog: str, description: str, source: str, output: str, trust: str, run, flags=None, options=None
 ):
     """consolidate and convert-deepspeed: a checkpoint in, a file out, ``--trust-pickles``; a CheckpointError
-    is bad input. ``run(source, output, trust_pickles, **flags)`` returns the line to print; ``flags``: more
-    switches (name -> help)."""
+    is bad input. ``run(source, output, trust_pickles, **flags, **options)`` returns the line to print;
+    ``flags``: more switches, ``options``: more options with a value (name -> help)."""
     parser = Parser(prog=prog, description=description)
     parser.add_argument("source", help=source)
     parser.add_argument("output", help=output)
     parser.add_argument("--trust-pickles", action="store_true", help=trust)
     for name, help_text in (flags or {}).items():
         parser.add_argument(f"--{name}", action="store_true", help=help_text)
+    for name, help_text in (options or {}).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", default="", help=help_text)
     parsed = parser.parse_args(args)
     try:
-        switches = {name: getattr(parsed, name) for name in flags or {}}
+        switches = {name: getattr(parsed, name) for name in [*(flags or {}), *(options or {})]}
         print(run(parsed.source, parsed.output, parsed.trust_pickles, **switches))
     except CheckpointError as error:
         raise InputError(str(error)) from error
@@ -194,17 +198,33 @@ def consolidate_main(args: list[str]) -> None:
         description="Write the fp32 weights of a sharded checkpoint directory (streamed, parameter by parameter):"
         " a .ckpt loads with MyModule.load_from_checkpoint (hyper-parameters included), a .pt with torch.load and"
         " module.load_state_dict, a .safetensors with safetensors; with --hf a new directory as Hugging Face's"
-        " save_pretrained writes it (config.json, sharded safetensors with their index).",
+        " save_pretrained writes it (config.json, sharded safetensors with their index); with --dcp a new"
+        " torch.distributed.checkpoint directory, weights and optimizer state, that FSDP2 loads at any world size.",
         source="a checkpoint directory written by the ZeRO strategies",
-        output="the output file: .ckpt (a Lightning checkpoint), .pt, or .safetensors; with --hf a new directory",
+        output="the output file: .ckpt (a Lightning checkpoint), .pt, or .safetensors; with --hf or --dcp a new"
+        " directory",
         trust="unpickle the checkpoint's Lightning state (lightning.pt) without restrictions (weights_only=False),"
         " as checkpoints of older versions may need. Unpickling can run any code: only for a checkpoint you trust.",
         run=_consolidate,
-        flags={"hf": "export the LightningModule's Hugging Face model for AutoModel*.from_pretrained(OUTPUT)"},
+        flags={
+            "hf": "export the LightningModule's Hugging Face model for AutoModel*.from_pretrained(OUTPUT)",
+            "dcp": "export as torch.distributed.checkpoint, {'model': ..., 'optim': ...} as get_state_dict returns"
+            " them, for dcp.load in an FSDP2 job",
+        },
+        options={
+            "strip_prefix": "with --dcp: remove this prefix from every name, e.g. 'model.' when the"
+            " LightningModule holds the FSDP2 job's module as self.model"
+        },  # fmt: skip
     )
 
 
-def _consolidate(source: str, output: str, trust: bool, *, hf: bool) -> str:
+def _consolidate(source: str, output: str, trust: bool, *, hf: bool, dcp: bool, strip_prefix: str) -> str:
+    if hf and dcp:
+        raise CheckpointError("--hf and --dcp: choose one export")
+    if strip_prefix and not dcp:
+        raise CheckpointError(f"--strip-prefix {strip_prefix!r}: only with --dcp")
+    if dcp:
+        return f"wrote {export_dcp(source, output, strip_prefix=strip_prefix, weights_only=not trust)}"
     if hf:
         return f"wrote {export_hugging_face(source, output, weights_only=not trust)}"
     return f"wrote {consolidate(source, output, weights_only=not trust)}"

@@ -265,6 +265,7 @@ class ZeroFabricStrategy(DDPStrategy):
             rank=self.global_rank,
             world_size=self.world_size,
             optimizer_names=[o.param_names() for o in optimizers],
+            model_names=list(self.engine.module.state_dict(keep_vars=True)),
             weights_only=weights_only is not False,
         )
         saved = dict(loaded.lightning)

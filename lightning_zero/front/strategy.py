@@ -305,15 +305,16 @@ class ZeroStrategy(DDPStrategy):
             remove()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded checkpoint directory (saved at any world size and stage) or a plain Lightning checkpoint file
-        (from ``ddp`` or one device); pickled state is loaded with ``weights_only=True`` unless
-        ``trainer.fit(..., weights_only=False)`` says the file is trusted."""
+        """A sharded checkpoint directory (saved at any world size and stage), a plain Lightning checkpoint file
+        (from ``ddp`` or one device) or a torch.distributed.checkpoint directory (FSDP2's); pickled state is
+        loaded with ``weights_only=True`` unless ``trainer.fit(..., weights_only=False)`` says the file is trusted."""
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self.finish_saves()  # (one of ours may still be finishing in the background)
         return self.checkpoints.open(
             checkpoint_path,
             rank=self.global_rank,
             world_size=self.world_size,
+            module=self.lightning_module,
             optimizers=self.optimizers,
             fitting=fitting,
             trusted=weights_only is False,

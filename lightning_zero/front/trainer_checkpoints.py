@@ -75,14 +75,18 @@ class TrainerCheckpoints:
         checkpoint = {**checkpoint, rng.KEY: {"world_size": world_size, "states": states}}
         engine.save(checkpoint, path, module=module, optimizers=zero_optimizers(optimizers))
 
-    def open(self, path: Any, *, rank: int, world_size: int, optimizers: list, fitting: bool, trusted: bool) -> dict:
+    def open(
+        self, path: Any, *, rank: int, world_size: int, module: Module, optimizers: list, fitting: bool, trusted: bool
+    ) -> dict:
         """Checks a sharded checkpoint directory (any world size and stage) on every rank, or reads a plain
-        Lightning checkpoint file (ddp's or one device's); returns Lightning's part of it."""
+        Lightning checkpoint file (ddp's or one device's) or a torch.distributed.checkpoint directory (FSDP2's,
+        torchtitan's); returns Lightning's part of it."""
         self.loaded = checkpoint_io.open_checkpoint(
             complete_hpc_checkpoint(path),
             rank=rank,
             world_size=world_size,
             optimizer_names=[o.param_names() for o in zero_optimizers(optimizers)],
+            model_names=list(module.state_dict(keep_vars=True)),
             weights_only=not trusted,
         )
         lightning = self.loaded.lightning

@@ -1,0 +1,330 @@
+"""Migration in from torch.distributed.checkpoint (DCP): a checkpoint directory that FSDP2, torchtitan or
+any ``dcp.save`` wrote, resumed under a ZeRO strategy at any stage and world size
+(``trainer.fit(model, ckpt_path=dcp_dir)``, Fabric's ``load``) or loaded as pretrained weights
+(``load_pretrained(module, dcp_dir)``).
+
+A DCP directory holds ``.metadata`` (every tensor's global shape and dtype and the chunks the saving ranks
+wrote, each a torch.save'd tensor in a ``.distcp`` file) and flattens the saved state dict's nesting into
+paths (``metadata.planner_data``). The layouts read here, found from those paths:
+
+- the module's state dict under any section: ``{"model": model_sd}`` (the DCP recipe), ``{"app": {"model":
+  ...}}``, or at the top level (torchtitan); the section whose names best match the module's is the model;
+- optimizer state as ``get_optimizer_state_dict`` returns it, nested (``optim.state.<fqn>.exp_avg``,
+  ``optim.param_groups.<i>.lr``) or flattened (torchtitan: ``optimizer.state.<fqn>.exp_avg``,
+  ``optimizer.param_groups.<fqn>.lr``).
+
+The module's names may differ from the saved ones by a prefix (a LightningModule holding the model as
+``self.model``: ``model.layers.0.weight`` here, ``layers.0.weight`` there): the prefix that matches the
+most names is used. Each rank reads only the rows that hold its pieces of each tensor (DCP reshards the
+saved chunks into them) with its own ``dcp.load(..., no_dist=True)``: no collective. Files are data:
+``.metadata`` is unpickled allowing only DCP's own metadata classes, and non-tensor values with
+``weights_only=True`` (DCP's own loader unpickles both without restriction).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from lightning_zero.checkpoint.format import CheckpointError, Metadata
+
+DCP_METADATA = ".metadata"
+_DCP_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+}  # fmt: skip
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def is_dcp(path: Path) -> bool:
+    return path.is_dir() and (path / DCP_METADATA).is_file()
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_CLASSES or (module == "torch" and name in _DTYPE_NAMES):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def read_dcp_metadata(path: Path) -> Any:
+    """The directory's DCP metadata, unpickled allowing only the classes DCP's metadata is made of."""
+    try:
+        with open(path / DCP_METADATA, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{path / DCP_METADATA}: not a torch.distributed.checkpoint metadata file (it refers to {error}, which"
+            " DCP's metadata does not hold; nothing in it was run)"
+        ) from None
+    except (EOFError, ValueError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{path / DCP_METADATA}: unreadable ({error})") from None
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict) or metadata.storage_data is None:
+        raise CheckpointError(f"{path / DCP_METADATA}: not a torch.distributed.checkpoint metadata file")
+    return metadata
+
+
+class _Storage(dcp.FileSystemReader):
+    """DCP's file reader, with the metadata read once (and safely) above."""
+
+    def __init__(self, path: Path, metadata: Any) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        return self._metadata
+
+
+class _SlicePlanner(DefaultLoadPlanner):
+    """Loads ``state_dict``'s tensors as slices of the saved ones: ``offsets[key]`` is where the slice a tensor
+    holds starts in the saved tensor (its size is the tensor's); other values are unpickled with
+    ``weights_only=True``."""
+
+    def __init__(self, offsets: dict[str, tuple[int, ...]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        others = {k: v for k, v in self.state_dict.items() if k not in self.offsets}
+        items = create_default_local_load_plan(others, self.metadata).items
+        for key, start in self.offsets.items():
+            chunk = ChunkStorageMetadata(offsets=torch.Size(start), sizes=self.state_dict[key].size())
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item: Any) -> Tensor:
+        tensor = self.state_dict[read_item.dest_index.fqn]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            tensor = tensor.narrow(dim, start, length)
+        return tensor
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _path(metadata: Any, key: str) -> tuple:
+    return tuple((metadata.planner_data or {}).get(key) or key.split("."))
+
+
+class DcpSource:
+    """Names, shapes and element ranges of a DCP checkpoint's tensors (by their saved keys)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.metadata = read_dcp_metadata(path)
+        self.tensors = {
+            k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+        }
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].size)
+
+    def load(self, wanted: dict[str, Any], offsets: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+        """Fills ``wanted`` (saved key -> tensor to fill, or None for a non-tensor value) from the files, the
+        tensors at ``offsets`` when given (else whole); returns it."""
+        try:
+            with warnings.catch_warnings():  # (that it loads in one process, which is what no_dist says)
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(wanted, storage_reader=_Storage(self.path, self.metadata),
+                         planner=_SlicePlanner(offsets or {}), no_dist=True)  # fmt: skip
+        except (pickle.UnpicklingError, RuntimeError, ValueError, OSError, AssertionError) as error:
+            first = (str(error).strip().splitlines() or [repr(error)])[0]
+            raise CheckpointError(f"{self.path}: cannot read {sorted(wanted)[:3]}: {first}") from None
+        return wanted
+
+    def read(self, key: str, lo: int, hi: int, out: Tensor) -> None:
+        """Elements [lo, hi) of the flattened tensor ``key`` into ``out``, reading only the rows they span."""
+        shape, dtype = self.shape(key), self.tensors[key].properties.dtype
+        if hi <= lo:
+            return
+        if len(shape) == 0:
+            out.copy_(self.load({key: torch.empty((), dtype=dtype)})[key].reshape(-1)[lo:hi])
+            return
+        row = math.prod(shape[1:])
+        first, last = lo // row, -(-hi // row)
+        rows = torch.empty((last - first, *shape[1:]), dtype=dtype)
+        self.load({key: rows}, {key: (first, *[0] * (len(shape) - 1))})
+        out.copy_(rows.reshape(-1)[lo - first * row : hi - first * row])
+
+    def whole(self, key: str) -> Tensor:
+        out = torch.empty(self.shape(key), dtype=self.tensors[key].properties.dtype)
+        self.read(key, 0, out.numel(), out.view(-1))
+        return out
+
+    def model_section(self, names: list[str]) -> tuple[dict[str, str], tuple[str, str]]:
+        """The saved model: saved name -> key for the section whose names, up to a prefix, match the most of
+        ``names`` (see the module's docstring), and that prefix as (here, there)."""
+        wanted = set(names)
+        sections: dict[tuple, dict[str, str]] = {}
+        for key in self.tensors:
+            path = _path(self.metadata, key)
+            if _optimizer_entry(path) is None:
+                sections.setdefault(path[:-1], {})[str(path[-1])] = key
+        best, best_score = ({}, ("", "")), -1
+        for section in sorted(sections, key=len):
+            saved = sections[section]
+            for prefixes in _prefixes(names, saved):
+                score = sum(_renamed(f, prefixes) in wanted for f in saved) if wanted else len(saved)
+                if score > best_score:
+                    best, best_score = (saved, prefixes), score
+        return best
+
+
+def _renamed(saved_name: str, prefixes: tuple[str, str]) -> str:
+    """A saved name as the module's, given the (here, there) prefixes."""
+    here, there = prefixes
+    return here + saved_name[len(there) :] if saved_name.startswith(there) else saved_name
+
+
+def _prefixes(names: list[str], saved: dict[str, str]) -> list[tuple[str, str]]:
+    """(prefix here, prefix there) pairs relating the module's names to saved ones; identity first."""
+    pairs = [("", "")]
+    for name in names[:8]:
+        parts = name.split(".")
+        pairs += [(".".join(parts[:i]) + ".", "") for i in range(1, len(parts)) if ".".join(parts[i:]) in saved]
+        pairs += [("", f[: -len(name)]) for f in saved if f.endswith("." + name)]
+    return sorted(set(pairs), key=lambda p: (p != ("", ""), len(p[0]) + len(p[1])))
+
+
+def _optimizer_entry(path: tuple) -> tuple[tuple, str, str, str] | None:
+    """(section, "state" or "param_groups", parameter or group, key) for an optimizer entry's path, else None:
+    nested (``(..., "state", fqn, key)``, ``(..., "param_groups", i, key)``) or flattened by torch's
+    ``flatten_optimizer_state_dict`` (``(..., "state.<fqn>.<key>")``)."""
+    if len(path) >= 3 and path[-3] in ("state", "param_groups"):
+        return path[:-3], path[-3], str(path[-2]), str(path[-1])
+    last = str(path[-1])
+    for kind in ("state", "param_groups"):
+        if last.startswith(kind + ".") and last.count(".") >= 2:
+            fqn, key = last[len(kind) + 1 :].rsplit(".", 1)
+            return path[:-1], kind, fqn, key
+    return None
+
+
+class DcpReader:
+    """The reader interface of ``ShardReader`` over a DCP checkpoint: each tensor by the module's name."""
+
+    def __init__(self, source: DcpSource, keys: dict[str, str], state: dict[str, dict], scalars: dict) -> None:
+        self.source = source
+        self.keys = keys  # module name -> saved key
+        self.state = state  # module name -> {optimizer state key -> saved key}
+        self.scalars = scalars  # module name -> {optimizer state key -> value} of its non-elementwise state
+        self.shapes = {name: source.shape(key) for name, key in keys.items()}
+
+    def read(self, name: str, lo: int, hi: int, out: Tensor, key: str | None = None, *, averaged: bool = False) -> None:
+        self.source.read(self.keys[name] if key is None else self.state[name][key], lo, hi, out)
+
+    def state_of(self, name: str) -> tuple[dict[str, Any], list[str]] | None:
+        if name not in self.state:
+            return None
+        return dict(self.scalars[name]), [k for k in self.state[name] if k not in self.scalars[name]]
+
+
+def _optimizer(source: DcpSource, prefixes: tuple[str, str], names: set[str]) -> tuple[dict, dict, list]:
+    """The saved optimizer state of the parameters in ``names``: {name: {key: saved key}}, {name: {key:
+    scalar value}} and its param groups ([{hyper-parameter: value, "params": [names]}]), or ({}, {}, [])."""
+    sections: dict[tuple, list] = {}
+    for key in source.metadata.state_dict_metadata:
+        entry = _optimizer_entry(_path(source.metadata, key))
+        if entry is not None:
+            sections.setdefault(entry[0], []).append((*entry[1:], key))
+    overlap = {s: sum(_renamed(e[1], prefixes) in names for e in es if e[0] == "state") for s, es in sections.items()}
+    if not overlap or max(overlap.values()) == 0:
+        return {}, {}, []
+    entries = sections[max(overlap, key=overlap.get)]
+    state: dict[str, dict[str, str]] = {}
+    for kind, owner, key, saved in entries:
+        if kind == "state":
+            state.setdefault(_renamed(owner, prefixes), {})[key] = saved
+    small = {saved: None for kind, _, _, saved in entries if kind == "param_groups"}
+    small.update({saved: torch.empty((), dtype=source.tensors[saved].properties.dtype) for saved in
+                  (s for kind, _, _, s in entries if kind == "state") if source.shape(saved) == ()})  # fmt: skip
+    values = source.load(small) if small else {}
+    scalars = {name: {k: values[s] for k, s in keys.items() if s in values} for name, keys in state.items()}
+    groups: dict[str, dict[str, Any]] = {}  # group index (nested) or parameter name (flattened) -> hyper-parameters
+    for kind, owner, key, saved in entries:
+        if kind == "param_groups":
+            flattened = not owner.isdigit()
+            groups.setdefault(_renamed(owner, prefixes) if flattened else owner, {})[key] = values[saved]
+    if groups and all(owner.isdigit() for owner in groups):
+        param_groups = [groups[i] for i in sorted(groups, key=int)]
+        for group in param_groups:
+            group["params"] = [_renamed(str(f), prefixes) for f in group.get("params", [])]
+    else:  # flattened: one group per distinct set of hyper-parameters, in order of appearance
+        param_groups = []
+        for name, hyper in groups.items():
+            match = next((g for g in param_groups if {k: v for k, v in g.items() if k != "params"} == hyper), None)
+            if match is None:
+                param_groups.append(match := {**hyper, "params": []})
+            match["params"].append(name)
+    return state, scalars, param_groups
+
+
+def _matched_groups(path: Path, here: list[list[list[str]]], saved: list[dict[str, Any]]) -> list[list[dict]]:
+    """The saved param groups' hyper-parameters for this run's one optimizer, checked to hold its groups."""
+    if len(here) != 1:
+        raise CheckpointError(
+            f"{path}: holds the state of one optimizer, as FSDP2 and torchtitan save it; this module configures"
+            f" {len(here)} optimizers (load its weights with load_pretrained(module, path) instead)"
+        )
+    mine = [sorted(group) for group in here[0]]
+    theirs = [sorted(group["params"]) for group in saved]
+    if mine != theirs:
+        raise CheckpointError(
+            f"{path}: its optimizer's param groups differ from this run's (by parameter name): {mine} here,"
+            f" {theirs} saved"
+        )
+    return [[{k: v for k, v in group.items() if k not in ("params", "param_names")} for group in saved]]
+
+
+def read_dcp(
+    path: Path, *, model_names: list[str], optimizer_names: list[list[list[str]]]
+) -> tuple[Metadata, dict[str, Any], DcpReader]:
+    """A DCP checkpoint as metadata (every tensor replicated, no shards), a Lightning state and a reader:
+    the weights under ``model_names`` (the module's state-dict keys) and, when it holds optimizer state for
+    them, that state for this run's one optimizer (``optimizer_names``: its param groups by name)."""
+    source = DcpSource(path)
+    saved, prefixes = source.model_section(model_names)
+    keys = {_renamed(f, prefixes): key for f, key in saved.items()}
+    state, scalars, param_groups = _optimizer(source, prefixes, set(keys))
+    lightning_state: dict[str, Any] = {
+        "state_dict": {},
+        "epoch": 0,
+        "global_step": 0,
+        "pytorch-lightning_version": lightning.__version__,
+        "optimizer_groups": [],
+    }
+    matched: list[list[list[str]]] = []
+    if state and optimizer_names:
+        lightning_state["optimizer_groups"] = _matched_groups(path, optimizer_names, param_groups)
+        lightning_state.update(optimizer_states=[{}], lr_schedulers=[])  # restored by the strategy, not Lightning
+        matched = optimizer_names[:1]
+    meta = Metadata(
+        stage=0,  # not sharded as ours are: every tensor is read by range
+        world_size=1,
+        global_step=0,
+        epoch=0,
+        units=[],
+        optimizers=matched,
+        state_dict_keys=list(keys),
+        weights_only=not state,
+    )
+    return meta, lightning_state, DcpReader(source, keys, state, scalars)
