@@ -1,9 +1,9 @@
 """Checkpoint saves against the disk: a synchronous save's throughput beside the disk's own (two writers with
 fsync, as dd conv=fsync writes), and how long a save in the background stalls training beside a synchronous
-save of the same state, on 2 CPU ranks, interleaved over rounds (medians, min-max).
+save of the same state, on 2 CPU ranks, in one training run, interleaved over rounds (medians, min-max).
 
 The model: a GPT of several hundred million parameters at zero3 (each rank writes its masters and Adam's two
-moments: 12 bytes per parameter over the ranks), trained one step so the optimizer has its state.
+moments: 12 bytes per parameter over the ranks), saved between its training steps.
 
     python benchmarks/checkpoint_speed.py --out benchmarks/results/checkpoint_speed_cpu_<date>.md
 """
@@ -47,49 +47,101 @@ def _disk_baseline(directory: Path, nbytes: int) -> float:
     return nbytes / seconds
 
 
+class _Saves:
+    """In one training run, each round: a synchronous save, a few plain steps, a background save and the steps
+    after it; the time every step takes (batch start to batch end: forward, backward, optimizer step)."""
+
+    def __init__(self, root: Path, rounds: int, settle: int) -> None:
+        import lightning.pytorch as pl
+
+        class Callback(pl.Callback):
+            def on_train_batch_start(cb, trainer, *args) -> None:
+                self.started = time.perf_counter()
+
+            def on_train_batch_end(cb, trainer, *args) -> None:
+                self.step_times.append(time.perf_counter() - self.started)
+                self.at_step_end(trainer)
+
+        self.callback = Callback()
+        self.root, self.rounds, self.settle = root, rounds, settle
+        self.period = 2 * settle + 2
+        self.step_times: list[float] = []
+        self.sync: list[float] = []
+        self.blocked: list[float] = []
+        self.written: list[float] = []
+        self.after_background: list[int] = []  # indices of the steps right after a background save
+        self.snapshot_waits: list[float] = []  # how long each of those steps' optimizer step waited for the copy
+        self.plain: list[int] = []  # indices of steps with no save in flight
+
+    @property
+    def steps(self) -> int:
+        return self.settle + self.rounds * self.period
+
+    def at_step_end(self, trainer) -> None:
+        import torch.distributed as dist
+
+        index = len(self.step_times) - 1
+        phase = index - self.settle
+        if phase < 0:
+            return
+        k, at = divmod(phase, self.period)
+        if at == self.settle + 1:  # the step after a background save
+            self.snapshot_waits.append(trainer.strategy.engine.background.snapshot_wait_s)
+        if at == 0:  # a synchronous save
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.strategy.engine.save(
+                trainer._checkpoint_connector.dump_checkpoint(False),
+                self.root / f"sync-{k}.ckpt",
+                module=trainer.lightning_module,
+                optimizers=trainer.strategy.optimizers,
+                synchronous=True,
+            )
+            self.sync.append(time.perf_counter() - start)
+            self.bytes = sum(f.stat().st_size for f in (self.root / f"sync-{k}.ckpt").iterdir())
+        elif at == self.settle:  # a background save: how long it holds this step
+            dist.barrier()
+            self.background_started = time.perf_counter()
+            trainer.save_checkpoint(self.root / f"async-{k}.ckpt")
+            self.blocked.append(time.perf_counter() - self.background_started)
+            self.after_background.append(index + 1)
+        elif at == self.period - 1:  # written by now? (it was given the steps between)
+            trainer.strategy.finish_saves()
+            self.written.append(time.perf_counter() - self.background_started)
+            dist.barrier()
+            if trainer.global_rank == 0:
+                for name in (f"sync-{k}.ckpt", f"async-{k}.ckpt"):
+                    shutil.rmtree(self.root / name)
+        elif 0 < at < self.settle:
+            self.plain.append(index + 1)
+
+
 def _worker(rank: int, world: int, args, out_file: str) -> None:
     import lightning.pytorch as pl
-    import torch.distributed as dist
 
     from lightning_zero import ZeroConfig, ZeroStrategy
     from lightning_zero.models.data import SyntheticTextDataModule
     from lightning_zero.models.gpt import GPTConfig, GPTModule
 
     pl.seed_everything(0)
-    config = GPTConfig(vocab_size=256, block_size=32, n_layer=args.n_layer, n_head=16, n_embd=args.n_embd)
+    config = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=16, n_embd=args.n_embd)
     zero = ZeroConfig(stage=3, async_save=True, param_persistence_threshold=0)
+    saves = _Saves(Path(args.dir), args.rounds, settle=3)
     trainer = pl.Trainer(
-        strategy=ZeroStrategy(zero), accelerator="cpu", devices=world, max_steps=1, gradient_clip_val=1.0, **QUIET
-    )
-    data = SyntheticTextDataModule(vocab_size=256, block_size=32, batch_size=1, num_train=64)
-    trainer.fit(GPTModule(config, max_steps=1), data)
-    root = Path(args.dir)
-    rounds = {"sync": [], "stall": [], "background": []}
-    for k in range(args.rounds):  # interleaved: each round saves once each way
-        dist.barrier()
-        start = time.perf_counter()
-        trainer.strategy.engine.save(
-            trainer._checkpoint_connector.dump_checkpoint(False),
-            root / f"sync-{k}.ckpt",
-            module=trainer.lightning_module,
-            optimizers=trainer.strategy.optimizers,
-            synchronous=True,
-        )
-        rounds["sync"].append(time.perf_counter() - start)
-        dist.barrier()
-        start = time.perf_counter()
-        trainer.save_checkpoint(root / f"async-{k}.ckpt")  # returns once the state is copied
-        rounds["stall"].append(time.perf_counter() - start)
-        trainer.strategy.finish_saves()
-        rounds["background"].append(time.perf_counter() - start)
-        dist.barrier()
-        if rank == 0:
-            size = sum(f.stat().st_size for f in (root / f"sync-{k}.ckpt").iterdir())
-            for name in (f"sync-{k}.ckpt", f"async-{k}.ckpt"):
-                shutil.rmtree(root / name)
-    psi = sum(p.numel() for p in trainer.lightning_module.parameters())
+        strategy=ZeroStrategy(zero), accelerator="cpu", devices=world, max_steps=saves.steps, gradient_clip_val=1.0,
+        callbacks=[saves.callback], **QUIET,
+    )  # fmt: skip
+    data = SyntheticTextDataModule(vocab_size=256, block_size=args.block, batch_size=1, num_train=4 * saves.steps)
+    trainer.fit(GPTModule(config, max_steps=saves.steps), data)
+    times = saves.step_times
+    measured = {
+        "sync": saves.sync, "blocked": saves.blocked, "written": saves.written,
+        "plain_step": [times[i] for i in saves.plain], "after_background": [times[i] for i in saves.after_background],
+        "snapshot_waits": saves.snapshot_waits,
+        "psi": sum(p.numel() for p in trainer.lightning_module.parameters()), "bytes": saves.bytes,
+    }  # fmt: skip
     if rank == 0:
-        Path(out_file).write_text(json.dumps({"rounds": rounds, "bytes": size, "psi": psi}))
+        Path(out_file).write_text(json.dumps(measured))
 
 
 def _spread(values: list[float]) -> str:
@@ -100,6 +152,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-layer", type=int, default=20)
     parser.add_argument("--n-embd", type=int, default=1024)
+    parser.add_argument("--block", type=int, default=256, help="tokens per sample (one sample per step and rank)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", help="where to save (default: a temporary directory on the same disk as /tmp)")
     parser.add_argument("--out", type=Path)
@@ -112,28 +165,42 @@ def main() -> None:
         spawn_local_ranks(_worker, 2, args, out_file, timeout_s=1800.0, deadline_s=3600.0)
         measured = json.loads(Path(out_file).read_text())
         baselines = [_disk_baseline(Path(args.dir), measured["bytes"]) for _ in range(args.rounds)]
-    rounds, nbytes = measured["rounds"], measured["bytes"]
-    sync_rate = [nbytes / s for s in rounds["sync"]]
+    nbytes, sync = measured["bytes"], measured["sync"]
+    sync_rate = [nbytes / s for s in sync]
     ratio = [r / b for r, b in zip(sync_rate, baselines)]
-    stall = [a / s for a, s in zip(rounds["stall"], rounds["sync"])]
+    step = statistics.median(measured["plain_step"])
+    extra = [max(0.0, t - step) for t in measured["after_background"]]
+    stall = [b + w for b, w in zip(measured["blocked"], measured["snapshot_waits"])]
+    shared = [e - w for e, w in zip(extra, measured["snapshot_waits"])]
     lines = [
         "# Checkpoint saves against the disk (2 CPU ranks)",
         "",
         f"- date: {datetime.date.today()}; {os.cpu_count()} cores; GPT {args.n_layer} x {args.n_embd}"
-        f" ({measured['psi']:,} parameters), zero3, AdamW; checkpoint {nbytes / 1e9:.2f} GB",
+        f" ({measured['psi']:,} parameters), {args.block} tokens per rank and step, zero3, AdamW;"
+        f" checkpoint {nbytes / 1e9:.2f} GB",
         f"- command: `python benchmarks/checkpoint_speed.py --rounds {args.rounds}`",
+        "- in one training run, each round: a synchronous save, plain steps, a background save and the steps after"
+        " it. Training is stalled by a background save while `save_checkpoint` holds its step and while the next"
+        " optimizer step waits for the snapshot (the copy runs beside that step's forward and backward). Apart from"
+        " that stall, the next step also runs slower than a plain step: the copy and the writer share the 2 cores"
+        " with training (on a GPU the copy is a device-to-host transfer and the writer has cores of its own).",
         "",
         f"Medians (min-max) over {args.rounds} interleaved rounds.",
         "",
         "| measure | value |",
         "|---|---|",
         f"| disk: two writers with fsync, GB/s | {_spread([b / 1e9 for b in baselines])} |",
-        f"| synchronous save, s | {_spread(rounds['sync'])} |",
+        f"| synchronous save, s | {_spread(sync)} |",
         f"| synchronous save, GB/s | {_spread([r / 1e9 for r in sync_rate])} |",
         f"| synchronous save / disk | {_spread(ratio)} |",
-        f"| background save: training stalled, s | {_spread(rounds['stall'])} |",
-        f"| background save: until written, s | {_spread(rounds['background'])} |",
-        f"| stall / synchronous save | {_spread(stall)} |",
+        f"| plain training step, s | {_spread(measured['plain_step'])} |",
+        f"| background save: `save_checkpoint` returns after, s | {_spread(measured['blocked'])} |",
+        f"| background save: the next optimizer step waits for the copy, s | {_spread(measured['snapshot_waits'])} |",
+        f"| background save: training stalled (the two above), s | {_spread(stall)} |",
+        f"| background save: the next step's time beyond a plain step's, s | {_spread(extra)} |",
+        f"| of which sharing the cores (not waiting), s | {_spread(shared)} |",
+        f"| background save: until written, s | {_spread(measured['written'])} |",
+        f"| stall / synchronous save | {_spread([a / s for a, s in zip(stall, sync)])} |",
     ]
     emit("\n".join(lines) + "\n", args.out)
 

@@ -7,6 +7,7 @@ registries, so ``Trainer(strategy="zero2")`` and ``Fabric(strategy="zero2")`` wo
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.checkpoint.dcp_export import export_dcp
 from lightning_zero.checkpoint.hugging_face import export_hugging_face
 from lightning_zero.checkpoint.pretrained import load_pretrained
 from lightning_zero.config import LossScaleConfig, ZeroConfig
@@ -29,6 +30,7 @@ __all__ = [
     "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
+    "export_dcp",
     "export_hugging_face",
     "gathered_parameters",
     "grad_norm",

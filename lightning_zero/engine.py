@@ -203,6 +203,9 @@ class ZeroEngine:
             topology=self.topology,
             activate=self.activate,
         )
+        if self.background is not None:  # a background save's snapshot is taken before the state changes
+            for optimizer in self.optimizers:
+                optimizer.register_step_pre_hook(lambda *_: self.background.wait_snapshot())
         # torch.compile would trace the post-step gathers' overlapping mode and recompile as it comes and goes
         overlap = self.config.overlap_param_gather and not runs_compiled_code(module)
         self.placement.attach(self.reducer, gathers, overlap=overlap)

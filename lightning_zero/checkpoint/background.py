@@ -1,8 +1,14 @@
-"""Saves that finish in the background (``ZeroConfig(async_save=True)``): the step that saves only copies
-this rank's shards (and, on rank 0, Lightning's state) to host memory; a writer thread does the rest of the
-save protocol (save.py's [Note: the save protocol]) while training goes on.
+"""Saves that finish in the background (``ZeroConfig(async_save=True)``): the step that saves copies only
+rank 0's Lightning state to host memory; a writer thread copies this rank's shards (the snapshot) and then
+does the rest of the save protocol (save.py's [Note: the save protocol]) while training goes on.
 
 [Note: background saves]
+- The snapshot is taken beside the next step's forward and backward, which read the masters and the
+  optimizer's state but do not change them (as DataStates-LLM's lazy copies): the next optimizer step waits
+  for it (``wait_snapshot``, a step pre-hook of every ZeRO optimizer), so the copy holds the state as the
+  saving step left it. On a CUDA device the writer copies on a stream of its own, after the work queued
+  when the save was called. Whatever else changes the masters or the state (loading a checkpoint, the end
+  of a run) waits for the whole save first.
 - At most one save is in flight: the next save, the end of the run (``wait``) and a preemption wait for it.
 - What must follow a save's success (ModelCheckpoint's removal of the checkpoint it replaces as the best) is
   deferred to after it (``defer``), as a synchronous save orders it: a kill in between never leaves neither.
@@ -19,8 +25,11 @@ save protocol (save.py's [Note: the save protocol]) while training goes on.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +48,8 @@ class BackgroundSaves:
         self._error: BaseException | None = None
         self._pool: dict[tuple, list[Tensor]] = {}  # the previous save's host copies, by (shape, dtype, pinned)
         self._taken: dict[tuple, list[Tensor]] = {}
-        self._device_copies = False
+        self._snapshot = threading.Event()
+        self.snapshot_wait_s = 0.0
         self._lock = threading.Lock()
         self._deferred: list[Callable[[], None]] | None = None  # while a save runs: what follows its success
 
@@ -56,7 +66,6 @@ class BackgroundSaves:
         pinned = tensor.is_cuda
         copy = self._host_empty(tuple(tensor.shape), tensor.dtype, pinned)
         copy.copy_(tensor.detach(), non_blocking=pinned)
-        self._device_copies |= pinned
         return copy
 
     def host_zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
@@ -70,20 +79,50 @@ class BackgroundSaves:
         self._taken.setdefault(key, []).append(buffer)
         return buffer
 
-    def start(self, work: Callable[[], None]) -> None:
-        """Runs ``work`` (the rest of a save) in the writer thread, once the host copies have landed."""
-        if self._device_copies:
-            torch.cuda.synchronize()  # the copies are read by the writer, off the streams that made them
-        self._pool, self._taken, self._device_copies = self._taken, {}, False
+    def start(self, snapshot: Callable[[], Any], work: Callable[[Any], None]) -> None:
+        """Runs ``snapshot()`` (the host copies) and then ``work(what it returned)`` (the rest of a save) in the
+        writer thread; the next optimizer step waits for the snapshot (see the Note)."""
+        queued = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            queued = torch.cuda.Event()
+            queued.record()  # the work queued so far: the state as the saving step leaves it
         self._error = None
         self._deferred = []
-        self._thread = threading.Thread(target=self._run, args=(work,), name="lightning_zero-save", daemon=True)
+        self._snapshot = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(snapshot, work, queued), name="lightning_zero-save", daemon=True
+        )
         self._thread.start()
 
-    def _run(self, work: Callable[[], None]) -> None:
+    def wait_snapshot(self) -> None:
+        """Returns once the save in flight, if any, has copied what it saves (before the state changes);
+        ``snapshot_wait_s`` is how long the last call waited (benchmarks/checkpoint_speed.py reports it)."""
+        if self._thread is not None:
+            start = time.perf_counter()
+            self._snapshot.wait()
+            self.snapshot_wait_s = time.perf_counter() - start
+
+    def _copy(self, snapshot: Callable[[], Any], queued: Any) -> Any:
+        try:
+            if queued is None:
+                taken = snapshot()
+            else:
+                stream = torch.cuda.Stream()
+                stream.wait_event(queued)
+                with torch.cuda.stream(stream):
+                    taken = snapshot()
+                stream.synchronize()  # the copies have landed before the writer reads them
+            self._pool, self._taken = self._taken, {}  # the next save reuses this one's copies
+            return taken
+        finally:
+            self._snapshot.set()  # (a failed snapshot is reported through ``work``: see save.py)
+
+    def _run(self, snapshot: Callable[[], Any], work: Callable[[Any], None], queued: Any) -> None:
         succeeded = False
         try:
-            work()
+            taken = self._copy(snapshot, queued)
+            _lower_priority()  # the writing yields to training where they share cores (the copy did not: it is awaited)
+            work(taken)
             succeeded = True
         except BaseException as error:  # noqa: BLE001 - raised in the training thread (poll, wait)
             self._error = error
@@ -123,3 +162,13 @@ class BackgroundSaves:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def _lower_priority() -> None:
+    """This thread at the lowest scheduling priority (Linux: a thread's nice value is its own), so that on cores
+    training keeps busy the writer takes what training leaves; where the writer has cores of its own (a GPU
+    node's) nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the writer keeps the training's priority
+        pass

@@ -7,7 +7,7 @@ A checkpoint is a directory::
                              keys, shape and dtype, grouped by unit with the unit's bucket bounds, so
                              that the owner of any element at the saved world size can be recomputed
                              (``layout.py``); the optimizers' param groups by parameter name; the
-                             size and sha256 of every other file
+                             size and checksum of every other file (``DIGESTS``)
         lightning.pt         Lightning's own state (epoch, step, loops, callbacks, LR schedulers,
                              precision plugin / loss scaler, hyper-parameters) and the parameters and
                              buffers that are not sharded
@@ -41,9 +41,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 FORMAT = "lightning_zero.sharded"
-VERSION = 1
+VERSION = 2  # 2: files are checksummed with xxh3-128 (version 1's sha256, on one core, was most of a save's time)
+READS = (1, 2)
+# Each file's checksum, by the metadata key that holds it: (hasher, hexadecimal digits). Integrity against a
+# truncated, corrupted or mixed-up file, not a signature: files are data, loaded with weights_only=True.
+DIGESTS = {"xxh3_128": (xxhash.xxh3_128, 32), "sha256": (hashlib.sha256, 64)}
+WRITTEN_DIGEST = "xxh3_128"
 METADATA = "metadata.json"
 LIGHTNING = "lightning.pt"
 COMPLETE = "COMPLETE"
@@ -107,7 +113,7 @@ class Metadata:
     optimizers: list[list[list[str]]]  # per optimizer, per param group: its parameters by name
     state_dict_keys: list[str]  # the LightningModule's state-dict keys, in order
     weights_only: bool
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"bytes", "sha256"}
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"bytes", WRITTEN_DIGEST}
     format: str = FORMAT
     version: int = VERSION
 
@@ -124,10 +130,10 @@ class Metadata:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
             raise CheckpointError(f"{where}: not a lightning_zero checkpoint (format {found!r})")
-        if raw.get("version") != VERSION:
+        if raw.get("version") not in READS:
             raise CheckpointError(
                 f"{where}: checkpoint format version {raw.get('version')!r} is not supported"
-                f" (this lightning_zero reads version {VERSION})"
+                f" (this lightning_zero reads versions {', '.join(map(str, READS))})"
             )
         _validate(raw, where)
         raw["units"] = [
@@ -167,20 +173,22 @@ def _validate(raw: dict[str, Any], where: Path) -> None:
             fail(key, raw[key], "an integer >= 0")
     files = raw["files"]
     if not isinstance(files, dict):
-        fail("files", files, "an object of file name -> size and sha256")
+        fail("files", files, "an object of file name -> size and checksum")
     # The count first: no set of a million names is built for a crafted world size.
     optional = {CONSOLIDATED} & set(files)
     wanted = {rank_file(r) for r in range(world)} | {LIGHTNING} if len(files) == world + 1 + len(optional) else set()
     if set(files) - optional != wanted:
         odd = sorted((set(files) - optional) ^ wanted)[:3]
         fail("files", odd, f"exactly {LIGHTNING} and rank-00000.pt .. {rank_file(world - 1)} (and {CONSOLIDATED})")
+    digest = "sha256" if raw["version"] == 1 else WRITTEN_DIGEST
     for name, entry in files.items():
-        if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"}:
-            fail(f"files[{name!r}]", entry, '{"bytes": ..., "sha256": ...}')
+        if not isinstance(entry, dict) or set(entry) != {"bytes", digest}:
+            fail(f"files[{name!r}]", entry, f'{{"bytes": ..., "{digest}": ...}}')
         if not integer(entry["bytes"]) or entry["bytes"] < 0:
             fail(f"files[{name!r}].bytes", entry["bytes"], "an integer >= 0")
-        if not isinstance(entry["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]):
-            fail(f"files[{name!r}].sha256", entry["sha256"], "64 hexadecimal digits")
+        digits = DIGESTS[digest][1]
+        if not isinstance(entry[digest], str) or not re.fullmatch(f"[0-9a-f]{{{digits}}}", entry[digest]):
+            fail(f"files[{name!r}].{digest}", entry[digest], f"{digits} hexadecimal digits")
     if not isinstance(raw["units"], list):
         fail("units", raw["units"], "a list")
     for u, unit in enumerate(raw["units"]):
@@ -231,8 +239,8 @@ def is_checkpoint(path: Path) -> bool:
         return False
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def file_digest(path: Path, algorithm: str = WRITTEN_DIGEST) -> str:
+    digest = DIGESTS[algorithm][0]()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
@@ -258,7 +266,7 @@ class _HashingFile:
 
     def __init__(self, file) -> None:
         self.file = file
-        self.sha256 = hashlib.sha256()
+        self.digest = DIGESTS[WRITTEN_DIGEST][0]()
         self.bytes = 0
         self.error: OSError | None = None
 
@@ -268,7 +276,7 @@ class _HashingFile:
         except OSError as error:
             self.error = error
             raise
-        self.sha256.update(data)
+        self.digest.update(data)
         self.bytes += len(data)
         return written
 
@@ -277,7 +285,7 @@ class _HashingFile:
 
 
 def write_atomically(path: Path, write: Callable[[Any], None]) -> dict[str, Any]:
-    """``write(file)`` into a temporary file, fsync, rename to ``path``; returns the file's size and sha256. A
+    """``write(file)`` into a temporary file, fsync, rename to ``path``; returns the file's size and checksum. A
     full device raises one CheckpointError saying so, with the bytes written and free."""
     tmp = path.with_name(f".{path.name}.tmp")
     hashing = None
@@ -299,7 +307,7 @@ def write_atomically(path: Path, write: Callable[[Any], None]) -> dict[str, Any]
                 f" device filled, {free:,} bytes are free in {path.parent}; free space or save elsewhere"
             ) from error
         raise
-    return {"bytes": hashing.bytes, "sha256": hashing.sha256.hexdigest()}
+    return {"bytes": hashing.bytes, WRITTEN_DIGEST: hashing.digest.hexdigest()}
 
 
 def check_file(directory: Path, name: str, expected: dict[str, Any], *, checksum: bool) -> None:
@@ -310,12 +318,13 @@ def check_file(directory: Path, name: str, expected: dict[str, Any], *, checksum
     size = path.stat().st_size
     if size != expected["bytes"]:
         raise CheckpointError(f"{path}: truncated or changed: {size} bytes, the metadata says {expected['bytes']}")
-    if checksum and sha256_file(path) != expected["sha256"]:
-        raise CheckpointError(f"{path}: corrupted: its sha256 does not match the metadata")
+    algorithm = next(k for k in expected if k in DIGESTS)
+    if checksum and file_digest(path, algorithm) != expected[algorithm]:
+        raise CheckpointError(f"{path}: corrupted: its {algorithm} checksum does not match the metadata")
 
 
 def check_files(directory: Path, meta: Metadata, *, checksum: bool, share: tuple[int, int] | None = None) -> None:
-    """Every file the metadata lists: present, of its size and (``checksum``) its sha256; with ``share`` =
+    """Every file the metadata lists: present, of its size and (``checksum``) its checksum; with ``share`` =
     (rank, world size), this rank hashes only every world-size-th file (the ranks split the hashing)."""
     for i, (name, expected) in enumerate(sorted(meta.files.items())):
         mine = share is None or i % share[1] == share[0]

@@ -67,7 +67,7 @@ def open_checkpoint(
     model_names: list[str] | None = None,
     weights_only: bool = True,
 ) -> LoadedCheckpoint:
-    """Checks a sharded checkpoint directory on every rank (sizes everywhere, each file's sha256 on one
+    """Checks a sharded checkpoint directory on every rank (sizes everywhere, each file's checksum on one
     rank), or reads a plain Lightning checkpoint file (``plain.py``) or a torch.distributed.checkpoint
     directory (``dcp.py``), and raises the first problem any rank found, on all of them. Pickled state is
     loaded with ``weights_only`` (True: no code can run; False only for a file you trust).

@@ -24,14 +24,13 @@ in which the name is absent.
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import errno
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +47,19 @@ from lightning_zero.checkpoint.format import (
     CONSOLIDATED,
     LIGHTNING,
     METADATA,
+    WRITTEN_DIGEST,
     CheckpointError,
     Metadata,
     ParamEntry,
     UnitEntry,
+    file_digest,
     fsync_dir,
     is_checkpoint,
     partial_dir,
     rank_file,
-    sha256_file,
     write_atomically,
 )
+from lightning_zero.checkpoint.snapshot import copy_tensors, unit_payload, zip_crc32
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.averaging import WeightAverage
 from lightning_zero.sharding.flat_unit import FlatUnit
@@ -83,47 +84,6 @@ def _pause(phase: str) -> None:
         Path(marker).write_text(phase)
         while True:
             time.sleep(1)
-
-
-def _is_elementwise(value: Any, numel: int) -> bool:
-    """Whether an optimizer state entry holds one value per element (exp_avg, momentum_buffer, ...)."""
-    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
-
-
-def _unit_payload(
-    unit: FlatUnit,
-    optimizer: ZeroOptimizer | None,
-    weights_only: bool,
-    averaged: torch.Tensor | None,
-    keep: Callable[[torch.Tensor], torch.Tensor],
-    zeros: Callable[[int, torch.dtype], torch.Tensor],
-) -> dict[str, Any]:
-    """``keep(tensor)``: the host tensor written for ``tensor`` (a copy when the save finishes in the background);
-    ``zeros(numel, dtype)``: a zeroed host buffer (reused from save to save in the background)."""
-    # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
-    master = unit.master_partition() if unit.trainable else unit.param_shard
-    if master is None:
-        raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
-    payload: dict[str, Any] = {"master": keep(master.float())}
-    if averaged is not None:  # see [Note: averaged weights in a checkpoint] in format.py
-        payload["averaged"] = keep(averaged)
-    if weights_only or optimizer is None:
-        return payload
-    state: dict[str, torch.Tensor] = {}
-    scalars: dict[int, dict[str, Any]] = {}
-    for piece, tensor in zip(unit.pieces, unit.piece_tensors):
-        if tensor not in optimizer.optimizer.state:
-            continue
-        scalars[piece.param] = {}
-        for key, value in optimizer.optimizer.state[tensor].items():
-            if _is_elementwise(value, piece.numel):
-                if key not in state:  # assembled on the CPU: no partition-sized spike on the device
-                    state[key] = zeros(unit.layout.partition_numel, value.dtype)
-                state[key][piece.partition_offset : piece.partition_offset + piece.numel] = value.reshape(-1)
-            else:
-                scalars[piece.param][key] = keep(value) if torch.is_tensor(value) else value
-    payload.update(state=state, scalars=scalars)
-    return payload
 
 
 def _describe(error: BaseException, what: Path) -> str:
@@ -285,49 +245,46 @@ def save(
     keep = background.host_copy if background is not None else (lambda t: t.cpu())
     zeros = background.host_zeros if background is not None else (lambda n, dtype: torch.zeros(n, dtype=dtype))
     name = rank_file(rank if shard_rank is None else shard_rank) if writes_shards else None
-    shard, lightning, meta, problem = None, None, None, None
-    try:  # what this step must copy before training goes on; the files come after (maybe in the background)
-        if writes_shards:
-            averaged = average.partitions(units) if average is not None else [None] * len(units)
+    averaged: list = [None] * len(units)
+
+    def snapshot() -> tuple[dict | None, str | None]:
+        """This rank's shards on the host, or the problem (in the background: before the next optimizer step)."""
+        try:
+            if not writes_shards:
+                return None, None
             payloads = zip(units, averaged)
-            pieces = [_unit_payload(u, owner.get(id(u)), weights_only, a, keep, zeros) for u, a in payloads]
-            shard = {"units": pieces}
+            return {
+                "units": [unit_payload(u, owner.get(id(u)), weights_only, a, keep, zeros) for u, a in payloads]
+            }, None
+        except CheckpointError as error:
+            return None, str(error)
+        except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
+            return None, _describe(error, partial / name)
+
+    lightning, meta, problem = None, None, None
+    try:  # what this step must copy before training goes on (its forward changes buffers, its loop the state)
+        if average is not None and writes_shards:
+            averaged = average.partitions(units)  # (copies, which the averaging callback's next update changes)
         if rank == 0:
             lightning = _lightning(checkpoint, model, units, optimizers, average)
             if background is not None:
-                lightning = _copy_tensors(lightning, keep)
+                lightning = copy_tensors(lightning, keep)
             meta = _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, {})
     except CheckpointError as error:
         problem = str(error)
     except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
-        problem = _describe(error, partial / (name or LIGHTNING))
+        problem = _describe(error, partial / LIGHTNING)
+
+    def write(taken: tuple[dict | None, str | None]) -> None:
+        shard, shard_problem = taken
+        group = background.group if background is not None else None
+        _write_files(path, partial, rank, name, shard, lightning, meta, consolidated, problem or shard_problem, group)
+
     if background is None:
-        _write_files(path, partial, rank, name, shard, lightning, meta, consolidated, problem)
-        return
-    group = background.group
-    background.start(
-        lambda: _write_files(path, partial, rank, name, shard, lightning, meta, consolidated, problem, group)
-    )
-
-
-def _copy_tensors(value: Any, keep: Callable[[torch.Tensor], torch.Tensor], memo: dict | None = None) -> Any:
-    """``value`` with every tensor in it (dicts of any kind, lists, tuples) replaced by ``keep(tensor)``, a tensor
-    held in several places (tied entries) copied once."""
-    memo = {} if memo is None else memo
-    if torch.is_tensor(value):
-        if id(value) not in memo:
-            memo[id(value)] = keep(value)
-        return memo[id(value)]
-    if isinstance(value, dict):
-        out = copy.copy(value)  # (its own kind: OrderedDict, defaultdict, ...)
-        for key, item in value.items():
-            out[key] = _copy_tensors(item, keep, memo)
-        return out
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_copy_tensors(v, keep, memo) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy_tensors(v, keep, memo) for v in value)
-    return value
+        with zip_crc32(False):  # (see zip_crc32)
+            write(snapshot())
+    else:
+        background.start(snapshot, write)
 
 
 def _write_files(
@@ -368,7 +325,7 @@ def _write_files(
             if consolidated:  # streamed from the shard files just written: about one parameter in memory
                 write_consolidated(partial, meta, lightning, partial / CONSOLIDATED)
                 size = (partial / CONSOLIDATED).stat().st_size
-                meta.files[CONSOLIDATED] = {"bytes": size, "sha256": sha256_file(partial / CONSOLIDATED)}
+                meta.files[CONSOLIDATED] = {"bytes": size, WRITTEN_DIGEST: file_digest(partial / CONSOLIDATED)}
             write_atomically(partial / METADATA, lambda f: f.write(meta.to_json().encode()))
             _pause("metadata")
             write_atomically(partial / COMPLETE, lambda f: None)

@@ -1,8 +1,9 @@
 """Checkpoints saved in the background (``ZeroConfig(async_save=True)``) on 2 ranks:
 
 - with ModelCheckpoint saving every step (top-k and last.ckpt), every checkpoint holds exactly what the same run
-  saving synchronously holds (the state when it was saved, not what training changed after), verified and
-  complete, and a run resumed from the last one goes on as the synchronous run's resume does;
+  saving synchronously holds (the state when it was saved, not what training changed after, even with the copy
+  started late, beside the next step), verified and complete, and a run resumed from the last one goes on as the
+  synchronous run's resume does;
 - a full disk on rank 1 during a background save raises the same one-line CheckpointError on every rank at the
   same step, and leaves nothing behind;
 - Fabric's save takes the same path.
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import resource
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.format import CheckpointError
 from tests.support.helpers import (
@@ -39,13 +42,33 @@ class Step(EquivalenceModule):
         return super().training_step(batch, batch_idx)
 
 
+def _slow_snapshot(copy):
+    """The background copy started late: the next step's optimizer step must wait for it (else it would copy
+    what that step changed)."""
+
+    def late(self, snapshot, queued):
+        time.sleep(0.2)
+        return copy(self, snapshot, queued)
+
+    return late
+
+
 def _equal_worker(rank: int, world: int, root: Path) -> None:
+    copy = BackgroundSaves._copy
+    BackgroundSaves._copy = _slow_snapshot(copy)
+    try:
+        _save_both_ways(rank, world, root)
+    finally:
+        BackgroundSaves._copy = copy
+
+
+def _save_both_ways(rank: int, world: int, root: Path) -> None:
     for stage in (2, 3):
         for background in (False, True):
             pl.seed_everything(0)
             every_step = ModelCheckpoint(
                 root / f"{stage}-{background}", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max",
-                save_last=True,
+                save_last="link",  # (one save per step: its snapshot meets the next step)
             )  # fmt: skip
             strategy = zero_strategy(stage, async_save=background)
             trainer = make_trainer(strategy, world, steps=STEPS, callbacks=[every_step], enable_checkpointing=True)

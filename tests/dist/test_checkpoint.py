@@ -118,8 +118,8 @@ class OtherModel(EquivalenceModule):
 ERRORS = {
     "missing": r"rank-00001.pt: missing from the checkpoint",
     "truncated": r"rank-00001.pt: truncated or changed: \d+ bytes, the metadata says \d+",
-    "corrupted": r"rank-00001.pt: corrupted: its sha256 does not match the metadata",
-    "version": r"checkpoint format version 99 is not supported \(this lightning_zero reads version 1\)",
+    "corrupted": r"rank-00001.pt: corrupted: its xxh3_128 checksum does not match the metadata",
+    "version": r"checkpoint format version 99 is not supported \(this lightning_zero reads versions 1, 2\)",
     "incomplete": r"incomplete checkpoint \(no COMPLETE marker\): its save was interrupted",
 }
 

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_zero
-from lightning_zero.checkpoint.format import check_files, read_metadata, sha256_file
+from lightning_zero.checkpoint.format import WRITTEN_DIGEST, check_files, file_digest, read_metadata
 from lightning_zero.kernels.adamw import FusedAdamW
 from lightning_zero.models.data import SyntheticLanguage
 from lightning_zero.models.gpt import GPT, GPTConfig
@@ -379,7 +379,7 @@ def snapshot_files(root: Path) -> dict[str, str | None]:
 
 # --- checkpoints ---------------------------------------------------------------------------------
 def verify_checkpoint(ckpt: Path) -> int:
-    """Checks every file of a sharded checkpoint (complete, sizes, sha256); returns its global step."""
+    """Checks every file of a sharded checkpoint (complete, sizes, checksums); returns its global step."""
     meta = read_metadata(ckpt)  # raises unless complete
     check_files(ckpt, meta, checksum=True)
     return meta.global_step
@@ -403,7 +403,7 @@ def poison_checkpoint(ckpt: Path, marker: Path) -> None:
     meta = json.loads((ckpt / "metadata.json").read_text())
     meta["files"]["lightning.pt"] = {
         "bytes": (ckpt / "lightning.pt").stat().st_size,
-        "sha256": sha256_file(ckpt / "lightning.pt"),
+        WRITTEN_DIGEST: file_digest(ckpt / "lightning.pt"),
     }
     (ckpt / "metadata.json").write_text(json.dumps(meta))
 

@@ -325,7 +325,7 @@ CHECKPOINT_CASES = [
     Case(
         "consolidate_corrupted_bytes",
         _consolidate(),
-        "rank-00000.pt: corrupted: its sha256 does not match the metadata",
+        "rank-00000.pt: corrupted: its xxh3_128 checksum does not match the metadata",
         damage=_flip_a_byte,
     ),
     Case(

@@ -1,19 +1,23 @@
 """The checkpoint directory's own rules, in one process: latest() skips what is incomplete or changed, leftovers of
-killed saves and removals are recognised (a user's hidden directory never touched), and a linked last.ckpt is
-replaced and removed as a link."""
+killed saves and removals are recognised (a user's hidden directory never touched), a linked last.ckpt is
+replaced and removed as a link, and a checkpoint of the format's version 1 (sha256 checksums) still reads."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.format import (
     CheckpointError,
     Metadata,
+    file_digest,
     latest,
     read_metadata,
     write_atomically,
@@ -118,3 +122,25 @@ def test_a_full_device_is_named_with_the_bytes_written_and_free(tiny_device):
     with pytest.raises(CheckpointError, match=message):
         write_atomically(tiny_device / "x.pt", lambda f: torch.save({"a": torch.zeros(100_000)}, f))
     assert list(tiny_device.iterdir()) == []  # the temporary file is gone
+
+
+def test_a_version_1_checkpoint_with_sha256_checksums_still_reads(stage2_checkpoint, tmp_path):
+    """Version 2 checksums files with xxh3-128; a version-1 checkpoint's sha256 entries are still checked."""
+    old = tmp_path / "v1.ckpt"
+    shutil.copytree(stage2_checkpoint, old)
+    meta = json.loads((old / "metadata.json").read_text())
+    assert meta["version"] == 2 and all(set(e) == {"bytes", "xxh3_128"} for e in meta["files"].values())
+    meta["version"] = 1
+    meta["files"] = {
+        name: {"bytes": entry["bytes"], "sha256": file_digest(old / name, "sha256")}
+        for name, entry in meta["files"].items()
+    }
+    (old / "metadata.json").write_text(json.dumps(meta))
+    current = torch.load(consolidate(stage2_checkpoint, tmp_path / "v2.pt"), weights_only=True)
+    before = torch.load(consolidate(old, tmp_path / "v1.pt"), weights_only=True)
+    assert current.keys() == before.keys() and all(torch.equal(current[k], before[k]) for k in current)
+    data = bytearray((old / "rank-00000.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (old / "rank-00000.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank-00000.pt: corrupted: its sha256 checksum does not match"):
+        consolidate(old, tmp_path / "bad.pt")
