@@ -311,6 +311,13 @@ class ZeroEngine:
         """Waits for the post-step parameter all-gathers still running (before anything reads parameters)."""
         self.placement.settle()
 
+    def before_weights_change(self) -> None:
+        """Before anything but the optimizer step writes the masters (the averaging callbacks' swaps): the
+        parameter all-gathers settled and a background save's snapshot taken (background.py's Note)."""
+        self.settle()
+        if self.background is not None:
+            self.background.wait_snapshot()
+
     def release_gradients(self) -> None:
         """Drops the gradients accumulated so far (as ``module.zero_grad()`` drops ddp's)."""
         for optimizer in self.optimizers:

@@ -68,9 +68,9 @@ class BackgroundSaves:
         copy.copy_(tensor.detach(), non_blocking=pinned)
         return copy
 
-    def host_zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """A zeroed host buffer for this save (one the previous save wrote, when it had one of this size)."""
-        return self._host_empty((numel,), dtype, False).zero_()
+    def host_empty(self, numel: int, dtype: torch.dtype, pinned: bool = False) -> Tensor:
+        """A host buffer for this save (one the previous save wrote, when it had one of this size)."""
+        return self._host_empty((numel,), dtype, pinned)
 
     def _host_empty(self, shape: tuple, dtype: torch.dtype, pinned: bool) -> Tensor:
         key = (shape, dtype, pinned)
@@ -79,20 +79,28 @@ class BackgroundSaves:
         self._taken.setdefault(key, []).append(buffer)
         return buffer
 
-    def start(self, snapshot: Callable[[], Any], work: Callable[[Any], None]) -> None:
-        """Runs ``snapshot()`` (the host copies) and then ``work(what it returned)`` (the rest of a save) in the
-        writer thread; the next optimizer step waits for the snapshot (see the Note)."""
+    def start(self, snapshot: Callable[[], Any], work: Callable[[Any, BaseException | None], None]) -> None:
+        """Runs ``snapshot()`` (the host copies) and then ``work(what it returned, None)`` (the rest of a save) in
+        the writer thread, or ``work(None, error)`` if the copy failed: ``work`` always runs, so the ranks' writers
+        always agree. The next optimizer step waits for the snapshot (see the Note)."""
         queued = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            queued = torch.cuda.Event()
-            queued.record()  # the work queued so far: the state as the saving step leaves it
+            # the work queued so far on this rank's device: the state as the saving step leaves it. (A new thread
+            # starts on device 0: the writer takes this one, as torch's pin-memory thread does.)
+            queued = (torch.cuda.current_device(), torch.cuda.Event())
+            queued[1].record()
         self._error = None
         self._deferred = []
         self._snapshot = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(snapshot, work, queued), name="lightning_zero-save", daemon=True
         )
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._thread, self._deferred = None, None
+            self._snapshot.set()
+            raise
 
     def wait_snapshot(self) -> None:
         """Returns once the save in flight, if any, has copied what it saves (before the state changes);
@@ -102,27 +110,31 @@ class BackgroundSaves:
             self._snapshot.wait()
             self.snapshot_wait_s = time.perf_counter() - start
 
-    def _copy(self, snapshot: Callable[[], Any], queued: Any) -> Any:
+    def _copy(self, snapshot: Callable[[], Any], queued: tuple | None) -> Any:
         try:
             if queued is None:
+                return snapshot()
+            device, event = queued
+            torch.cuda.set_device(device)
+            stream = torch.cuda.Stream(device)
+            stream.wait_event(event)
+            with torch.cuda.stream(stream):
                 taken = snapshot()
-            else:
-                stream = torch.cuda.Stream()
-                stream.wait_event(queued)
-                with torch.cuda.stream(stream):
-                    taken = snapshot()
-                stream.synchronize()  # the copies have landed before the writer reads them
-            self._pool, self._taken = self._taken, {}  # the next save reuses this one's copies
+            stream.synchronize()  # the copies have landed before the writer reads them
             return taken
         finally:
-            self._snapshot.set()  # (a failed snapshot is reported through ``work``: see save.py)
+            self._pool, self._taken = self._taken, {}  # the next save reuses this one's copies
+            self._snapshot.set()
 
-    def _run(self, snapshot: Callable[[], Any], work: Callable[[Any], None], queued: Any) -> None:
+    def _run(self, snapshot: Callable[[], Any], work: Callable[[Any, BaseException | None], None], queued) -> None:
         succeeded = False
         try:
-            taken = self._copy(snapshot, queued)
+            try:
+                taken, failure = self._copy(snapshot, queued), None
+            except BaseException as error:  # noqa: BLE001 - reported through ``work``, which the ranks agree on
+                taken, failure = None, error
             _lower_priority()  # the writing yields to training where they share cores (the copy did not: it is awaited)
-            work(taken)
+            work(taken, failure)
             succeeded = True
         except BaseException as error:  # noqa: BLE001 - raised in the training thread (poll, wait)
             self._error = error

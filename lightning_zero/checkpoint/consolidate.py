@@ -73,13 +73,16 @@ LIGHTNING_KEYS = (
 )
 
 
-def _sources(directory: Path, meta: Metadata, lightning: dict[str, Any]) -> list[tuple[str, Source]]:
-    """(state-dict key, where its value comes from), in the module's key order; tied keys share a source."""
+def _sources(
+    directory: Path, meta: Metadata, lightning: dict[str, Any], *, average: bool = True
+) -> list[tuple[str, Source]]:
+    """(state-dict key, where its value comes from), in the module's key order; tied keys share a source. With
+    ``average``, a weight average the checkpoint presents as its weights instead of the trained ones."""
     reader = ShardReader(directory, meta, keep_open=False)
     replicated = lightning["state_dict"]
     # WeightAveraging's average is what Lightning's checkpoint holds as the weights (format.py's Note)
     in_shards = AVERAGED_IN_SHARDS in lightning
-    exported = AVERAGED in lightning and (not in_shards or averaged_exported(lightning, directory))
+    exported = average and AVERAGED in lightning and (not in_shards or averaged_exported(lightning, directory))
     in_shards = in_shards and exported
     averaged = lightning[AVERAGED] if exported else {}
     by_key: dict[str, Source] = {}

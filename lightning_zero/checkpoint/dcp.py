@@ -34,6 +34,7 @@ import lightning
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -51,8 +52,13 @@ _DCP_METADATA_CLASSES = {
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),  # (Python 3.13)
 }  # fmt: skip
-_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+_DTYPE_NAMES = (
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32",
+    "uint64", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)  # fmt: skip
 
 
 def is_dcp(path: Path) -> bool:
@@ -78,8 +84,16 @@ def read_dcp_metadata(path: Path) -> Any:
         ) from None
     except (EOFError, ValueError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path / DCP_METADATA}: unreadable ({error})") from None
-    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict) or metadata.storage_data is None:
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict) or not isinstance(
+        getattr(metadata, "storage_data", None), dict
+    ):
         raise CheckpointError(f"{path / DCP_METADATA}: not a torch.distributed.checkpoint metadata file")
+    if not isinstance(metadata.planner_data or {}, dict):
+        raise CheckpointError(f"{path / DCP_METADATA}: its planner_data is not a dict of paths")
+    for info in metadata.storage_data.values():  # files inside the directory, by plain names
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise CheckpointError(f"{path / DCP_METADATA}: names a data file {name!r}; a plain file name is allowed")
     return metadata
 
 
@@ -134,6 +148,15 @@ class DcpSource:
         self.tensors = {
             k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
         }
+        for key, md in self.tensors.items():  # the saved chunks tile each tensor: every element is read from a file
+            size = torch.Size(md.size)
+            inside = all(
+                len(c.offsets) == len(size) == len(c.sizes) and all(0 <= o and o + n <= d for o, n, d in
+                                                                    zip(c.offsets, c.sizes, size))
+                for c in md.chunks
+            )  # fmt: skip
+            if not inside or sum(math.prod(c.sizes) for c in md.chunks) != size.numel():
+                raise CheckpointError(f"{path / DCP_METADATA}: the chunks saved of {key} do not cover its {list(size)}")
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
@@ -146,7 +169,7 @@ class DcpSource:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(wanted, storage_reader=_Storage(self.path, self.metadata),
                          planner=_SlicePlanner(offsets or {}), no_dist=True)  # fmt: skip
-        except (pickle.UnpicklingError, RuntimeError, ValueError, OSError, AssertionError) as error:
+        except (CheckpointException, Exception) as error:  # (DCP's CheckpointException is a BaseException)
             first = (str(error).strip().splitlines() or [repr(error)])[0]
             raise CheckpointError(f"{self.path}: cannot read {sorted(wanted)[:3]}: {first}") from None
         return wanted
@@ -165,11 +188,6 @@ class DcpSource:
         self.load({key: rows}, {key: (first, *[0] * (len(shape) - 1))})
         out.copy_(rows.reshape(-1)[lo - first * row : hi - first * row])
 
-    def whole(self, key: str) -> Tensor:
-        out = torch.empty(self.shape(key), dtype=self.tensors[key].properties.dtype)
-        self.read(key, 0, out.numel(), out.view(-1))
-        return out
-
     def model_section(self, names: list[str]) -> tuple[dict[str, str], tuple[str, str]]:
         """The saved model: saved name -> key for the section whose names, up to a prefix, match the most of
         ``names`` (see the module's docstring), and that prefix as (here, there)."""
@@ -179,14 +197,24 @@ class DcpSource:
             path = _path(self.metadata, key)
             if _optimizer_entry(path) is None:
                 sections.setdefault(path[:-1], {})[str(path[-1])] = key
-        best, best_score = ({}, ("", "")), -1
-        for section in sorted(sections, key=len):
-            saved = sections[section]
+        scored: dict[tuple, tuple[int, tuple[str, str]]] = {}  # section -> (names matched, prefixes)
+        for section, saved in sections.items():
             for prefixes in _prefixes(names, saved):
                 score = sum(_renamed(f, prefixes) in wanted for f in saved) if wanted else len(saved)
-                if score > best_score:
-                    best, best_score = (saved, prefixes), score
-        return best
+                if score > scored.get(section, (-1,))[0]:
+                    scored[section] = (score, prefixes)
+        if not scored:
+            return {}, ("", "")
+        top = max(score for score, _ in scored.values())
+        tied = [s for s, (score, _) in scored.items() if score == top]
+        if len(tied) > 1:  # (an EMA beside the model, say): the one named model, else the question is the user's
+            tied = [s for s in tied if s in ((), ("model",))] or tied
+        if len(tied) > 1:
+            raise CheckpointError(
+                f"{self.path}: {len(tied)} sections hold these weights equally well: {['.'.join(s) for s in tied]}"
+                " (the model is taken from a section named 'model' or from the top level)"
+            )
+        return sections[tied[0]], scored[tied[0]][1]
 
 
 def _renamed(saved_name: str, prefixes: tuple[str, str]) -> str:
@@ -235,58 +263,71 @@ class DcpReader:
     def state_of(self, name: str) -> tuple[dict[str, Any], list[str]] | None:
         if name not in self.state:
             return None
-        return dict(self.scalars[name]), [k for k in self.state[name] if k not in self.scalars[name]]
+        scalars = self.scalars.get(name, {})
+        return dict(scalars), [k for k in self.state[name] if k not in scalars]
 
 
-def _optimizer(source: DcpSource, prefixes: tuple[str, str], names: set[str]) -> tuple[dict, dict, list]:
-    """The saved optimizer state of the parameters in ``names``: {name: {key: saved key}}, {name: {key:
-    scalar value}} and its param groups ([{hyper-parameter: value, "params": [names]}]), or ({}, {}, [])."""
+def _optimizer(source: DcpSource, prefixes: tuple[str, str], shapes: dict[str, tuple]) -> tuple[dict, dict, Any]:
+    """The saved optimizer state of the parameters in ``shapes`` (name -> shape): {name: {key: saved key}} of its
+    elementwise state, {name: {key: value}} of the rest, and its param groups: [{hyper-parameter: value,
+    "params": [names]}] when saved nested, {name: {hyper-parameter: value}} when flattened; or ({}, {}, [])."""
     sections: dict[tuple, list] = {}
     for key in source.metadata.state_dict_metadata:
         entry = _optimizer_entry(_path(source.metadata, key))
         if entry is not None:
             sections.setdefault(entry[0], []).append((*entry[1:], key))
-    overlap = {s: sum(_renamed(e[1], prefixes) in names for e in es if e[0] == "state") for s, es in sections.items()}
+    overlap = {s: sum(_renamed(e[1], prefixes) in shapes for e in es if e[0] == "state") for s, es in sections.items()}
     if not overlap or max(overlap.values()) == 0:
         return {}, {}, []
     entries = sections[max(overlap, key=overlap.get)]
-    state: dict[str, dict[str, str]] = {}
+    elementwise: dict[str, dict[str, str]] = {}
+    small: dict[str, Any] = {}  # what is read whole: scalars, non-tensor values, the param groups
     for kind, owner, key, saved in entries:
-        if kind == "state":
-            state.setdefault(_renamed(owner, prefixes), {})[key] = saved
-    small = {saved: None for kind, _, _, saved in entries if kind == "param_groups"}
-    small.update({saved: torch.empty((), dtype=source.tensors[saved].properties.dtype) for saved in
-                  (s for kind, _, _, s in entries if kind == "state") if source.shape(saved) == ()})  # fmt: skip
+        name = _renamed(owner, prefixes)
+        if kind == "state" and name in shapes and saved in source.tensors and source.shape(saved) != ():
+            if source.shape(saved) != shapes[name]:  # (factored state, Adafactor's say: not cut as the weights are)
+                raise CheckpointError(
+                    f"{source.path}: optimizer state {saved} has shape {list(source.shape(saved))}, neither a scalar"
+                    f" nor its parameter's {list(shapes[name])}: this optimizer's state cannot be resharded here"
+                )
+            elementwise.setdefault(name, {})[key] = saved
+        elif kind == "param_groups" or name in shapes:
+            dtype = source.tensors[saved].properties.dtype if saved in source.tensors else None
+            small[saved] = torch.empty((), dtype=dtype) if dtype is not None else None
     values = source.load(small) if small else {}
-    scalars = {name: {k: values[s] for k, s in keys.items() if s in values} for name, keys in state.items()}
+    scalars: dict[str, dict[str, Any]] = {}
     groups: dict[str, dict[str, Any]] = {}  # group index (nested) or parameter name (flattened) -> hyper-parameters
     for kind, owner, key, saved in entries:
-        if kind == "param_groups":
-            flattened = not owner.isdigit()
-            groups.setdefault(_renamed(owner, prefixes) if flattened else owner, {})[key] = values[saved]
+        name = _renamed(owner, prefixes)
+        if kind == "state" and saved in values:
+            scalars.setdefault(name, {})[key] = values[saved]
+        elif kind == "param_groups":
+            groups.setdefault(owner if owner.isdigit() else name, {})[key] = values[saved]
+    state = {name: {**dict.fromkeys(scalars.get(name, {})), **keys} for name, keys in elementwise.items()}
+    state.update({name: dict.fromkeys(values) for name, values in scalars.items() if name not in state})
     if groups and all(owner.isdigit() for owner in groups):
-        param_groups = [groups[i] for i in sorted(groups, key=int)]
-        for group in param_groups:
+        nested = [groups[i] for i in sorted(groups, key=int)]
+        for group in nested:
             group["params"] = [_renamed(str(f), prefixes) for f in group.get("params", [])]
-    else:  # flattened: one group per distinct set of hyper-parameters, in order of appearance
-        param_groups = []
-        for name, hyper in groups.items():
-            match = next((g for g in param_groups if {k: v for k, v in g.items() if k != "params"} == hyper), None)
-            if match is None:
-                param_groups.append(match := {**hyper, "params": []})
-            match["params"].append(name)
-    return state, scalars, param_groups
+        return state, scalars, nested
+    return state, scalars, groups
 
 
-def _matched_groups(path: Path, here: list[list[list[str]]], saved: list[dict[str, Any]]) -> list[list[dict]]:
-    """The saved param groups' hyper-parameters for this run's one optimizer, checked to hold its groups."""
+def _matched_groups(path: Path, here: list[list[list[str]]], saved: Any) -> list[list[dict]]:
+    """The saved param groups' hyper-parameters for this run's one optimizer, checked to hold its groups: nested
+    groups as the same sets of parameters, flattened ones (per parameter) alike within each group here."""
     if len(here) != 1:
         raise CheckpointError(
             f"{path}: holds the state of one optimizer, as FSDP2 and torchtitan save it; this module configures"
             f" {len(here)} optimizers (load its weights with load_pretrained(module, path) instead)"
         )
     mine = [sorted(group) for group in here[0]]
-    theirs = [sorted(group["params"]) for group in saved]
+    if isinstance(saved, list):
+        theirs = [sorted(group["params"]) for group in saved]
+    else:  # flattened: a group here is matched if each of its parameters has the same hyper-parameters saved
+        alike = [all(saved.get(n) == saved.get(g[0]) is not None for n in g) for g in mine]
+        theirs = [g if ok else [*g, "(hyper-parameters missing or unlike)"] for g, ok in zip(mine, alike)]
+        saved = [{**saved[g[0]], "params": g} for g in mine if g and g[0] in saved]
     if mine != theirs:
         raise CheckpointError(
             f"{path}: its optimizer's param groups differ from this run's (by parameter name): {mine} here,"
@@ -304,7 +345,7 @@ def read_dcp(
     source = DcpSource(path)
     saved, prefixes = source.model_section(model_names)
     keys = {_renamed(f, prefixes): key for f, key in saved.items()}
-    state, scalars, param_groups = _optimizer(source, prefixes, set(keys))
+    state, scalars, param_groups = _optimizer(source, prefixes, {n: source.shape(k) for n, k in keys.items()})
     lightning_state: dict[str, Any] = {
         "state_dict": {},
         "epoch": 0,

@@ -36,6 +36,8 @@ from lightning_zero.checkpoint.format import CheckpointError, check_files, load_
 from lightning_zero.checkpoint.publish import check_new_directory, write_new_directory
 from lightning_zero.checkpoint.shards import ShardReader
 
+IMPLEMENTATION_DEFAULTS = {"fused": None, "foreach": None, "capturable": False, "differentiable": False}
+
 
 class _LazySavePlanner(DefaultSavePlanner):
     """Saves stand-ins (expanded scalars: the shape and dtype, no data) whose data ``produce[key]()`` gives
@@ -61,29 +63,33 @@ def _optimizer(directory: Path, meta: Any, lightning: dict[str, Any], rename: Ca
     if len(meta.optimizers) > 1:
         raise CheckpointError(
             f"{directory}: holds {len(meta.optimizers)} optimizers; a DCP checkpoint for FSDP2 holds one"
-            " (export the weights alone: export_dcp(..., optimizer=False))"
+            " (export the weights alone from Python: lightning_zero.export_dcp(..., optimizer=False))"
         )
     reader = ShardReader(directory, meta, keep_open=False)
     state: dict[str, dict[str, Any]] = {}
     produce: dict[str, Callable[[], Tensor]] = {}
     param_groups = []
+    trainable = [n for names in meta.optimizers[0] for n in names if n in reader.location]
+    kinds = next((found for n in trainable if (found := reader.state_of(n)) is not None), None)
     for names, hyper in zip(meta.optimizers[0], lightning["optimizer_groups"][0]):
-        param_groups.append({**{k: v for k, v in hyper.items() if k != "param_names"}, "params": []})
-        for name in names:
-            param_groups[-1]["params"].append(rename(name))
-            found = reader.state_of(name) if name in reader.location else None
-            if found is None:
-                continue
-            scalars, elementwise = found
+        # how this run computed (fused, foreach, ...) is not the loading job's: torch's defaults
+        hyper = {**{k: v for k, v in hyper.items() if k != "param_names"}, **IMPLEMENTATION_DEFAULTS}
+        param_groups.append({**hyper, "params": [rename(n) for n in names]})
+        for name in (n for n in names if n in reader.location and kinds is not None):
+            found = reader.state_of(name)
             unit, index = reader.location[name]
             shape = tuple(meta.units[unit].params[index].shape)
+            if found is None:  # no step yet (no gradient): as torch initialises it, for FSDP2's template
+                found = ({k: torch.zeros(()) if torch.is_tensor(v) else v for k, v in kinds[0].items()}, None)
+            scalars, elementwise = found
             entry = state[rename(name)] = dict(scalars)
-            for key in elementwise:
+            for key in kinds[1]:
                 entry[key] = _stand_in(shape, torch.float32)  # (state over the fp32 masters)
 
-                def read(name=name, key=key, shape=shape) -> Tensor:
-                    out = torch.empty(math.prod(shape))
-                    reader.read(name, 0, out.numel(), out, key=key)
+                def read(name=name, key=key, shape=shape, stepped=elementwise is not None) -> Tensor:
+                    out = torch.zeros(math.prod(shape))
+                    if stepped:
+                        reader.read(name, 0, out.numel(), out, key=key)
                     return out.view(shape)
 
                 produce[f"optim.state.{rename(name)}.{key}"] = read
@@ -116,7 +122,8 @@ def export_dcp(
 
     model: dict[str, Tensor] = {}
     produce: dict[str, Callable[[], Tensor]] = {}
-    for key, (_, make, shape, dtype) in _sources(directory, meta, lightning):
+    # the trained weights, whose the optimizer's state is (not a weight-averaging callback's average)
+    for key, (_, make, shape, dtype) in _sources(directory, meta, lightning, average=False):
         model[rename(key)] = _stand_in(shape, dtype)
         produce[f"model.{rename(key)}"] = make
     state: dict[str, Any] = {"model": model}

@@ -93,6 +93,8 @@ def open_checkpoint(
         problem = f"rank {rank}: {error}"
     except OSError as error:
         problem = f"rank {rank}: {path}: {error.strerror or error}"
+    except Exception as error:  # noqa: BLE001 - whatever one rank meets, every rank raises (never one alone)
+        problem = f"rank {rank}: {path}: cannot read it: {type(error).__name__}: {error}".splitlines()[0]
     problems = [p for p in collectives.all_gather_object(problem) if p is not None]
     if problems:
         raise CheckpointError(problems[0])
@@ -152,7 +154,7 @@ def load_model(
     try:
         with torch.no_grad():
             _read_pieces(units, params, buffers, replicated, read)
-    except (CheckpointError, OSError, RuntimeError, ValueError, IndexError, KeyError) as error:
+    except Exception as error:  # noqa: BLE001 - agreed below: no rank leaves the others waiting
         problem = f"rank {_rank()}: {loaded.path}: cannot read this rank's part: {error!s}".splitlines()[0]
     problems = [p for p in collectives.all_gather_object(problem) if p is not None]
     if problems:
@@ -182,7 +184,7 @@ def load_average(loaded: LoadedCheckpoint, average: WeightAverage) -> None:
     problem = None
     try:
         average.load(read, whole)
-    except (CheckpointError, OSError, RuntimeError, ValueError, IndexError, KeyError) as error:
+    except Exception as error:  # noqa: BLE001 - agreed below: no rank leaves the others waiting
         problem = f"rank {_rank()}: {loaded.path}: cannot read this rank's weight average: {error!s}".splitlines()[0]
     problems = [p for p in collectives.all_gather_object(problem) if p is not None]
     if problems:
@@ -244,7 +246,7 @@ def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimize
     problem = None
     try:
         _read_optimizer_state(loaded, optimizer)
-    except (CheckpointError, OSError, RuntimeError, ValueError, IndexError, KeyError) as error:
+    except Exception as error:  # noqa: BLE001 - agreed below: no rank leaves the others waiting
         problem = f"rank {_rank()}: {loaded.path}: optimizer {index}: cannot read its state: {error!s}".splitlines()[0]
     problems = [p for p in collectives.all_gather_object(problem) if p is not None]
     if problems:  # agreed, so no rank goes on to train while another has failed

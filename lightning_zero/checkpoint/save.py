@@ -243,7 +243,7 @@ def save(
     weights_only = "optimizer_states" not in checkpoint
     owner = {id(u): opt for opt in optimizers for u in opt.units}
     keep = background.host_copy if background is not None else (lambda t: t.cpu())
-    zeros = background.host_zeros if background is not None else (lambda n, dtype: torch.zeros(n, dtype=dtype))
+    empty = background.host_empty if background is not None else (lambda n, dtype, pinned: torch.empty(n, dtype=dtype))
     name = rank_file(rank if shard_rank is None else shard_rank) if writes_shards else None
     averaged: list = [None] * len(units)
 
@@ -254,7 +254,7 @@ def save(
                 return None, None
             payloads = zip(units, averaged)
             return {
-                "units": [unit_payload(u, owner.get(id(u)), weights_only, a, keep, zeros) for u, a in payloads]
+                "units": [unit_payload(u, owner.get(id(u)), weights_only, a, keep, empty) for u, a in payloads]
             }, None
         except CheckpointError as error:
             return None, str(error)
@@ -275,8 +275,8 @@ def save(
     except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
         problem = _describe(error, partial / LIGHTNING)
 
-    def write(taken: tuple[dict | None, str | None]) -> None:
-        shard, shard_problem = taken
+    def write(taken: tuple[dict | None, str | None], failure: BaseException | None = None) -> None:
+        shard, shard_problem = taken if failure is None else (None, _describe(failure, partial / (name or "")))
         group = background.group if background is not None else None
         _write_files(path, partial, rank, name, shard, lightning, meta, consolidated, problem or shard_problem, group)
 

@@ -27,20 +27,23 @@ def unit_payload(
     weights_only: bool,
     averaged: torch.Tensor | None,
     keep: Callable[[torch.Tensor], torch.Tensor],
-    zeros: Callable[[int, torch.dtype], torch.Tensor],
+    empty: Callable[[int, torch.dtype, bool], torch.Tensor],
 ) -> dict[str, Any]:
     """``keep(tensor)``: the host tensor written for ``tensor`` (a copy when the save finishes in the background);
-    ``zeros(numel, dtype)``: a zeroed host buffer (reused from save to save in the background)."""
+    ``empty(numel, dtype, pinned)``: a host buffer (reused from save to save in the background; pinned for a
+    device's state), of which whatever no piece fills is zeroed (padding, pieces without state): each byte is
+    written once."""
     # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
     master = unit.master_partition() if unit.trainable else unit.param_shard
     if master is None:
         raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
     payload: dict[str, Any] = {"master": keep(master.float())}
     if averaged is not None:  # see [Note: averaged weights in a checkpoint] in format.py
-        payload["averaged"] = keep(averaged)
+        payload["averaged"] = averaged  # (a copy already, taken when the save was called)
     if weights_only or optimizer is None:
         return payload
     state: dict[str, torch.Tensor] = {}
+    filled: dict[str, list[tuple[int, int]]] = {}  # state key -> (offset, numel) of the pieces written into it
     scalars: dict[int, dict[str, Any]] = {}
     for piece, tensor in zip(unit.pieces, unit.piece_tensors):
         if tensor not in optimizer.optimizer.state:
@@ -49,10 +52,18 @@ def unit_payload(
         for key, value in optimizer.optimizer.state[tensor].items():
             if is_elementwise(value, piece.numel):
                 if key not in state:  # assembled on the CPU: no partition-sized spike on the device
-                    state[key] = zeros(unit.layout.partition_numel, value.dtype)
-                state[key][piece.partition_offset : piece.partition_offset + piece.numel] = value.reshape(-1)
+                    state[key] = empty(unit.layout.partition_numel, value.dtype, value.is_cuda)
+                into = state[key][piece.partition_offset : piece.partition_offset + piece.numel]
+                into.copy_(value.reshape(-1), non_blocking=into.is_pinned())  # (a device's: awaited by the writer)
+                filled.setdefault(key, []).append((piece.partition_offset, piece.numel))
             else:
                 scalars[piece.param][key] = keep(value) if torch.is_tensor(value) else value
+    for key, buffer in state.items():
+        end = 0
+        for offset, numel in sorted(filled[key]):
+            buffer[end:offset].zero_()
+            end = offset + numel
+        buffer[end:].zero_()
     payload.update(state=state, scalars=scalars)
     return payload
 

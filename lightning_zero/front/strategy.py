@@ -164,7 +164,7 @@ class ZeroStrategy(DDPStrategy):
             marks = module.automatic_optimization
             self.optimizers = self.engine.wrap(module, self.optimizers, marks_micro_batches=marks)
             precision.serve(self.optimizers)
-            group, settle = self.topology.shard_group, self.engine.settle
+            group, settle = self.topology.shard_group, self.engine.before_weights_change
             self.engine.average = attach_average(self._averaging, module, self.engine.units, group=group, settle=settle)
             if precision.skip_on_device:  # schedulers then step as under torch's GradScaler
                 check_skip_on_device(self.optimizers, self.config.fused_step)

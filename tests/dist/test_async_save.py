@@ -2,7 +2,8 @@
 
 - with ModelCheckpoint saving every step (top-k and last.ckpt), every checkpoint holds exactly what the same run
   saving synchronously holds (the state when it was saved, not what training changed after, even with the copy
-  started late, beside the next step), verified and complete, and a run resumed from the last one goes on as the
+  started late, beside the next step's optimizer step or, at the end, an EMA average copied into the model),
+  verified and complete, and a run resumed from the last one goes on as the
   synchronous run's resume does;
 - a full disk on rank 1 during a background save raises the same one-line CheckpointError on every rank at the
   same step, and leaves nothing behind;
@@ -19,7 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
 from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.consolidate import consolidate
@@ -68,10 +69,14 @@ def _save_both_ways(rank: int, world: int, root: Path) -> None:
             pl.seed_everything(0)
             every_step = ModelCheckpoint(
                 root / f"{stage}-{background}", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max",
-                save_last="link",  # (one save per step: its snapshot meets the next step)
+                # stage 2: two saves per step (the second waits for the first); stage 3: one, linked as last.ckpt,
+                # whose copy meets the next step's optimizer step, or at the end the average copied into the model
+                save_last=True if stage == 2 else "link",
             )  # fmt: skip
+            averaging = [EMAWeightAveraging(decay=0.9)] if stage == 3 else []
             strategy = zero_strategy(stage, async_save=background)
-            trainer = make_trainer(strategy, world, steps=STEPS, callbacks=[every_step], enable_checkpointing=True)
+            callbacks = [every_step, *averaging]
+            trainer = make_trainer(strategy, world, steps=STEPS, callbacks=callbacks, enable_checkpointing=True)
             trainer.fit(Step("gpt", steps=STEPS + 2, n_layer=2))
             assert trainer.strategy.engine.background is None or not trainer.strategy.engine.background.in_flight
             resumed = make_trainer(zero_strategy(stage), world, steps=STEPS + 1)
@@ -91,10 +96,23 @@ def test_background_saves_hold_what_synchronous_ones_do(ranks, tmp_path):
             a = torch.load(consolidate(sync / name, tmp_path / f"a-{stage}-{name}.pt"), weights_only=True)
             b = torch.load(consolidate(background / name, tmp_path / f"b-{stage}-{name}.pt"), weights_only=True)
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (stage, name)
+            for shard in sorted(p.name for p in (sync / name).glob("rank-*.pt")):  # the masters and Adam's state too
+                load = [torch.load(c / name / shard, weights_only=True) for c in (sync, background)]
+                assert _same(*load), (stage, name, shard)
         for rank in range(2):
             a = torch.load(tmp_path / f"resumed-{stage}-False-{rank}.pt", weights_only=True)
             b = torch.load(tmp_path / f"resumed-{stage}-True-{rank}.pt", weights_only=True)
             assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
 
 
 class SaveOnAFullDisk(pl.Callback):

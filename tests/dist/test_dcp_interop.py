@@ -5,13 +5,15 @@
   state and a changed buffer: two more steps equal FSDP2's own two more steps; ``load_pretrained`` reads its weights.
 - A zero3 checkpoint exported with ``lightning-zero consolidate CKPT OUT --dcp --strip-prefix model.`` loads into
   FSDP2 (``get_state_dict``, ``dcp.load``, ``set_state_dict``), which then continues as lightning_zero continued.
-- Another optimizer's state (SGD here, Adam's saved), other param groups, and a ``.metadata`` naming a class DCP's
-  metadata does not hold are refused with one line.
+- Another optimizer's state (SGD here, Adam's saved), other param groups, a damaged data file (on every rank), two
+  sections that hold the weights alike, and a ``.metadata`` naming a class DCP's metadata does not hold are refused
+  with one line.
 """
 
 from __future__ import annotations
 
 import pickle
+import shutil
 
 import lightning.pytorch as pl
 import pytest
@@ -119,6 +121,9 @@ def _zero_resumes(rank: int, world: int, root) -> dict:
         trainer = make_trainer(zero_strategy(stage), world, steps=STEPS - SAVED_AT, accumulate=1, clip=None)
         trainer.fit(NetModule(_batches()[SAVED_AT:]), ckpt_path=root / layout)
         finals[(stage, layout)] = {k.removeprefix("model."): v for k, v in full_state(trainer.strategy).items()}
+    with pytest.raises(CheckpointError, match=r"rank \d: .*damaged: cannot read"):  # agreed: no rank left waiting
+        trainer = make_trainer(zero_strategy(3), world, steps=1, accumulate=1, clip=None)
+        trainer.fit(NetModule(_batches()), ckpt_path=root / "damaged")
     with pytest.raises(CheckpointError, match=r"is a SGD, whose param groups have \['dampening', 'momentum'"):
         trainer = make_trainer(zero_strategy(2), world, steps=1, accumulate=1, clip=None)
         trainer.fit(NetModule(_batches(), optimizer=torch.optim.SGD), ckpt_path=root / "recipe")
@@ -127,6 +132,9 @@ def _zero_resumes(rank: int, world: int, root) -> dict:
 
 def test_fsdp2_checkpoints_resume_under_every_stage(ranks, tmp_path):
     saved, reference = ranks(_fsdp2_saves, 2, tmp_path)[0]
+    shutil.copytree(tmp_path / "recipe", tmp_path / "damaged")
+    with open(tmp_path / "damaged" / "__1_0.distcp", "r+b") as f:  # FSDP2's rank 1 wrote it: half of every tensor
+        f.truncate(100)
     for (stage, layout), final in ranks(_zero_resumes, 2, tmp_path)[0].items():
         assert final.keys() == reference.keys()
         for key, value in reference.items():
@@ -185,7 +193,9 @@ def test_dcp_metadata_is_data_and_groups_must_match(tmp_path):
     module_names = [f"model.{k}" for k in model.state_dict()]
     meta, lightning, reader = read_dcp(tmp_path / "ok", model_names=module_names, optimizer_names=[[names]])
     assert meta.weights_only and meta.optimizers == [] and "optimizer_states" not in lightning
-    assert torch.equal(reader.source.whole(reader.keys["model.inp.weight"]), model.inp.weight.detach())
+    out = torch.empty(60)
+    reader.read("model.inp.weight", 0, 60, out)
+    assert torch.equal(out, model.inp.weight.detach().reshape(-1))
     out = torch.empty(7)
     reader.read("model.inp.weight", 5, 12, out)  # across a row boundary
     assert torch.equal(out, model.inp.weight.detach().reshape(-1)[5:12])
@@ -199,6 +209,15 @@ def test_dcp_metadata_is_data_and_groups_must_match(tmp_path):
         read_dcp(tmp_path / "adam", model_names=module_names, optimizer_names=[[names[:2], names[2:]]])
     with pytest.raises(CheckpointError, match="this module configures 2 optimizers"):
         read_dcp(tmp_path / "adam", model_names=module_names, optimizer_names=[[names[:2]], [names[2:]]])
+
+    # an average beside the model: the section named model is the model; two sections alike: one line
+    dcp.save({"ema": model.state_dict(), "model": model.state_dict()}, checkpoint_id=tmp_path / "ema", no_dist=True)
+    assert read_dcp(tmp_path / "ema", model_names=module_names, optimizer_names=[])[2].keys["model.inp.bias"] == (
+        "model.inp.bias"
+    )
+    dcp.save({"a": model.state_dict(), "b": model.state_dict()}, checkpoint_id=tmp_path / "two", no_dist=True)
+    with pytest.raises(CheckpointError, match=r"2 sections hold these weights equally well: \['a', 'b'\]"):
+        read_dcp(tmp_path / "two", model_names=module_names, optimizer_names=[])
 
     evil = tmp_path / "evil"
     evil.mkdir()

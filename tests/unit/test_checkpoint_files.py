@@ -144,3 +144,12 @@ def test_a_version_1_checkpoint_with_sha256_checksums_still_reads(stage2_checkpo
     (old / "rank-00000.pt").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="rank-00000.pt: corrupted: its sha256 checksum does not match"):
         consolidate(old, tmp_path / "bad.pt")
+
+
+def test_a_synchronous_save_writes_no_zip_crc_and_leaves_torch_as_it_was(stage2_checkpoint):
+    import zipfile
+
+    records = zipfile.ZipFile(stage2_checkpoint / "rank-00000.pt").infolist()
+    assert any("/data/" in r.filename for r in records)
+    assert all(r.CRC == 0 for r in records if "/data/" in r.filename)  # (our checksum covers these bytes)
+    assert torch.serialization.get_crc32_options()
