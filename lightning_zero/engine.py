@@ -215,6 +215,7 @@ class ZeroEngine:
     def activate(self, params: list[Parameter]) -> tuple[dict, dict]:
         """``ZeroOptimizer.add_param_group``: gives ``params`` master weights and gradients from now on
         (stage 3: their frozen units become trainable; stages 1-2: they get a unit of their own)."""
+        self.before_weights_change()  # (a background save may be copying the units it changes)
         names = {p: n for n, p in self.module.named_parameters()}
         shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
         unit_location = UnitIndex.of(self.module)

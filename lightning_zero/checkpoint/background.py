@@ -97,10 +97,14 @@ class BackgroundSaves:
         )
         try:
             self._thread.start()
-        except BaseException:
-            self._thread, self._deferred = None, None
+        except BaseException as error:  # (no thread to be had): the rest here, so the ranks still agree, and
+            self._thread = _Finished()  # its error is raised at the next step boundary, as the other ranks' are
             self._snapshot.set()
-            raise
+            self._deferred = None  # (what was to follow it is dropped: it failed)
+            try:
+                work(None, error)
+            except BaseException as failed:  # noqa: BLE001
+                self._error = failed
 
     def wait_snapshot(self) -> None:
         """Returns once the save in flight, if any, has copied what it saves (before the state changes);
@@ -174,6 +178,16 @@ class BackgroundSaves:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+class _Finished:
+    """Stands for a writer thread that has already finished (its work ran in the training thread)."""
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self) -> None:
+        pass
 
 
 def _lower_priority() -> None:

@@ -135,6 +135,22 @@ class _SlicePlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
+def _overlap(chunks: list, size: torch.Size) -> bool:
+    """Whether saved chunks overlap (with their total size right, a gap then hides beside the overlap): rows of
+    whole tensors (FSDP2's dim-0 shards) are compared as intervals; other tilings pairwise, up to 64 chunks."""
+    if all(tuple(c.sizes[1:]) == tuple(size[1:]) and not any(c.offsets[1:]) for c in chunks):
+        rows = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks if c.sizes[0]) if size else []
+        return any(a[1] > b[0] for a, b in zip(rows, rows[1:]))
+    if len(chunks) > 64:
+        return False
+
+    def meet(a: Any, b: Any) -> bool:
+        return all(a.offsets[d] < b.offsets[d] + b.sizes[d] and b.offsets[d] < a.offsets[d] + a.sizes[d] for d in
+                   range(len(size)))  # fmt: skip
+
+    return any(meet(a, b) for i, a in enumerate(chunks) for b in chunks[i + 1 :])
+
+
 def _path(metadata: Any, key: str) -> tuple:
     return tuple((metadata.planner_data or {}).get(key) or key.split("."))
 
@@ -155,7 +171,7 @@ class DcpSource:
                                                                     zip(c.offsets, c.sizes, size))
                 for c in md.chunks
             )  # fmt: skip
-            if not inside or sum(math.prod(c.sizes) for c in md.chunks) != size.numel():
+            if not inside or sum(math.prod(c.sizes) for c in md.chunks) != size.numel() or _overlap(md.chunks, size):
                 raise CheckpointError(f"{path / DCP_METADATA}: the chunks saved of {key} do not cover its {list(size)}")
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -284,7 +300,8 @@ def _optimizer(source: DcpSource, prefixes: tuple[str, str], shapes: dict[str, t
     small: dict[str, Any] = {}  # what is read whole: scalars, non-tensor values, the param groups
     for kind, owner, key, saved in entries:
         name = _renamed(owner, prefixes)
-        if kind == "state" and name in shapes and saved in source.tensors and source.shape(saved) != ():
+        scalar = saved in source.tensors and source.shape(saved) == () and (shapes.get(name) != () or key == "step")
+        if kind == "state" and name in shapes and saved in source.tensors and not scalar:
             if source.shape(saved) != shapes[name]:  # (factored state, Adafactor's say: not cut as the weights are)
                 raise CheckpointError(
                     f"{source.path}: optimizer state {saved} has shape {list(source.shape(saved))}, neither a scalar"
@@ -327,7 +344,7 @@ def _matched_groups(path: Path, here: list[list[list[str]]], saved: Any) -> list
     else:  # flattened: a group here is matched if each of its parameters has the same hyper-parameters saved
         alike = [all(saved.get(n) == saved.get(g[0]) is not None for n in g) for g in mine]
         theirs = [g if ok else [*g, "(hyper-parameters missing or unlike)"] for g, ok in zip(mine, alike)]
-        saved = [{**saved[g[0]], "params": g} for g in mine if g and g[0] in saved]
+        saved = [{**(saved[g[0]] if g else {}), "params": g} for g in mine]  # (every group here, empty ones too)
     if mine != theirs:
         raise CheckpointError(
             f"{path}: its optimizer's param groups differ from this run's (by parameter name): {mine} here,"

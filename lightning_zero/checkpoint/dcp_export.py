@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -73,7 +74,7 @@ def _optimizer(directory: Path, meta: Any, lightning: dict[str, Any], rename: Ca
     kinds = next((found for n in trainable if (found := reader.state_of(n)) is not None), None)
     for names, hyper in zip(meta.optimizers[0], lightning["optimizer_groups"][0]):
         # how this run computed (fused, foreach, ...) is not the loading job's: torch's defaults
-        hyper = {**{k: v for k, v in hyper.items() if k != "param_names"}, **IMPLEMENTATION_DEFAULTS}
+        hyper = {k: IMPLEMENTATION_DEFAULTS.get(k, v) for k, v in hyper.items() if k != "param_names"}
         param_groups.append({**hyper, "params": [rename(n) for n in names]})
         for name in (n for n in names if n in reader.location and kinds is not None):
             found = reader.state_of(name)
@@ -83,7 +84,7 @@ def _optimizer(directory: Path, meta: Any, lightning: dict[str, Any], rename: Ca
                 found = ({k: torch.zeros(()) if torch.is_tensor(v) else v for k, v in kinds[0].items()}, None)
             scalars, elementwise = found
             entry = state[rename(name)] = dict(scalars)
-            for key in kinds[1]:
+            for key in elementwise if elementwise is not None else kinds[1]:
                 entry[key] = _stand_in(shape, torch.float32)  # (state over the fp32 masters)
 
                 def read(name=name, key=key, shape=shape, stepped=elementwise is not None) -> Tensor:
@@ -135,6 +136,10 @@ def export_dcp(
         writer = dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True, thread_count=1)
         with warnings.catch_warnings():  # (that it saves from one process, which is what no_dist says)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(produce), no_dist=True)
+            try:
+                dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(produce), no_dist=True)
+            except CheckpointException as error:  # (a BaseException: one line instead)
+                first = (str(error).strip().splitlines() or [repr(error)])[0]
+                raise CheckpointError(f"{out_dir}: cannot write it: {first}") from None
 
     return write_new_directory(out_dir, write)

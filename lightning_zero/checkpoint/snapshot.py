@@ -62,7 +62,7 @@ def unit_payload(
         end = 0
         for offset, numel in sorted(filled[key]):
             buffer[end:offset].zero_()
-            end = offset + numel
+            end = max(end, offset + numel)
         buffer[end:].zero_()
     payload.update(state=state, scalars=scalars)
     return payload

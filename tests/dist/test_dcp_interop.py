@@ -210,6 +210,20 @@ def test_dcp_metadata_is_data_and_groups_must_match(tmp_path):
     with pytest.raises(CheckpointError, match="this module configures 2 optimizers"):
         read_dcp(tmp_path / "adam", model_names=module_names, optimizer_names=[[names[:2]], [names[2:]]])
 
+    # a 0-d parameter's moments are elementwise (one element), its step a scalar
+    temperature = torch.nn.Parameter(torch.tensor(2.0))
+    adam = torch.optim.AdamW([temperature])
+    temperature.square().backward()
+    adam.step()
+    saved = {"state": {"t": adam.state_dict()["state"][0]}, "param_groups": [{**adam.param_groups[0], "params": ["t"]}]}
+    dcp.save({"model": {"t": temperature.detach()}, "optim": saved}, checkpoint_id=tmp_path / "0d", no_dist=True)
+    *_, reader = read_dcp(tmp_path / "0d", model_names=["t"], optimizer_names=[[["t"]]])
+    scalars, elementwise = reader.state_of("t")
+    assert list(scalars) == ["step"] and sorted(elementwise) == ["exp_avg", "exp_avg_sq"]
+    moment = torch.empty(1)
+    reader.read("t", 0, 1, moment, key="exp_avg")
+    assert torch.equal(moment, adam.state[temperature]["exp_avg"].reshape(1))
+
     # an average beside the model: the section named model is the model; two sections alike: one line
     dcp.save({"ema": model.state_dict(), "model": model.state_dict()}, checkpoint_id=tmp_path / "ema", no_dist=True)
     assert read_dcp(tmp_path / "ema", model_names=module_names, optimizer_names=[])[2].keys["model.inp.bias"] == (
