@@ -36,8 +36,15 @@ from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")  # not restored from a checkpoint
-# param-group keys that torch versions add to an optimizer (a checkpoint from an older torch lacks them)
-VERSIONED_KEYS = {*IMPLEMENTATION_KEYS, "maximize", "decoupled_weight_decay"}
+# param-group keys a checkpoint of the same kind of optimizer may lack: added by newer torch versions, or left out by
+# other implementations of it (DeepSpeed's FusedAdam has no "amsgrad")
+OPTIONAL_KEYS = {*IMPLEMENTATION_KEYS, "maximize", "decoupled_weight_decay", "amsgrad"}
+
+
+def lacking_keys(saved_groups: list[dict[str, Any]], defaults: dict[str, Any]) -> list[str]:
+    """The hyper-parameters this optimizer has (``defaults``) that a saved param group lacks, beyond
+    ``OPTIONAL_KEYS``: a different kind of optimizer's state (an SGD checkpoint under Adam, say)."""
+    return sorted({k for g in saved_groups for k in defaults if k not in g} - OPTIONAL_KEYS)
 
 
 @dataclass
@@ -234,8 +241,8 @@ def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimize
             f" {optimizer.param_names()} here, {saved_names} saved"
         )
     saved_groups = loaded.lightning["optimizer_groups"][index]
-    lacking = sorted({k for g in saved_groups for k in optimizer.optimizer.defaults if k not in g} - VERSIONED_KEYS)
-    if lacking:  # a different optimizer's state (an SGD checkpoint under Adam, say): never loaded as this one's
+    lacking = lacking_keys(saved_groups, optimizer.optimizer.defaults)
+    if lacking:  # never loaded as this one's
         raise CheckpointError(
             f"{loaded.path}: optimizer {index} is a {type(optimizer.optimizer).__name__}, whose param groups have"
             f" {lacking}; the checkpoint's do not (it saved another kind of optimizer)"

@@ -153,3 +153,18 @@ def test_a_synchronous_save_writes_no_zip_crc_and_leaves_torch_as_it_was(stage2_
     assert any("/data/" in r.filename for r in records)
     assert all(r.CRC == 0 for r in records if "/data/" in r.filename)  # (our checksum covers these bytes)
     assert torch.serialization.get_crc32_options()
+
+
+def test_another_kind_of_optimizer_is_told_from_its_param_groups():
+    from lightning_zero.checkpoint.io import lacking_keys
+
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]).defaults
+    deepspeed_fused_adam = {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0}
+    older_torch_adamw = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False}
+    sgd = {"lr": 0.1, "momentum": 0.9, "dampening": 0, "weight_decay": 0, "nesterov": False}
+    assert lacking_keys([deepspeed_fused_adam], adamw) == []  # the same kind: its state loads
+    assert lacking_keys([older_torch_adamw], adamw) == []
+    assert lacking_keys([sgd], adamw) == ["betas", "eps"]
+    assert lacking_keys([older_torch_adamw], torch.optim.SGD([torch.nn.Parameter(torch.ones(2))]).defaults) == [
+        "dampening", "momentum", "nesterov"
+    ]  # fmt: skip
