@@ -14,9 +14,10 @@ concatenated, they are the flat group. Stage 3 partitions every parameter: each 
 ``exp_avg``... lies over the same partitions, so it is cut into parameters as the weights are (DeepSpeed's
 own reader: ``deepspeed/utils/zero_to_fp32.py``).
 
-The files are pickles holding DeepSpeed's classes (its loss scaler, its stage enum): each is loaded with
-``weights_only=True`` if that works and otherwise only when the user trusts the checkpoint; DeepSpeed's
-classes are then stood in for (``_Stub``), so DeepSpeed need not be installed.
+The files are pickles holding DeepSpeed's classes (its loss scalers, its stage enum, ``fragment_address``):
+they are loaded with torch's weights-only unpickler, DeepSpeed's classes stood in for by inert stubs
+(``_Stub``), so nothing in them runs and DeepSpeed need not be installed. A file holding anything else is
+unpickled only when the user trusts the checkpoint (``trust_pickles``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ _LIGHTNING_PREFIX = "_forward_module."  # Lightning < 2.1 wrapped the module and
 
 
 class _Stub:
-    """Stands for a DeepSpeed class when unpickling: keeps its constructor arguments and state."""
+    """Stands for a DeepSpeed class when unpickling: keeps its constructor arguments and state, runs nothing."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _Stub:
         stub = super().__new__(cls)
@@ -62,10 +63,46 @@ class _Stub:
         self.state = state
 
 
+def _stub_class(full_name: str) -> type[_Stub]:
+    """A stub class standing for the DeepSpeed class (or function) ``module.Name``."""
+    module, _, name = full_name.rpartition(".")
+    return type(name, (_Stub,), {"__module__": module})
+
+
+def _is_deepspeed(full_name: str) -> bool:
+    return full_name.startswith("deepspeed.")
+
+
+# [Note: loading DeepSpeed's pickles safely]
+# torch.load(weights_only=True) builds only tensors, storages, torch.Size, dtypes and plain containers; it calls
+# (REDUCE), instantiates (NEWOBJ) or sets the state of (BUILD) nothing else unless the name is allowed through
+# safe_globals. DeepSpeed 0.19.8's ZeRO files (stages 1-3, fp32/fp16/bf16, optimizer offload, also under
+# Lightning's DeepSpeedStrategy with its callbacks and hyperparameters) hold four other names, all DeepSpeed's:
+# LossScaler, DynamicLossScaler, ZeroStageEnum and fragment_address. Every ``deepspeed.*`` name is allowed, but
+# as a _Stub, never as the class itself (nothing is imported): called or instantiated it keeps its arguments,
+# given state it keeps that as data, so the name cannot make anything run and is not worth checking one by one.
+# Any other name (``io.open``, ``os.system``, a user's class) is refused before loading and named in the
+# error; only trust_pickles unpickles it.
+def _load_safely(path: Path) -> tuple[Any, str]:
+    """The file loaded with only tensors, containers and DeepSpeed's stubs, and ""; or None and what safe
+    loading refused (a name, or torch's reason)."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)  # the pickle's names, nothing loaded
+        refused = sorted(name for name in found if not _is_deepspeed(name))
+        if refused:
+            return None, ", ".join(refused)
+        with torch.serialization.safe_globals([(_stub_class(name), name) for name in found]):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True), ""
+    except pickle.UnpicklingError as error:  # an opcode or a construction the weights-only unpickler refuses
+        detail = str(error).split("WeightsUnpickler error:")[-1]  # torch.load's message: past its advice
+        reason = next((line.strip() for line in detail.splitlines() if line.strip()), type(error).__name__)
+        return None, f"its pickle ({reason[:200]})"
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module == "deepspeed" or module.startswith("deepspeed."):
-            return type(name, (_Stub,), {"__module__": module})
+        if _is_deepspeed(f"{module}.{name}"):
+            return _stub_class(f"{module}.{name}")
         return super().find_class(module, name)
 
 
@@ -74,19 +111,19 @@ _TRUSTED_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, 
 
 def _load(path: Path, trust_pickles: bool) -> dict[str, Any]:
     try:
-        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError:  # it holds objects other than tensors and containers
-        if not trust_pickles:
-            raise CheckpointError(
-                f"{path}: DeepSpeed checkpoints are pickles that can run code when loaded; pass --trust-pickles"
-                " (trust_pickles=True) only for a checkpoint you trust"
-            ) from None
+        loaded, refused = _load_safely(path)
+    except Exception as error:  # noqa: BLE001 - truncated, not a torch file, ...
+        raise CheckpointError(f"{path}: not a readable checkpoint file: {str(error).splitlines()[0][:200]}") from None
+    if refused and not trust_pickles:
+        raise CheckpointError(
+            f"{path}: safe loading refuses {refused} (it allows tensors, containers and DeepSpeed's own classes):"
+            " unpickling it could run code; pass --trust-pickles (trust_pickles=True) only for a checkpoint you trust"
+        )
+    if refused:
         try:
             loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_TRUSTED_PICKLE)
         except Exception as error:  # noqa: BLE001 - a class of a module not installed here, ...
             raise CheckpointError(f"{path}: cannot be unpickled: {str(error).splitlines()[0][:200]}") from None
-    except Exception as error:  # noqa: BLE001 - truncated, not a torch file, ...
-        raise CheckpointError(f"{path}: not a readable checkpoint file: {str(error).splitlines()[0][:200]}") from None
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{path}: not a DeepSpeed checkpoint file (holds a {type(loaded).__name__})")
     return loaded

@@ -1,11 +1,15 @@
-"""Migration in from DeepSpeed: real ZeRO stage 1, 2 and 3 checkpoints (2 ranks, written by DeepSpeed 0.19.8 on
-the CPU: tests/fixtures/deepspeed/make_fixtures.py) convert to plain Lightning checkpoints whose weights and
-Adam state are exactly those of the live DeepSpeed engine, and a lightning_zero fit resumes from one that
-Lightning's own DeepSpeedStrategy wrote. DeepSpeed itself is not needed here."""
+"""Migration in from DeepSpeed: real ZeRO stage 1, 2 and 3 checkpoints (2 ranks, fp32, fp16, bf16, optimizer
+offload, written by DeepSpeed 0.19.8 on the CPU: tests/fixtures/deepspeed/make_fixtures.py) convert, without
+trusting their pickles, to plain Lightning checkpoints whose weights and Adam state are exactly those of the live
+DeepSpeed engine, and a lightning_zero fit resumes from one that Lightning's own DeepSpeedStrategy wrote. A file
+holding anything but tensors, containers and DeepSpeed's classes is refused and runs nothing. DeepSpeed itself
+is not needed here."""
 
 from __future__ import annotations
 
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -15,12 +19,12 @@ from lightning_zero.checkpoint import deepspeed_import
 from lightning_zero.checkpoint.deepspeed_import import convert
 from lightning_zero.checkpoint.format import CheckpointError, write_atomically
 from lightning_zero.cli.main import main
-from tests.support.helpers import DEEPSPEED_FIXTURES, deepspeed_expected
+from tests.support.helpers import DEEPSPEED_FIXTURES, Poison, deepspeed_expected
 
 TRAINED = [["emb.weight", "body.weight", "out.weight"], ["body.bias", "norm.weight", "norm.bias", "out.bias"]]
 REFUSAL = (
-    ": DeepSpeed checkpoints are pickles that can run code when loaded; pass --trust-pickles (trust_pickles=True)"
-    " only for a checkpoint you trust"
+    ": safe loading refuses io.open (it allows tensors, containers and DeepSpeed's own classes): unpickling it"
+    " could run code; pass --trust-pickles (trust_pickles=True) only for a checkpoint you trust"
 )
 
 
@@ -41,12 +45,19 @@ def _check(converted: dict, expected: dict, prefix: str = "") -> None:
             assert torch.equal(state[key], expected[key][name]), (name, key)
 
 
-# aligned: padding after each parameter; roundrobin: each group flattened in another order; bf16: bf16 weights
-# and an fp32 master (files named bf16_*).
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero2-aligned", "zero2-roundrobin", "zero2-bf16"])
-def test_every_stage_converts_exactly(tmp_path, name):
+# aligned: padding after each parameter; roundrobin: each group flattened in another order; bf16/fp16: 16-bit
+# weights and an fp32 master (bf16 files named bf16_*; fp16 ones hold DeepSpeed's DynamicLossScaler); offload: the
+# master and Adam's state kept in host memory.
+ENGINE_FIXTURES = [
+    "zero1", "zero2", "zero3", "zero2-aligned", "zero2-roundrobin", "zero2-bf16", "zero1-bf16", "zero3-bf16",
+    "zero1-fp16", "zero3-fp16", "zero2-offload", "zero3-offload", "zero3-offload-bf16",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ENGINE_FIXTURES)
+def test_every_stage_converts_exactly_without_trusting_pickles(tmp_path, name):
     out = tmp_path / "out.ckpt"
-    convert(DEEPSPEED_FIXTURES / name, out, trust_pickles=True)
+    convert(DEEPSPEED_FIXTURES / name, out, trust_pickles=False)
     converted = torch.load(out, weights_only=True)  # the file itself needs no trust
     _check(converted, deepspeed_expected(name))
     assert converted["state_dict"]["head.weight"] is converted["state_dict"]["emb.weight"]  # still tied
@@ -54,21 +65,73 @@ def test_every_stage_converts_exactly(tmp_path, name):
     assert converted["optimizer_states"][0]["param_groups"][1]["lr"] == 5e-3
     # The tag directory itself converts the same.
     again = tmp_path / "again.ckpt"
-    convert(DEEPSPEED_FIXTURES / name / "global_step2", again, trust_pickles=True)
+    convert(DEEPSPEED_FIXTURES / name / "global_step2", again, trust_pickles=False)
     assert torch.equal(
         torch.load(again, weights_only=True)["state_dict"]["out.weight"], converted["state_dict"]["out.weight"]
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.ckpt", "out.ckpt"]  # no temporary files left
 
 
-def test_pickles_are_refused_without_trust(tmp_path):
-    # The model states of stages 1/2 hold only tensors and containers and load safely; the optimizer files hold
-    # DeepSpeed's own classes (its loss scaler, its stage enum), so they need trust.
+def _poison(tag: Path, marker: Path) -> Path:
+    """Puts a Poison where the conversion never looks (DeepSpeed's scheduler state) into the model states; the
+    optimizer files keep DeepSpeed's classes, so the poison is the only thing safe loading refuses."""
+    model = tag / "mp_rank_00_model_states.pt"
+    loaded = torch.load(model, weights_only=True)
+    torch.save({**loaded, "lr_scheduler": Poison(marker)}, model)
+    return model
+
+
+def test_a_poisoned_pickle_is_refused_and_runs_nothing(tmp_path):
+    tag, marker = _copy(tmp_path, "zero2") / "global_step2", tmp_path / "marker"
+    model = _poison(tag, marker)
     with pytest.raises(CheckpointError) as raised:
-        convert(DEEPSPEED_FIXTURES / "zero2", tmp_path / "out.ckpt", trust_pickles=False)
-    optim = DEEPSPEED_FIXTURES / "zero2" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    assert str(raised.value) == f"{optim}{REFUSAL}"
-    assert not any(tmp_path.iterdir())
+        convert(tag, tmp_path / "out.ckpt", trust_pickles=False)
+    assert str(raised.value) == f"{model}{REFUSAL}"
+    assert not marker.exists() and not (tmp_path / "out.ckpt").exists()
+    # Trusted, the same file runs the poison: the refusal above is what stopped it.
+    convert(tag, tmp_path / "out.ckpt", trust_pickles=True)
+    assert marker.exists()
+    _check(torch.load(tmp_path / "out.ckpt", weights_only=True), deepspeed_expected("zero2"))
+
+
+def test_a_pickle_safe_loading_cannot_parse_says_why_and_loads_when_trusted(tmp_path):
+    path = tmp_path / "protocol4.pt"
+    torch.save({"step": torch.tensor(2.0)}, path, pickle_protocol=4)  # opcodes torch's safe unpickler lacks
+    with pytest.raises(CheckpointError) as raised:
+        deepspeed_import._load(path, trust_pickles=False)
+    assert str(raised.value).startswith(f"{path}: safe loading refuses its pickle (Unsupported operand 149) (")
+    assert torch.equal(deepspeed_import._load(path, trust_pickles=True)["step"], torch.tensor(2.0))
+
+
+def _touch(path: str) -> None:
+    Path(path).touch()
+
+
+class _CallsTouch:
+    """Unpickles as ``_touch(marker)`` with state set on what it returns."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (_touch, (self.marker,), {"state": "set"})
+
+
+def test_a_deepspeed_name_stands_for_nothing_that_runs(tmp_path, monkeypatch):
+    # A pickle naming a "DeepSpeed" callable (here a function that touches a file, under a deepspeed module made up
+    # for the save), calling it and setting state on what it returns: loading gets inert data, safe or trusted.
+    for module in ("deepspeed", "deepspeed.evil"):
+        monkeypatch.setitem(sys.modules, module, types.ModuleType(module))
+    monkeypatch.setattr(_touch, "__module__", "deepspeed.evil")
+    monkeypatch.setattr(sys.modules["deepspeed.evil"], "_touch", _touch, raising=False)
+    marker = tmp_path / "marker"
+    torch.save({"x": _CallsTouch(marker)}, tmp_path / "evil.pt")
+    monkeypatch.undo()  # DeepSpeed is not installed for the load, as for a user
+    for trust in (False, True):
+        stub = deepspeed_import._load(tmp_path / "evil.pt", trust_pickles=trust)["x"]
+        assert isinstance(stub, deepspeed_import._Stub) and type(stub).__module__ == "deepspeed.evil"
+        assert (stub.args, stub.state) == ((str(marker),), {"state": "set"})
+        assert not marker.exists()
 
 
 def _copy(tmp_path: Path, name: str) -> Path:
@@ -145,15 +208,17 @@ def test_bad_inputs_fail_with_one_line_naming_the_file(tmp_path):
 
 
 def test_command_line(tmp_path, capsys):
-    main(["convert-deepspeed", str(DEEPSPEED_FIXTURES / "zero3"), str(tmp_path / "out.ckpt"), "--trust-pickles"])
+    main(["convert-deepspeed", str(DEEPSPEED_FIXTURES / "zero3"), str(tmp_path / "out.ckpt")])
     assert capsys.readouterr().out == (
         f"{tmp_path / 'out.ckpt'}: ZeRO stage 3 checkpoint of 2 ranks, 11 tensors, with optimizer state\n"
     )
+    tag = _copy(tmp_path, "zero2") / "global_step2"
+    model = _poison(tag, tmp_path / "marker")
     with pytest.raises(SystemExit) as exited:
-        main(["convert-deepspeed", str(DEEPSPEED_FIXTURES / "zero3"), str(tmp_path / "refused.ckpt")])
+        main(["convert-deepspeed", str(tag), str(tmp_path / "refused.ckpt")])
     assert exited.value.code == 2
-    optim = DEEPSPEED_FIXTURES / "zero3" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    assert capsys.readouterr().err == f"lightning-zero convert-deepspeed: error: {optim}{REFUSAL}\n"
+    assert capsys.readouterr().err == f"lightning-zero convert-deepspeed: error: {model}{REFUSAL}\n"
+    assert not (tmp_path / "marker").exists() and not (tmp_path / "refused.ckpt").exists()
 
 
 def test_weights_convert_where_the_optimizer_state_cannot(tmp_path, capsys):
@@ -163,7 +228,7 @@ def test_weights_convert_where_the_optimizer_state_cannot(tmp_path, capsys):
             tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
             lambda f: f["optimizer_state_dict"].update(base_optimizer_state=[{}]),
         )
-    main(["convert-deepspeed", str(tag.parent), str(tmp_path / "out.ckpt"), "--trust-pickles"])
+    main(["convert-deepspeed", str(tag.parent), str(tmp_path / "out.ckpt")])
     assert capsys.readouterr().out.endswith(
         "11 tensors, without optimizer state (no torch optimizer state_dict per rank (an elastic checkpoint or a"
         " DeepSpeed optimizer))\n"
@@ -189,7 +254,7 @@ def test_a_step_kept_in_the_param_group_moves_to_each_parameter(tmp_path):
 
 
 def test_lightning_deepspeed_checkpoint_keeps_lightning_state(tmp_path):
-    convert(DEEPSPEED_FIXTURES / "lightning.ckpt", tmp_path / "out.ckpt", trust_pickles=True)
+    convert(DEEPSPEED_FIXTURES / "lightning.ckpt", tmp_path / "out.ckpt", trust_pickles=False)
     converted = torch.load(tmp_path / "out.ckpt")
     expected = deepspeed_expected("lightning")
     _check(converted, expected, prefix="net.")
