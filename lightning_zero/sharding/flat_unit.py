@@ -112,7 +112,7 @@ class FlatUnit:
                     p.data = view
         self.params = [self.replaced.get(p, p) for p in params]
         self.shapes = [tuple(p.shape) for p in params]
-        nan = torch.full((1,), float("nan"), dtype=self.param_dtype, device=device)
+        nan = torch.full((), float("nan"), dtype=self.param_dtype, device=device)
         self._placeholders = [nan.expand(shape) for shape in self.shapes]
 
         self.param_shard = None
@@ -323,6 +323,20 @@ class FlatUnit:
             p.data = placeholder
         self.flat_param.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+
+    def adopt(self, index: int) -> None:
+        """Parameter ``index`` is whole here and its ``.data`` was replaced (``p.data = t``): ``t``'s values go into
+        the flat buffer, which the parameter views again (see param_writes.py)."""
+        param, view = self.params[index], self._views[index]
+        if view.numel() == 0 or param.data.data_ptr() == view.data_ptr():
+            return
+        if tuple(param.shape) != self.shapes[index]:
+            raise ValueError(
+                f"{self.names[index]}: its data was replaced by a tensor of shape {tuple(param.shape)}; a sharded"
+                f" parameter keeps its shape {self.shapes[index]}"
+            )
+        view.copy_(param.data)
+        param.data = view
 
     def write_owned(self, index: int, value: Tensor) -> None:
         """Stores this rank's part of parameter ``index`` from its full ``value``."""

@@ -202,8 +202,9 @@ class GradReducer:
             if self._launched[slot]:
                 raise RuntimeError(
                     f"parameter {unit.names[index]!r} got a gradient after its bucket was reduce-scattered in this"
-                    " backward: it is used where the ZeRO schedule cannot see it (a reentrant activation checkpoint"
-                    " that also uses it outside, or a stage-3 parameter read outside its unit on some ranks only)"
+                    " backward, which had already passed every use of it the ZeRO schedule saw: it is also used where"
+                    " the schedule cannot see it (a stage-3 parameter read outside its unit on some ranks only, or a"
+                    " parameter used both inside a reentrant activation checkpoint and outside it)"
                 )
             if self._buffers[slot] is None:
                 self._buffers[slot] = self._take_buffer(unit, bucket)

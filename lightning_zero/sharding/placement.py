@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.nn import Module, Parameter
 
-from lightning_zero.sharding import collectives
+from lightning_zero.sharding import collectives, param_writes
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.param_gather import ParamGathers
@@ -92,10 +92,18 @@ class Replicated:
     def gathered_parameters(
         self, module: Module, params: list[Parameter], modifier_rank: int | None
     ) -> Generator[list[Parameter], None, None]:
+        """See [Note: writes inside gathered_parameters] in param_writes.py."""
         self.settle()
+        unit_location = UnitIndex.of(module)
+        before = param_writes.fingerprint(params) if modifier_rank is None else None
         yield params
+        for p in params:
+            located = unit_location(p)
+            if located is not None:
+                located[0].adopt(located[1])
+        if modifier_rank is None and params:
+            modifier_rank = param_writes.agreed_writer(param_writes.changed(before, params), params[0].device)
         if modifier_rank is not None:
-            unit_location = UnitIndex.of(module)
             for p in params:
                 collectives.broadcast(p.data, src=modifier_rank)
                 located = unit_location(p)
@@ -108,6 +116,23 @@ class Replicated:
             self.gathers = None
         if module is not None and ShardedModule.of(module) is None:  # (a failed stage-3 set-up keeps its shards)
             UnitIndex.detach(module)
+
+
+def _refuse_quantized_writes(units: Sequence[FlatUnit]) -> None:
+    if any(u.quantized_values for u in units):
+        raise RuntimeError(
+            "a parameter written inside gathered_parameters inside a step under ZeroConfig(quantized_weights=True):"
+            " the step gathered these parameters as int8, and keeping the write would store the quantized values"
+            " in the master weights; modify them between steps (where they are gathered exactly)"
+        )
+
+
+def _refuse_forward_only_writes(runtime: Stage3Runtime) -> None:
+    if runtime.forward_only_step:  # (a rank out of batches could not replay the write: see [Note: uneven inputs])
+        raise RuntimeError(
+            "a parameter written inside gathered_parameters inside a validation/test/predict step: stage 3 keeps"
+            " writes made in a training step or between steps; make it there"
+        )
 
 
 class Sharded:
@@ -169,14 +194,21 @@ class Sharded:
     def gathered_parameters(
         self, module: Module, params: list[Parameter], modifier_rank: int | None
     ) -> Generator[list[Parameter], None, None]:
+        """See [Note: writes inside gathered_parameters] in param_writes.py."""
         with self.runtime.gathered_params(params) as units:
-            if modifier_rank is not None and any(u.quantized_values for u in units):
-                raise RuntimeError(
-                    "gathered_parameters(modifier_rank=...) inside a step under ZeroConfig(quantized_weights=True):"
-                    " the step gathered these parameters as int8, and writing them back would store the quantized"
-                    " values in the master weights; modify them between steps (where they are gathered exactly)"
-                )
+            if modifier_rank is not None:
+                _refuse_quantized_writes(units)
+            flats = [unit.flat_param for unit in units]
+            before = param_writes.fingerprint(flats) if modifier_rank is None else None
             yield params
+            for unit in units:
+                for index in range(len(unit.params)):
+                    unit.adopt(index)
+            if modifier_rank is None and units:
+                modifier_rank = self.runtime.agree_on_writer(param_writes.changed(before, flats), flats[0].device)
+                if modifier_rank is not None:
+                    _refuse_quantized_writes(units)
+                    _refuse_forward_only_writes(self.runtime)
             if modifier_rank is not None:
                 for unit in units:  # whole units: every rank then keeps its own pieces of them
                     collectives.broadcast(unit.flat_param, src=modifier_rank)

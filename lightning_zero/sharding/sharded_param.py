@@ -110,5 +110,7 @@ def read_error(name: str, where: str) -> RuntimeError:
         " can be read inside a training/validation/test/predict step, inside `with"
         " lightning_zero.gathered_parameters(pl_module, *modules_or_params):` entered on every rank, through"
         " trainer.strategy.full_state_dict() (every rank), or after fit through"
-        " trainer.strategy.gather_module(); lightning_zero.parameter_norms(pl_module) needs no gathering"
+        " trainer.strategy.gather_module(); lightning_zero.parameter_norms(pl_module) needs no gathering. To write"
+        " one, write it inside gathered_parameters on every rank: the write is kept (the lowest rank that wrote"
+        " gives every rank its values)"
     )

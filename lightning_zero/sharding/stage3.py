@@ -25,6 +25,16 @@ unit for its backward.
 Prefetching never takes more than ``max_live_parameters`` elements of gathered units (the root and
 persistent units not counted); a unit that is about to run is gathered regardless.
 
+[Note: a read after the unit's forward]
+A unit whose forward has returned may stay gathered a while (until the next entry or the end of the forward
+pass frees it). A parameter read then without attribute access (``self.parameters()`` in a penalty iterates
+``_parameters.items()``, which ``_GatherOnAccess`` never sees) would save the gathered tensor for its backward
+with nothing keeping it gathered: freed when the forward pass ends, it would be the NaN placeholder when the
+penalty's backward (created later, so run before the unit's own) reads it. So when a unit's forward returns,
+its parameters take the sharded class while the unit is still gathered: a read goes through ``read`` and pins
+the unit until the step ends, as any other read in a step (its gather is then a no-op); its next entry
+(forward, backward or recomputation) waits for it, which gives them their own class back.
+
 [Note: a secondary partition]
 With ``ZeroConfig(secondary_partition=True)`` (ZeRO++'s hpZ) a unit gathered for a training forward (from
 the shards of every rank, across nodes) leaves each rank a copy of its 1/K of the whole unit, K being the
@@ -48,13 +58,14 @@ Between the hooks a unit is whole, with its parameters' own class, so each graph
 Validation, test and predict loops can give ranks different numbers of batches (Lightning's predict
 sampler does not pad). A rank that has run out keeps issuing what the others' forwards issue until
 all are done, like torch's ``Join``: before each forward-only step every rank all-reduces whether it
-still has a batch; a rank without one replays the gathers of its own last step (``shadow_step``).
+still has a batch; a rank without one replays the collectives of its own last step (``shadow_step``): its
+gathers, and the agreements of ``gathered_parameters`` on whether a rank wrote (param_writes.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -63,6 +74,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_zero.sharding import param_writes
 from lightning_zero.sharding.backward_end import BackwardEnd, in_backward
 from lightning_zero.sharding.flat_unit import FlatUnit, unshard_together
 from lightning_zero.sharding.sharded_param import ShardedParameter, original_class, read_error
@@ -149,9 +161,9 @@ class Stage3Runtime:
         backward_end.on_begin.append(self.schedule.begin_backward)
         backward_end.on_end.insert(0, self._end_backward)  # before the reducer waits for every reduction
         self.in_step = False
-        self._forward_only_gathers: list[tuple[FlatUnit, bool]] = []  # this forward-only step's (unit, for_step)
+        self._replays: list[Callable[[], Any]] = []  # this forward-only step's collectives, for shadow_step
         self._training_step = False  # the step in progress trains (set by begin_step: the same on every rank)
-        self._last_forward_only: list[FlatUnit] | None = None
+        self._last_replays: list[Callable[[], Any]] | None = None
         self.peak_gathered_bytes = 0  # largest size of all gathered units together (root, persistent included)
         self._handles = []
         for k, module in enumerate(self._modules):
@@ -200,10 +212,14 @@ class Stage3Runtime:
             forward = self._training_step and not self.schedule.in_backward_pass
             if for_step and self.node is not None and forward and unit not in self.root:
                 self._keep.add(id(unit))
-        if self.in_step and not self._training_step:
-            self._forward_only_gathers.append((unit, for_step))
+        if self.forward_only_step:
+            self._replays.append(partial(self._gather_and_free, unit, for_step))
         gathered = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
+
+    def _gather_and_free(self, unit: FlatUnit, for_step: bool) -> None:
+        self._start(unit, for_step=for_step)  # (quantized or exact, as the others' forwards gather it)
+        self._free(unit)
 
     def _wait(self, unit: FlatUnit) -> None:
         unit.wait_gathered()
@@ -231,6 +247,15 @@ class Stage3Runtime:
             if original not in self._classes:
                 self._classes[original] = ShardedParameter.of(original, self)
             p.__class__ = self._classes[original]
+
+    def _guard(self, k: int) -> None:
+        """``k``'s forward returned: while its units stay gathered unpinned, their parameters take the sharded
+        class again (see [Note: a read after the unit's forward])."""
+        if k in self.schedule.persistent or k in self.schedule.pinned:
+            return
+        for unit in self.scheduled[k]:
+            if unit.gathered:
+                self._mark_sharded(unit)
 
     def can_read(self) -> bool:
         return self.in_step and not in_backward()
@@ -272,8 +297,8 @@ class Stage3Runtime:
         if not self.in_step:  # a forward outside the Trainer's steps: gathered for the call (every rank alike)
             self.gather(k)
             self.wait(k)
-        elif in_backward():  # activation checkpointing recomputes the unit's forward inside its backward
-            self.schedule.backward(self.schedule.entry_for_recompute(k))
+        elif in_backward():  # activation checkpointing recomputes the unit's forward inside a backward
+            self.schedule.recompute(k)
         else:
             self.schedule.enter(k)
 
@@ -283,7 +308,11 @@ class Stage3Runtime:
             if k not in self.schedule.persistent:
                 self.free(k)
             return
-        entry = self.schedule.entry_for_recompute(k) if in_backward() else self.schedule.exit(k)
+        if in_backward():
+            entry = self.schedule.entry_for_recompute(k)
+        else:
+            entry = self.schedule.exit(k)
+            self._guard(k)
         if torch.is_grad_enabled() and entry >= 0:
             for tensor in output_tensors(output):
                 if tensor.requires_grad:
@@ -314,8 +343,8 @@ class Stage3Runtime:
         if self.in_step:  # the last step had no backward (training_step returned None)
             self.end_step()
         self.in_step, self._training_step = True, training
-        self._forward_only_gathers = []
-        self.schedule.begin_step()
+        self._replays = []
+        self.schedule.begin_step(forward_only=not training)
         for unit in self.root:
             self._start(unit, for_step=True)
         for unit in self.root:
@@ -328,8 +357,8 @@ class Stage3Runtime:
 
     def end_step(self) -> None:
         """After the step's backward (or forward when there is none): everything not persistent is freed."""
-        if self._forward_only_gathers and not self._training_step:
-            self._last_forward_only = self._forward_only_gathers
+        if self._replays and not self._training_step:
+            self._last_replays = self._replays
         self.schedule.end_step()
         for unit in self.root:
             self._free(unit)
@@ -341,13 +370,24 @@ class Stage3Runtime:
         for unit in self.units:
             unit.secondary = None
 
+    @property
+    def forward_only_step(self) -> bool:
+        """Inside a validation/test/predict step (the same on every rank)."""
+        return self.in_step and not self._training_step
+
+    def agree_on_writer(self, written: bool, device: torch.device) -> int | None:
+        """``param_writes.agreed_writer``, which a rank that has run out of batches replays in a forward-only step."""
+        if self.forward_only_step:
+            self._replays.append(partial(param_writes.agreed_writer, False, device))
+        return param_writes.agreed_writer(written, device)
+
     def shadow_step(self) -> None:
-        """Issues the gathers of a forward-only step without running the model (see [Note: uneven inputs])."""
+        """Issues the collectives of a forward-only step without running the model (see [Note: uneven inputs]):
+        those of this rank's last one, or one gather of every unit."""
         scheduled = [u for k, units in enumerate(self.scheduled) if k not in self.schedule.persistent for u in units]
-        everything = [(unit, True) for unit in self.root + scheduled]
-        for unit, for_step in self._last_forward_only if self._last_forward_only is not None else everything:
-            self._start(unit, for_step=for_step)  # (quantized or exact, as the others' forwards gather it)
-            self._free(unit)
+        everything = [partial(self._gather_and_free, unit, True) for unit in self.root + scheduled]
+        for replay in self._last_replays if self._last_replays is not None else everything:
+            replay()
 
     def abandon(self) -> None:
         """At the end of a run, after an error too: forgets pending work without waiting on peers that may never
@@ -377,8 +417,14 @@ class Stage3Runtime:
             yield units
         finally:
             for unit in units:
-                if id(unit) not in before:
+                if id(unit) not in before and not self._held_by_schedule(unit):
                     self._free(unit)
+
+    def _held_by_schedule(self, unit: FlatUnit) -> bool:
+        """Whether the step's schedule counts ``unit`` as gathered (a read inside the block pinned it, say)."""
+        if unit in self.root:
+            return self.in_step
+        return id(unit) in self._index and self._index[id(unit)] in self.schedule.gathered
 
     @contextmanager
     def gathered(self, unit: FlatUnit) -> Iterator[None]:

@@ -26,6 +26,12 @@ events that happen identically on every rank, never of which unit this rank happ
   ``max_live`` elements of gathered units in all, and, ahead of the one running, units up to the
   first that reaches ``max_prefetch`` elements (DeepSpeed's ``stage3_prefetch_bucket_size``; 0:
   none); whether a unit is gathered is itself a function of the schedule, so prefetch is too.
+- A forward-only step (validation, test, predict) may run many forward passes: ``generate()`` runs one
+  per token. There every unit gathered is kept gathered until the step ends ("kept") while the units kept
+  fit ``max_live`` (all of them if the whole model does, else in gathering order as long as the largest
+  unit still fits beside them), so a step costs one gather per kept unit however many passes it makes;
+  units beyond the budget are gathered and freed as above. Which units are kept follows from the order of
+  gathers, the same on every rank.
 Frees and waits are local: they change memory and timing, never the sequence.
 """
 
@@ -63,6 +69,8 @@ class Schedule:
         self.run = executor
         self.gathered: set[int] = set(self.persistent)  # persistent units are gathered at set-up
         self.pinned: set[int] = set()
+        self.kept: set[int] = set()  # a forward-only step's units gathered until it ends
+        self._keeping = False  # the step is forward-only: gathered units are kept while they fit
         self.peak_live = 0
         self._reset_pass()
         self._open = False
@@ -88,20 +96,34 @@ class Schedule:
             self.gathered.add(unit)
             self.run.gather(unit)
             self.peak_live = max(self.peak_live, self.live_numel())
+            if self._keeping and self._fits_kept(unit):
+                self.kept.add(unit)
+
+    def _fits_kept(self, unit: int) -> bool:
+        """Whether ``unit``, just gathered in a forward-only step, is kept (see the module's Note)."""
+        scheduled = [size for u, size in enumerate(self.sizes) if u not in self.persistent]
+        if sum(scheduled) <= self.max_live:
+            return True
+        kept = sum(self.sizes[u] for u in self.kept) + self.sizes[unit]
+        return kept + max(scheduled) <= self.max_live
 
     def _free(self, unit: int) -> None:
-        if unit in self.gathered and unit not in self.persistent and unit not in self.pinned:
+        if unit in self.gathered and not (unit in self.persistent or unit in self.pinned or unit in self.kept):
             self.gathered.discard(unit)
             self.run.free(unit)
 
     # --- a step --------------------------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, *, forward_only: bool = False) -> None:
+        """``forward_only``: a step with no backward, whose gathered units are kept (see the module's Note)."""
         self.end_step()
         self._open = True
+        self._keeping = forward_only
 
     def end_step(self) -> None:
         """Frees everything not persistent (after backward, or after a forward-only step)."""
         self.pinned.clear()
+        self.kept.clear()
+        self._keeping = False
         for unit in sorted(self.gathered):
             self._free(unit)
         self._reset_pass()
@@ -205,6 +227,24 @@ class Schedule:
             return self._top
         below = [k for k in range(self._top - 1, -1, -1) if self.entries[k] == unit]
         return below[0] if below else self._latest.get(unit, -1)
+
+    def recompute(self, unit: int) -> int:
+        """``unit``'s forward runs again inside backward (activation checkpointing): gather it; returns its entry.
+
+        A recomputation re-runs a checkpointed region's units in forward order, inside the backward of the
+        region's last entry (non-reentrant: when its first saved tensor is unpacked) or of the region's node
+        (reentrant), before backward has reached the region's earlier entries: those are started here, not
+        reached (backward finishes each entry, and reduces its unit, only when the gradient reaches it or an
+        earlier entry, as without checkpointing). An entry finished already is gathered again on demand."""
+        entry = self.entry_for_recompute(unit)
+        if entry < 0:
+            return entry
+        if entry < self._top:
+            self._start(entry)
+        elif entry > self._top:
+            self._gather(unit)
+        self.run.wait(unit)
+        return entry
 
     def backward(self, entry: int) -> None:
         """The first gradient reached an output of ``entry`` (or ``entry`` is recomputed): gather it.

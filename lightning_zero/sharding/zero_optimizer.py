@@ -1,8 +1,8 @@
 """ZeroOptimizer: the user's torch optimizer, stepping only what this rank owns.
 
 The user's optimizer (whatever ``configure_optimizers`` returned) is kept, with its param groups,
-hyper-parameters and LR schedulers; only each group's ``params`` list is replaced by this rank's
-pieces (views into the unit's fp32 master partition). One optimizer step is:
+hyper-parameters and LR schedulers; each group's ``params`` list is replaced by this rank's pieces (views
+into the unit's fp32 master partition), and any state it holds by its pieces of it. One optimizer step is:
 
 1. ``prepare_grads``: one all-reduce (MAX) of the host-side used-flags tells every rank which
    parameters got a gradient on any rank (in fp16 a second one, of a device flag, whether any
@@ -57,6 +57,7 @@ from lightning_zero.sharding.fused_step import FusedAdamWStep, supports
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import Piece
 from lightning_zero.sharding.offload import use_fused_host_step, wait_for_device
+from lightning_zero.sharding.optimizer_check import shard_held_state
 from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.topology import Topology
 
@@ -133,11 +134,7 @@ class ZeroOptimizer(Optimizer):
         ``fused_step``: see fused_step.py. ``topology``: the shard group, and with hybrid sharding the
         replicate group of the ranks holding the same partitions (topology.py). ``activate``: the engine's,
         which gives parameters added by ``add_param_group`` their units."""
-        if optimizer.state:
-            raise ValueError(
-                f"the optimizer {type(optimizer).__name__} already holds state before sharding; create it fresh in"
-                " `configure_optimizers`"
-            )
+        shard_held_state(optimizer.state, locate)  # (Adagrad's, from its __init__: see optimizer_check.py)
         for hooks in _HOOKS:
             setattr(self, hooks, OrderedDict())
         self.optimizer = optimizer

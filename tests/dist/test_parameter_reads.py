@@ -3,7 +3,8 @@ when used): never a NaN.
 
 - Inside ``training_step``, iterating ``self.parameters()`` / ``named_parameters()`` sees the real values: an
   L2 penalty over every parameter added to the loss, and a weight norm logged from ``named_parameters()``,
-  equal ddp's (and one process's) under every stage.
+  equal ddp's (and one process's) under every stage; so does the forward after ``gathered_parameters`` was
+  entered in the step (a read inside it keeps the unit gathered for the step).
 - Between steps a read of a sharded parameter raises one error naming the parameter and the ways to read it
   (an EMA over ``self.parameters()`` in ``on_train_batch_end``, ``pl_module.state_dict()`` in a callback, a
   frozen parameter read in ``on_train_end``, rank 0 alone reading after ``fit`` without waiting for the
@@ -15,6 +16,9 @@ when used): never a NaN.
   ddp's, issues no collective, and under stage 3 its sharded parameters raise the same error when read.
 - ``gathered_parameters(..., modifier_rank=0)`` writes rank 0's values into every rank's shards and master
   weights: training goes on from them.
+- Writes inside ``gathered_parameters`` without ``modifier_rank`` (in ``on_fit_start``, as a ddp user edits
+  weights) are kept under every stage: an edit through ``.data``, a new tensor as ``.data``, ``nn.init`` on
+  rank 0 only and ``add_`` on the last rank only; training then equals ddp's with the same edits on every rank.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class Reads(EquivalenceModule):
         self.norms: list[float] = []
 
     def training_step(self, batch, batch_idx):
+        with lightning_zero.gathered_parameters(self, self.net.blocks[1]):  # read as an attribute: kept for the step
+            self.block_norm = self.net.blocks[1].lin.weight.detach().norm()
         loss = super().training_step(batch, batch_idx)
         norm = torch.stack([p.detach().norm() for _, p in self.named_parameters()]).norm()
         self.norms.append(float(norm))
@@ -88,6 +94,26 @@ class ReadsBetweenSteps(pl.Callback):
             self.frozen = pl_module.frozen_scale.detach().clone()
 
 
+class WritesAtFitStart(pl.Callback):
+    """Edits weights before training as a ddp user does; under the ZeRO strategies some only on one rank."""
+
+    def __init__(self, every_rank: bool) -> None:
+        self.every_rank = every_rank
+
+    def on_fit_start(self, trainer, pl_module):
+        rank, last = trainer.global_rank, trainer.world_size - 1
+        blocks = pl_module.net.blocks
+        with lightning_zero.gathered_parameters(pl_module, blocks[1], blocks[3]):
+            blocks[1].lin.weight.data.fill_(0.01)  # every rank (.data: no version counter moves)
+            blocks[1].norm.weight.data = torch.linspace(0.5, 1.5, 9)  # a new tensor, every rank
+            if self.every_rank or rank == 0:
+                torch.nn.init.constant_(blocks[3].lin.bias, 0.5)
+        with lightning_zero.gathered_parameters(pl_module, blocks[1].norm):
+            if self.every_rank or rank == last:
+                with torch.no_grad():
+                    blocks[1].norm.bias.add_(0.25)
+
+
 def _strategy(name: str):
     if name in ("ddp", "auto"):
         return name
@@ -98,7 +124,8 @@ def _fit(name: str, world: int) -> tuple[Reads, ReadsBetweenSteps, pl.Trainer]:
     pl.seed_everything(0)
     module = Reads()
     reads = ReadsBetweenSteps(sharded=name == "zero3")
-    trainer = make_trainer(_strategy(name), world, steps=STEPS, callbacks=[reads])
+    writes = WritesAtFitStart(every_rank=not name.startswith("zero"))
+    trainer = make_trainer(_strategy(name), world, steps=STEPS, callbacks=[writes, reads])
     trainer.fit(module)
     return module, reads, trainer
 
@@ -192,3 +219,68 @@ def test_a_modifier_rank_writes_every_rank_s_shards(ranks):
         assert torch.equal(result["state"]["net.blocks.1.lin.weight"], results[0]["state"]["net.blocks.1.lin.weight"])
     moved = results[0]["state"]["net.blocks.1.lin.weight"]
     assert not torch.equal(moved, torch.full_like(moved, 0.01))  # trained on from the written values
+
+
+class PenaltyMLP(pl.LightningModule):
+    """A 2-block MLP with LayerNorm whose head is a unit of its own (``unit_min_params=64``), trained with an L2
+    penalty over ``self.parameters()`` and reading the whole model in ``training_step`` as a ddp user does: the
+    head is still gathered when the penalty reads it after the forward, so nothing but the read keeps it so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(2)
+        )
+        self.head = torch.nn.Linear(16, 4)
+        g = torch.Generator().manual_seed(5)
+        self.data = torch.utils.data.TensorDataset(
+            torch.randn(48, 16, generator=g), torch.randint(4, (48,), generator=g)
+        )
+        self.vector_norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for block in self.blocks:
+            x = x + block(x)
+        loss = torch.nn.functional.cross_entropy(self.head(x), y)
+        loss = loss + PENALTY * sum(p.pow(2).sum() for p in self.parameters())
+        self.vector_norms.append(float(torch.nn.utils.parameters_to_vector(self.parameters()).norm()))
+        self.state_sum = float(sum(v.sum() for v in self.state_dict().values()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = torch.utils.data.DistributedSampler(self.data, world, rank, shuffle=False)
+        return torch.utils.data.DataLoader(self.data, batch_size=12 // world, sampler=sampler)
+
+
+def _penalty_fit(rank: int, world: int) -> dict:
+    pl.seed_everything(0)
+    module = PenaltyMLP()
+    strategy = (
+        zero_strategy(3, param_persistence_threshold=0, unit_min_params=64, reduce_bucket_size=40)
+        if world > 1
+        else "auto"
+    )
+    trainer = make_trainer(strategy, world, steps=4, accumulate=1, clip=None)
+    trainer.fit(module)
+    return {
+        "state": {k: v.float() for k, v in full_state(trainer.strategy).items()},
+        "vector_norms": module.vector_norms,
+        "state_sum": module.state_sum,
+    }
+
+
+def test_a_penalty_over_every_parameter_with_every_unit_gathered_and_freed(ranks):
+    reference = _penalty_fit(0, 1)
+    for world in (2, 4):
+        for rank, run in enumerate(ranks(_penalty_fit, world)):
+            for key, value in reference["state"].items():
+                err = relative_error(run["state"][key], value)
+                assert err <= 1e-5, f"{world} ranks, rank {rank}: {key} differs from one process's by {err:.2e}"
+            err = relative_error(torch.tensor(run["vector_norms"]), torch.tensor(reference["vector_norms"]))
+            assert err <= 1e-5, f"{world} ranks: the parameters' norm read in a step differs by {err:.2e}"
+            assert abs(run["state_sum"] - reference["state_sum"]) <= 1e-5 * abs(reference["state_sum"]), world

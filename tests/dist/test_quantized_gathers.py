@@ -6,7 +6,8 @@
   collectives on every rank (``check_collectives``), and ends within 2% of the exact run's loss;
 - what is read outside the step is exact: ``full_state_dict()`` equals the norms of the fp32 masters
   (``parameter_norms``, read from the shards) and the consolidated checkpoint, both ranks alike;
-- ``gathered_parameters(..., modifier_rank=0)`` inside a step refuses to write quantized values back.
+- ``gathered_parameters(..., modifier_rank=0)`` inside a step refuses to write quantized values back, and so
+  does a write found inside ``gathered_parameters`` there.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class WritesInAStep(EquivalenceModule):
             with pytest.raises(RuntimeError, match="quantized values in the master weights"):
                 with lightning_zero.gathered_parameters(self, self.net.ln_f, modifier_rank=0):
                     pass
+            with pytest.raises(RuntimeError, match="quantized values in the master weights"):  # a write found
+                with lightning_zero.gathered_parameters(self, self.net.ln_f):
+                    self.net.ln_f.weight.data.mul_(2)
+            self.net.ln_f.weight.data.mul_(0.5)  # (exactly the step's values again)
             self.refused = True
         return loss
 

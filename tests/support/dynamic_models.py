@@ -102,8 +102,9 @@ class DynamicNet(nn.Module):
     - ``experts``: a top-level mixture whose experts are units themselves, skipped where no sample chose them;
     - ``skip``: a unit applied to some samples only, so skipped on ranks that have none of them;
     - ``twice``: a unit called twice in a row, and one called again after a later one;
-    - ``checkpoint`` / ``reentrant``: every block under non-reentrant (no early stop) / reentrant
-      activation checkpointing;
+    - ``checkpoint`` / ``reentrant``: every block under non-reentrant / reentrant activation checkpointing,
+      blocks 0 and 1 in one checkpointed function (a recomputation that enters two units, as
+      ``checkpoint_sequential`` does; non-reentrant with early stop), block 2 alone (non-reentrant without);
     - ``container``: units that return a dataclass.
     """
 
@@ -137,12 +138,10 @@ class DynamicNet(nn.Module):
             h = self.blocks[1](self.blocks[1](self.blocks[0](h)))
             h = self.blocks[2](self.blocks[0](h))  # block 0 again, after block 1 (out of order, on every rank)
         elif self.kind in ("checkpoint", "reentrant"):
-            for block in self.blocks:
-                if self.kind == "reentrant":
-                    h = activation_checkpoint.checkpoint(block, h, use_reentrant=True)
-                else:
-                    with activation_checkpoint.set_checkpoint_early_stop(False):
-                        h = activation_checkpoint.checkpoint(block, h, use_reentrant=False)
+            reentrant = self.kind == "reentrant"
+            h = activation_checkpoint.checkpoint(self._first_two, h, use_reentrant=reentrant)
+            with activation_checkpoint.set_checkpoint_early_stop(False):
+                h = activation_checkpoint.checkpoint(self.blocks[2], h, use_reentrant=reentrant)
         elif self.kind == "container":
             for block in self.blocks:
                 out = block(h)
@@ -153,6 +152,9 @@ class DynamicNet(nn.Module):
             if self.moe is not None:
                 h = self.moe(h)
         return self.head(h)  # (B, VOCAB)
+
+    def _first_two(self, h: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](h))
 
 
 class DynamicModule(pl.LightningModule):

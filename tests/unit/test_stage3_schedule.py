@@ -134,3 +134,64 @@ def test_prefetch_ahead_stays_within_its_own_budget():
             ahead = sum(2 for u in recorder.gathered if u < unit)
             assert ahead == min(ahead_budget, 2 * unit), (ahead_budget, unit, sorted(recorder.gathered))
         schedule.end_backward()
+
+
+def test_a_recomputation_entering_several_units_reduces_each_after_its_backward():
+    """Activation checkpointing of units 0 and 1 together: their forward runs again inside the backward of unit 1's
+    entry (non-reentrant: when its first saved tensor is unpacked), unit 0's before unit 1's. Unit 0 is gathered
+    for it, and unit 1 is reduced only once backward reaches unit 0's entry, after its gradients came."""
+    recorder = Recorder()
+    schedule = Schedule([4, 4, 4], set(), 100, recorder)
+    schedule.begin_step()
+    tags = []
+    for unit in range(3):
+        schedule.enter(unit)
+        tags.append(schedule.exit(unit))
+    schedule.end_forward()
+    schedule.backward(tags[2])
+    schedule.backward(tags[1])  # the gradient reaches the region's output
+    for unit in (0, 1):  # the recomputation
+        assert schedule.recompute(unit) == tags[unit]
+        assert unit in recorder.gathered
+    assert ("reduce", 1) not in recorder.sequence, "unit 1 reduced before its backward ran"
+    schedule.backward(tags[0])
+    assert recorder.sequence[-1] == ("reduce", 1)
+    schedule.end_backward()
+    assert [u for op, u in recorder.sequence if op == "reduce"] == [2, 1, 0]
+
+
+def _generate(sizes, max_live, passes, skip=()):
+    """A forward-only step of ``passes`` forward passes (as ``generate()`` runs one per token); ``skip``: units
+    this rank does not run. Returns the recorder."""
+    recorder = Recorder()
+    schedule = Schedule(sizes, set(), max_live, recorder)
+    schedule.begin_step(forward_only=True)
+    for _ in range(passes):
+        for unit in range(len(sizes)):
+            if unit not in skip:
+                schedule.enter(unit)
+                assert unit in recorder.gathered
+                schedule.exit(unit)
+    schedule.end_forward()
+    schedule.end_step()
+    assert not recorder.gathered
+    return recorder
+
+
+def test_a_forward_only_step_keeps_its_units_gathered_while_they_fit():
+    # The whole model fits the budget: one gather per unit however many passes, on a rank that skips units too
+    # (the first pass serves them, and they are kept alike).
+    assert _generate([4, 4, 4], 12, passes=5).sequence == [("gather", 0), ("gather", 1), ("gather", 2)]
+    assert _generate([4, 4, 4], 12, passes=5, skip={1}).sequence == [("gather", 0), ("gather", 1), ("gather", 2)]
+    # It does not: units 0 and 1 are kept (with room for the largest beside them), 2 and 3 gathered per pass.
+    sequence = _generate([4, 4, 4, 4], 13, passes=3).sequence
+    assert [sequence.count(("gather", unit)) for unit in range(4)] == [1, 1, 3, 3]
+    # A training step is unchanged: each pass gathers again.
+    recorder = Recorder()
+    schedule = Schedule([4, 4], set(), 100, recorder)
+    schedule.begin_step()
+    for _ in range(2):
+        for unit in range(2):
+            schedule.enter(unit)
+            schedule.exit(unit)
+    assert len(recorder.sequence) == 4
