@@ -10,8 +10,10 @@ does the rest of the save protocol (save.py's [Note: the save protocol]) while t
   when the save was called. Whatever else changes the masters or the state (loading a checkpoint, the end
   of a run) waits for the whole save first.
 - At most one save is in flight: the next save, the end of the run (``wait``) and a preemption wait for it.
-- What must follow a save's success (ModelCheckpoint's removal of the checkpoint it replaces as the best) is
-  deferred to after it (``defer``), as a synchronous save orders it: a kill in between never leaves neither.
+- What must follow a save's success (ModelCheckpoint's removal of the checkpoint it replaces as the best, a
+  last.ckpt link put back on it) is deferred to after it (``defer``), as a synchronous save orders it: a kill in
+  between never leaves neither. It runs in the training thread once that learns the save succeeded (``wait``, so
+  also ``poll``), never in the writer: Lightning changes the same links there (ModelCheckpoint's last.ckpt).
 - The writers agree on each phase's verdict over a group of their own (a gloo group of every rank, made at
   set-up, used by no one else), so their collectives never interleave with training's.
 - Whether the save is done is agreed at a step boundary (``poll``: one MIN all-reduce of a flag per step while
@@ -50,8 +52,7 @@ class BackgroundSaves:
         self._taken: dict[tuple, list[Tensor]] = {}
         self._snapshot = threading.Event()
         self.snapshot_wait_s = 0.0
-        self._lock = threading.Lock()
-        self._deferred: list[Callable[[], None]] | None = None  # while a save runs: what follows its success
+        self._deferred: list[Callable[[], None]] = []  # what follows the success of the save in flight
 
     @property
     def in_flight(self) -> bool:
@@ -90,7 +91,6 @@ class BackgroundSaves:
             queued = (torch.cuda.current_device(), torch.cuda.Event())
             queued[1].record()
         self._error = None
-        self._deferred = []
         self._snapshot = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(snapshot, work, queued), name="lightning_zero-save", daemon=True
@@ -100,7 +100,6 @@ class BackgroundSaves:
         except BaseException as error:  # (no thread to be had): the rest here, so the ranks still agree, and
             self._thread = _Finished()  # its error is raised at the next step boundary, as the other ranks' are
             self._snapshot.set()
-            self._deferred = None  # (what was to follow it is dropped: it failed)
             try:
                 work(None, error)
             except BaseException as failed:  # noqa: BLE001
@@ -131,7 +130,6 @@ class BackgroundSaves:
             self._snapshot.set()
 
     def _run(self, snapshot: Callable[[], Any], work: Callable[[Any, BaseException | None], None], queued) -> None:
-        succeeded = False
         try:
             try:
                 taken, failure = self._copy(snapshot, queued), None
@@ -139,23 +137,16 @@ class BackgroundSaves:
                 taken, failure = None, error
             _lower_priority()  # the writing yields to training where they share cores (the copy did not: it is awaited)
             work(taken, failure)
-            succeeded = True
         except BaseException as error:  # noqa: BLE001 - raised in the training thread (poll, wait)
             self._error = error
-        with self._lock:
-            deferred, self._deferred = self._deferred, None
-        for then in deferred if succeeded else ():
-            then()
 
     def defer(self, then: Callable[[], None]) -> None:
-        """Runs ``then`` after the save in flight has succeeded (dropped if it fails), or now if none is."""
-        with self._lock:
-            if self._deferred is not None:
-                self._deferred.append(then)
-                return
-            failed = self._thread is not None and self._error is not None  # (done, its error not yet raised)
-        if not failed:
+        """Runs ``then`` once the save in flight, if any, is known to have succeeded (``wait``; dropped if it failed),
+        else now."""
+        if self._thread is None:
             then()
+        else:
+            self._deferred.append(then)
 
     def poll(self) -> None:
         """At a step boundary, on every rank: once every rank's writer is done, its error (the same on every
@@ -169,15 +160,18 @@ class BackgroundSaves:
             self.wait()
 
     def wait(self) -> None:
-        """Waits for the save in flight, if any; raises its error."""
+        """Waits for the save in flight, if any; raises its error, or runs what was deferred to its success."""
         thread = self._thread
         if thread is None:
             return
         thread.join()
         self._thread = None
-        error, self._error = self._error, None
+        error, deferred = self._error, self._deferred
+        self._error, self._deferred = None, []
         if error is not None:
             raise error
+        for then in deferred:
+            then()
 
 
 class _Finished:

@@ -26,7 +26,7 @@ import struct
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
@@ -37,8 +37,10 @@ from lightning_zero.checkpoint.format import (
     AVERAGED_IN_SHARDS,
     CheckpointError,
     Metadata,
+    atomic_file,
     averaged_exported,
     check_files,
+    check_not_a_link,
     fsync_dir,
     load_lightning_state,
     read_metadata,
@@ -117,37 +119,30 @@ def _holds_storage(obj: Any) -> bool:
         return any("/data/" in name for name in archive.namelist())
 
 
-def _write_torch(path: Path, sources: list[tuple[str, Source]], head: dict[str, Any] | None = None) -> None:
-    """The state dict alone, or (``head``: Lightning's entries) a Lightning checkpoint holding it."""
-    if head is not None and _holds_storage(head):
-        raise CheckpointError(
-            f"{path.name}: the checkpoint's hyper-parameters hold tensors, which a streamed .ckpt cannot take;"
-            " write a .pt (the state dict) and save the hyper-parameters yourself"
-        )
+def _write_torch(f: BinaryIO, sources: list[tuple[str, Source]], head: dict[str, Any] | None = None) -> None:
+    """The state dict alone, or (``head``: Lightning's entries, holding no tensor) a Lightning checkpoint holding
+    it, into the new file ``f`` (open for reading and writing)."""
     with FakeTensorMode():
         fakes = {s[0]: torch.empty(s[2], dtype=s[3]) for s in _unique(sources)}
     skeleton = {key: fakes[source[0]] for key, source in sources}
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(skeleton if head is None else {**head, "state_dict": skeleton}, path)
-    with zipfile.ZipFile(path) as archive:
+        torch.save(skeleton if head is None else {**head, "state_dict": skeleton}, f)
+    f.flush()
+    f.seek(0)
+    with zipfile.ZipFile(f) as archive:  # (a file passed in stays open)
         records = {i.filename.split("/", 1)[1]: i for i in archive.infolist()}
-    with open(path, "r+b") as f:
-        for index, (identity, produce, _, _) in enumerate(_unique(sources)):  # storages in first-seen order
-            info = records[f"data/{index}"]
-            value = produce().contiguous()
-            if info.file_size != value.nbytes:
-                raise RuntimeError(
-                    f"internal: storage {index} of {path} has {info.file_size} bytes, {identity} needs {value.nbytes}"
-                )
-            f.seek(info.header_offset + 26)
-            name_length, extra_length = struct.unpack("<HH", f.read(4))
-            f.seek(info.header_offset + 30 + name_length + extra_length)
-            f.write(memoryview(value.reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
+    for index, (identity, produce, _, _) in enumerate(_unique(sources)):  # storages in first-seen order
+        info = records[f"data/{index}"]
+        value = produce().contiguous()
+        if info.file_size != value.nbytes:
+            raise RuntimeError(f"internal: storage {index} has {info.file_size} bytes, {identity} needs {value.nbytes}")
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(info.header_offset + 30 + name_length + extra_length)
+        f.write(memoryview(value.reshape(-1).view(torch.uint8).numpy()))
 
 
-def _write_safetensors(path: Path, sources: list[tuple[str, Source]]) -> None:
+def _write_safetensors(f: BinaryIO, sources: list[tuple[str, Source]]) -> None:
     header, offset = {}, 0
     for key, (_, _, shape, dtype) in sources:  # safetensors has no shared tensors: tied keys get a copy each
         nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -159,13 +154,10 @@ def _write_safetensors(path: Path, sources: list[tuple[str, Source]]) -> None:
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for _, (_, produce, _, _) in sources:
-            f.write(memoryview(produce().contiguous().reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
+    f.write(struct.pack("<Q", len(encoded)))
+    f.write(encoded)
+    for _, (_, produce, _, _) in sources:
+        f.write(memoryview(produce().contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
@@ -178,6 +170,7 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, *, wei
     ``weights_only=False`` unpickles the checkpoint's Lightning state without restrictions: only for a
     checkpoint you trust. Bad input raises a one-line CheckpointError before anything is written."""
     directory, output = Path(checkpoint), Path(output)
+    check_not_a_link(output)
     if output.is_dir():
         raise CheckpointError(f"{output}: is a directory; give the path of the file to write (.ckpt, .pt, ...)")
     if output.exists():
@@ -198,14 +191,14 @@ def write_consolidated(directory: Path, meta: Metadata, lightning: dict[str, Any
     """``output`` (by its suffix) from the checkpoint files in ``directory``, described by ``meta`` and
     ``lightning`` (its Lightning state), checked already; atomically (nothing is left on failure)."""
     sources = _sources(directory, meta, lightning)
-    tmp = output.with_name(f".{output.name}.tmp")
-    try:
+    head = {k: lightning[k] for k in LIGHTNING_KEYS if k in lightning} if output.suffix == ".ckpt" else None
+    if head is not None and _holds_storage(head):
+        raise CheckpointError(
+            f"{output.name}: the checkpoint's hyper-parameters hold tensors, which a streamed .ckpt cannot take;"
+            " write a .pt (the state dict) and save the hyper-parameters yourself"
+        )
+    with atomic_file(output) as f:
         if output.suffix == ".safetensors":
-            _write_safetensors(tmp, sources)
+            _write_safetensors(f, sources)
         else:
-            head = {k: lightning[k] for k in LIGHTNING_KEYS if k in lightning} if output.suffix == ".ckpt" else None
-            _write_torch(tmp, sources, head)
-        os.replace(tmp, output)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # nothing is left behind
-        raise
+            _write_torch(f, sources, head)

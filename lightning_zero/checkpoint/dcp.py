@@ -15,17 +15,16 @@ paths (``metadata.planner_data``). The layouts read here, found from those paths
 
 The module's names may differ from the saved ones by a prefix (a LightningModule holding the model as
 ``self.model``: ``model.layers.0.weight`` here, ``layers.0.weight`` there): the prefix that matches the
-most names is used. Each rank reads only the rows that hold its pieces of each tensor (DCP reshards the
-saved chunks into them) with its own ``dcp.load(..., no_dist=True)``: no collective. Files are data:
-``.metadata`` is unpickled allowing only DCP's own metadata classes, and non-tensor values with
-``weights_only=True`` (DCP's own loader unpickles both without restriction).
+most names is used, by ``fit`` and ``load_pretrained`` alike (``DcpSource.model_section``), and said (rank 0's
+log). Each rank reads only the rows that hold its pieces of each tensor (DCP reshards the
+saved chunks into them) with its own ``dcp.load(..., no_dist=True)``: no collective. Files are data
+(``dcp_files.py``): ``.metadata`` is unpickled allowing only DCP's own metadata classes and checked against the
+files, non-tensor values with ``weights_only=True``, and a read that fails names the file and the tensor.
 """
 
 from __future__ import annotations
 
-import io
 import math
-import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,122 +32,13 @@ from typing import Any
 import lightning
 import torch
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_zero.checkpoint.dcp_files import DcpStorage, SlicePlanner, dcp_failure, one_line, read_dcp_metadata
 from lightning_zero.checkpoint.format import CheckpointError, Metadata
-
-DCP_METADATA = ".metadata"
-_DCP_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),  # (Python 3.13)
-}  # fmt: skip
-_DTYPE_NAMES = (
-    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32",
-    "uint64", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-)  # fmt: skip
-
-
-def is_dcp(path: Path) -> bool:
-    return path.is_dir() and (path / DCP_METADATA).is_file()
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DCP_METADATA_CLASSES or (module == "torch" and name in _DTYPE_NAMES):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
-def read_dcp_metadata(path: Path) -> Any:
-    """The directory's DCP metadata, unpickled allowing only the classes DCP's metadata is made of."""
-    try:
-        with open(path / DCP_METADATA, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            f"{path / DCP_METADATA}: not a torch.distributed.checkpoint metadata file (it refers to {error}, which"
-            " DCP's metadata does not hold; nothing in it was run)"
-        ) from None
-    except (EOFError, ValueError, TypeError, AttributeError) as error:
-        raise CheckpointError(f"{path / DCP_METADATA}: unreadable ({error})") from None
-    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict) or not isinstance(
-        getattr(metadata, "storage_data", None), dict
-    ):
-        raise CheckpointError(f"{path / DCP_METADATA}: not a torch.distributed.checkpoint metadata file")
-    if not isinstance(metadata.planner_data or {}, dict):
-        raise CheckpointError(f"{path / DCP_METADATA}: its planner_data is not a dict of paths")
-    for info in metadata.storage_data.values():  # files inside the directory, by plain names
-        name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
-            raise CheckpointError(f"{path / DCP_METADATA}: names a data file {name!r}; a plain file name is allowed")
-    return metadata
-
-
-class _Storage(dcp.FileSystemReader):
-    """DCP's file reader, with the metadata read once (and safely) above."""
-
-    def __init__(self, path: Path, metadata: Any) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        return self._metadata
-
-
-class _SlicePlanner(DefaultLoadPlanner):
-    """Loads ``state_dict``'s tensors as slices of the saved ones: ``offsets[key]`` is where the slice a tensor
-    holds starts in the saved tensor (its size is the tensor's); other values are unpickled with
-    ``weights_only=True``."""
-
-    def __init__(self, offsets: dict[str, tuple[int, ...]]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.offsets = offsets
-
-    def create_local_plan(self) -> LoadPlan:
-        others = {k: v for k, v in self.state_dict.items() if k not in self.offsets}
-        items = create_default_local_load_plan(others, self.metadata).items
-        for key, start in self.offsets.items():
-            chunk = ChunkStorageMetadata(offsets=torch.Size(start), sizes=self.state_dict[key].size())
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
-        return LoadPlan(items)
-
-    def resolve_tensor(self, read_item: Any) -> Tensor:
-        tensor = self.state_dict[read_item.dest_index.fqn]
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            tensor = tensor.narrow(dim, start, length)
-        return tensor
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-
-
-def _overlap(chunks: list, size: torch.Size) -> bool:
-    """Whether saved chunks overlap (with their total size right, a gap then hides beside the overlap): rows of
-    whole tensors (FSDP2's dim-0 shards) are compared as intervals; other tilings pairwise, up to 64 chunks."""
-    if all(tuple(c.sizes[1:]) == tuple(size[1:]) and not any(c.offsets[1:]) for c in chunks):
-        rows = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks if c.sizes[0]) if size else []
-        return any(a[1] > b[0] for a, b in zip(rows, rows[1:]))
-    if len(chunks) > 64:
-        return False
-
-    def meet(a: Any, b: Any) -> bool:
-        return all(a.offsets[d] < b.offsets[d] + b.sizes[d] and b.offsets[d] < a.offsets[d] + a.sizes[d] for d in
-                   range(len(size)))  # fmt: skip
-
-    return any(meet(a, b) for i, a in enumerate(chunks) for b in chunks[i + 1 :])
 
 
 def _path(metadata: Any, key: str) -> tuple:
@@ -164,15 +54,6 @@ class DcpSource:
         self.tensors = {
             k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
         }
-        for key, md in self.tensors.items():  # the saved chunks tile each tensor: every element is read from a file
-            size = torch.Size(md.size)
-            inside = all(
-                len(c.offsets) == len(size) == len(c.sizes) and all(0 <= o and o + n <= d for o, n, d in
-                                                                    zip(c.offsets, c.sizes, size))
-                for c in md.chunks
-            )  # fmt: skip
-            if not inside or sum(math.prod(c.sizes) for c in md.chunks) != size.numel() or _overlap(md.chunks, size):
-                raise CheckpointError(f"{path / DCP_METADATA}: the chunks saved of {key} do not cover its {list(size)}")
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
@@ -183,11 +64,13 @@ class DcpSource:
         try:
             with warnings.catch_warnings():  # (that it loads in one process, which is what no_dist says)
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(wanted, storage_reader=_Storage(self.path, self.metadata),
-                         planner=_SlicePlanner(offsets or {}), no_dist=True)  # fmt: skip
+                dcp.load(wanted, storage_reader=DcpStorage(self.path, self.metadata),
+                         planner=SlicePlanner(offsets or {}), no_dist=True)  # fmt: skip
         except (CheckpointException, Exception) as error:  # (DCP's CheckpointException is a BaseException)
-            first = (str(error).strip().splitlines() or [repr(error)])[0]
-            raise CheckpointError(f"{self.path}: cannot read {sorted(wanted)[:3]}: {first}") from None
+            cause = dcp_failure(error)
+            if isinstance(cause, CheckpointError):  # (DcpStorage's, naming the file and the tensor)
+                raise cause from None
+            raise CheckpointError(f"{self.path}: cannot read {sorted(wanted)[:3]}: {one_line(cause)}") from None
         return wanted
 
     def read(self, key: str, lo: int, hi: int, out: Tensor) -> None:
@@ -205,8 +88,9 @@ class DcpSource:
         out.copy_(rows.reshape(-1)[lo - first * row : hi - first * row])
 
     def model_section(self, names: list[str]) -> tuple[dict[str, str], tuple[str, str]]:
-        """The saved model: saved name -> key for the section whose names, up to a prefix, match the most of
-        ``names`` (see the module's docstring), and that prefix as (here, there)."""
+        """The saved model, by the module's names: module name -> saved key for the section whose names, up to a
+        prefix, match the most of ``names`` (the module's state-dict keys; see the module's docstring), and that
+        prefix as (here, there), which is logged when there is one."""
         wanted = set(names)
         sections: dict[tuple, dict[str, str]] = {}
         for key in self.tensors:
@@ -230,7 +114,22 @@ class DcpSource:
                 f"{self.path}: {len(tied)} sections hold these weights equally well: {['.'.join(s) for s in tied]}"
                 " (the model is taken from a section named 'model' or from the top level)"
             )
-        return sections[tied[0]], scored[tied[0]][1]
+        section, prefixes = tied[0], scored[tied[0]][1]
+        _say_prefix(self.path, section, prefixes, list(sections[section]))
+        return {_renamed(f, prefixes): key for f, key in sections[section].items()}, prefixes
+
+
+def _say_prefix(path: Path, section: tuple, prefixes: tuple[str, str], saved_names: list[str]) -> None:
+    """Logs (rank 0) the prefix that relates the module's names to the saved ones, when there is one, with an
+    example: which was used is not left to guess (fit and load_pretrained alike)."""
+    here, there = prefixes
+    if not (here or there) or not saved_names:
+        return
+    change = f"{here!r} added" if not there else f"{there!r} removed" if not here else f"{there!r} replaced by {here!r}"
+    where = f"section {'.'.join(map(str, section))!r}" if section else "the top level"
+    example = f"{saved_names[0]} is {_renamed(saved_names[0], prefixes)} here"
+    said = f"the module's names are the saved ones (in {where}) with the prefix {change}: {example}"
+    rank_zero_info(f"lightning_zero: {path}: {said}")
 
 
 def _renamed(saved_name: str, prefixes: tuple[str, str]) -> str:
@@ -360,8 +259,7 @@ def read_dcp(
     the weights under ``model_names`` (the module's state-dict keys) and, when it holds optimizer state for
     them, that state for this run's one optimizer (``optimizer_names``: its param groups by name)."""
     source = DcpSource(path)
-    saved, prefixes = source.model_section(model_names)
-    keys = {_renamed(f, prefixes): key for f, key in saved.items()}
+    keys, prefixes = source.model_section(model_names)
     state, scalars, param_groups = _optimizer(source, prefixes, {n: source.shape(k) for n, k in keys.items()})
     lightning_state: dict[str, Any] = {
         "state_dict": {},

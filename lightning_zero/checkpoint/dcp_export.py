@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from lightning_zero.checkpoint.consolidate import _sources
+from lightning_zero.checkpoint.dcp_files import dcp_failure, one_line
 from lightning_zero.checkpoint.format import CheckpointError, check_files, load_lightning_state, read_metadata
 from lightning_zero.checkpoint.publish import check_new_directory, write_new_directory
 from lightning_zero.checkpoint.shards import ShardReader
@@ -138,8 +139,7 @@ def export_dcp(
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             try:
                 dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(produce), no_dist=True)
-            except CheckpointException as error:  # (a BaseException: one line instead)
-                first = (str(error).strip().splitlines() or [repr(error)])[0]
-                raise CheckpointError(f"{out_dir}: cannot write it: {first}") from None
+            except CheckpointException as error:  # (a BaseException: one line instead, with its cause)
+                raise CheckpointError(f"{out_dir}: cannot write it: {one_line(dcp_failure(error))}") from None
 
     return write_new_directory(out_dir, write)

@@ -18,6 +18,9 @@ A checkpoint is a directory::
                              fp32 as a Lightning checkpoint, for ``MyModule.load_from_checkpoint``
                              (checkpoint/consolidate.py)
         COMPLETE             written last: a directory without it is not a checkpoint
+        rng_after_validation.pt  (when validation followed the save while fitting) every rank's random
+                             generators as that validation left them, written after publication:
+                             what a resume sets (checkpoint/rng.py)
 
 Every file is written under a temporary name, fsynced and renamed, and hashed as it is written; the
 directory is assembled under a hidden name and published last (see [Note: the save protocol] in
@@ -34,11 +37,13 @@ import math
 import os
 import pickle
 import re
+import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import xxhash
@@ -54,6 +59,7 @@ METADATA = "metadata.json"
 LIGHTNING = "lightning.pt"
 COMPLETE = "COMPLETE"
 CONSOLIDATED = "consolidated.ckpt"  # optional: see the module's docstring
+AFTER_VALIDATION = "rng_after_validation.pt"  # optional, written after publication: see rng.py
 # [Note: averaged weights in a checkpoint]
 # A run with a weight-averaging callback (sharding/averaging.py) saves its average beside the weights: each rank
 # file's unit entries hold their averaged partition ("averaged", laid out as "master"), and lightning.pt holds
@@ -271,33 +277,67 @@ class _HashingFile:
         self.error: OSError | None = None
 
     def write(self, data) -> int:
-        try:
-            written = self.file.write(data)
-        except OSError as error:
-            self.error = error
-            raise
+        written = self._keeping_error(self.file.write, data)
         self.digest.update(data)
         self.bytes += len(data)
         return written
 
     def flush(self) -> None:
-        self.file.flush()
+        self._keeping_error(self.file.flush)
+
+    def _keeping_error(self, call: Callable, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except OSError as error:
+            self.error = self.error or error  # the first: what stopped the writing
+            raise
 
 
-def write_atomically(path: Path, write: Callable[[Any], None]) -> dict[str, Any]:
-    """``write(file)`` into a temporary file, fsync, rename to ``path``; returns the file's size and checksum. A
-    full device raises one CheckpointError saying so, with the bytes written and free."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    hashing = None
+def check_not_a_link(path: Path) -> None:
+    """One line if ``path`` is a symbolic link, dangling or not: an output is written as a new file or directory,
+    never through a link nor over one."""
+    if path.is_symlink():
+        raise CheckpointError(
+            f"{path}: is a symbolic link (to {os.readlink(path)}); nothing is written through or over a link: give"
+            " a path that does not exist"
+        )
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A new file that becomes ``path`` when the block ends (flushed, fsynced, renamed), or is removed if it raises.
+    It is opened for reading and writing under a fresh hidden name beside ``path``, created exclusively: never an
+    existing file, never through a link put where a temporary is expected. ``path`` itself must not be a link."""
+    check_not_a_link(path)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)  # (less the umask, as any file written)
+            break
+        except FileExistsError:  # the name is taken (by anything, a link included): another one
+            continue
     try:
-        with open(tmp, "wb") as f:
-            hashing = _HashingFile(f)
-            write(hashing)
+        with os.fdopen(fd, "w+b") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # ours: created above
+        raise
+
+
+def write_atomically(path: Path, write: Callable[[Any], None]) -> dict[str, Any]:
+    """``write(file)`` into a new file (``atomic_file``: fsynced, renamed to ``path``); returns the file's size and
+    checksum. A full device raises one CheckpointError saying so, with the bytes written and free; any other OS error
+    that stopped the writing is raised as itself, also from inside torch.save (see ``_HashingFile``)."""
+    hashing = None
+    try:
+        with atomic_file(path) as f:
+            hashing = _HashingFile(f)
+            write(hashing)
     except BaseException as error:
-        tmp.unlink(missing_ok=True)
         cause = hashing.error if hashing is not None and hashing.error is not None else error
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
             written = hashing.bytes if hashing is not None else 0
@@ -306,6 +346,8 @@ def write_atomically(path: Path, write: Callable[[Any], None]) -> dict[str, Any]
                 f"{path}: no space left on device ({cause.strerror}): {written:,} bytes of it were written when the"
                 f" device filled, {free:,} bytes are free in {path.parent}; free space or save elsewhere"
             ) from error
+        if cause is not error:  # the OS's error (EFBIG, EIO, EROFS...), not torch's about its stream position
+            raise cause from None
         raise
     return {"bytes": hashing.bytes, WRITTEN_DIGEST: hashing.digest.hexdigest()}
 
@@ -346,12 +388,13 @@ def read_metadata(directory: Path) -> Metadata:
     return Metadata.from_json((directory / METADATA).read_text(), directory / METADATA)
 
 
-def latest(dirpath: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest global step under ``dirpath``: partial saves, hidden
-    directories and checkpoints whose files are missing or of the wrong size are skipped."""
+def latest(dirpath: str | os.PathLike, *, excluding: Path | None = None) -> Path | None:
+    """The complete checkpoint with the highest global step under ``dirpath`` (other than ``excluding``): partial
+    saves, hidden directories, links (``last.ckpt``: their targets are the checkpoints) and checkpoints whose files
+    are missing or of the wrong size are skipped."""
     best: tuple[int, float, Path] | None = None
     for child in Path(dirpath).iterdir():
-        if child.name.startswith(".") or not (child / COMPLETE).is_file():
+        if child.name.startswith(".") or child.is_symlink() or child == excluding or not (child / COMPLETE).is_file():
             continue
         try:
             meta = read_metadata(child)

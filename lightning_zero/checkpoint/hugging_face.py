@@ -10,7 +10,10 @@ configuration in Lightning's state under ``HUGGING_FACE``: ``{"prefix": "model."
 JSON values, so the state still loads with ``weights_only=True``). The export takes the keys under that
 prefix without it, writes one copy of each tied parameter (as ``save_pretrained``: the model ties them again
 on load), and streams the weights in fp32 (the masters) parameter by parameter from the ranks' shards, as
-``consolidate`` does: never the whole model in memory. The description is checked before anything is written.
+``consolidate`` does: never the whole model in memory. The description is checked before anything is written:
+a config is a JSON object nested at most ``MAX_CONFIG_DEPTH`` deep and about ``MAX_CONFIG_BYTES`` in all, when it
+is recorded (else none is, with a warning) and when it is read back (a checkpoint is data: a config nested
+thousands deep, or of gigabytes, is one line, not a RecursionError or a huge config.json).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from torch.nn import Module
 from lightning_zero.checkpoint.consolidate import _sources, _write_safetensors
 from lightning_zero.checkpoint.format import (
     CheckpointError,
+    atomic_file,
     check_files,
     load_lightning_state,
     read_metadata,
@@ -35,6 +40,10 @@ from lightning_zero.checkpoint.publish import check_new_directory, write_new_dir
 
 HUGGING_FACE = "hugging_face"
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default
+# Hugging Face configs nest a few levels (a text_config in a multimodal config, its rope_scaling) and the largest
+# config.json files (label maps of tens of thousands of classes) hold a few MB.
+MAX_CONFIG_DEPTH = 64
+MAX_CONFIG_BYTES = 16 * 2**20
 
 
 def describe(model: Module) -> dict[str, Any]:
@@ -42,14 +51,46 @@ def describe(model: Module) -> dict[str, Any]:
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
         if hasattr(module, "save_pretrained") and hasattr(config, "to_json_string"):
-            prefix = f"{name}." if name else ""
             try:
-                return {HUGGING_FACE: {"prefix": prefix, "config": json.loads(config.to_json_string())}}
-            except (TypeError, ValueError) as error:  # the checkpoint is still saved, without the description
-                warnings.warn(f"lightning_zero: {name or 'the model'}'s config is not JSON ({error}); checkpoints"
-                              " will not export it for Hugging Face", stacklevel=2)  # fmt: skip
-                return {}
+                recorded = json.loads(config.to_json_string())
+                problem = _config_problem(recorded)
+            except (TypeError, ValueError, RecursionError) as error:
+                problem = f"not JSON ({error})"
+            if problem is None:
+                return {HUGGING_FACE: {"prefix": f"{name}." if name else "", "config": recorded}}
+            # the checkpoint is still saved, without the description
+            warnings.warn(f"lightning_zero: {name or 'the model'}'s config is {problem}; checkpoints will not export"
+                          " it for Hugging Face", stacklevel=2)  # fmt: skip
+            return {}
     return {}
+
+
+def _config_problem(config: Any) -> str | None:
+    """What keeps ``config`` from being a config.json (a JSON object of plain values, nested at most
+    MAX_CONFIG_DEPTH deep, about MAX_CONFIG_BYTES encoded), or None. Walked without recursion, up to the first
+    problem: a hostile value is never walked whole."""
+    if not isinstance(config, dict):
+        return f"a {type(config).__name__}, not a JSON object"
+    size, stack = 0, [(config, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            return f"nested more than {MAX_CONFIG_DEPTH} deep"
+        if isinstance(value, dict):
+            if not all(isinstance(key, str) for key in value):
+                return "a JSON object with a key that is not a string"
+            size += sum(len(key) for key in value)
+            stack.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            size += len(value)
+        elif value is not None and not isinstance(value, (bool, int, float)):
+            return f"holding a {type(value).__name__}, not a JSON value"
+        size += 8  # (punctuation, a number)
+        if size > MAX_CONFIG_BYTES:
+            return f"larger than {MAX_CONFIG_BYTES:,} bytes"
+    return None
 
 
 def _checked(description: Any, path: Path) -> tuple[str, dict[str, Any]]:
@@ -60,8 +101,14 @@ def _checked(description: Any, path: Path) -> tuple[str, dict[str, Any]]:
         )
     ok = isinstance(description, dict) and isinstance(description.get("prefix"), str)
     ok = ok and isinstance(description.get("config"), dict) and isinstance(description["config"].get("model_type"), str)
-    if not ok:
-        raise CheckpointError(f"{path}: its Hugging Face description is malformed: {str(description)[:200]}")
+    if not ok:  # (reprlib: bounded, however deep or large)
+        raise CheckpointError(f"{path}: its Hugging Face description is malformed: {reprlib.repr(description)}")
+    problem = _config_problem(description["config"])
+    if problem is not None:
+        raise CheckpointError(
+            f"{path}: its Hugging Face config is {problem}; a config.json is a JSON object nested at most"
+            f" {MAX_CONFIG_DEPTH} deep, of at most {MAX_CONFIG_BYTES:,} bytes"
+        )
     return description["prefix"], description["config"]
 
 
@@ -88,7 +135,7 @@ def export_hugging_face(
             seen.add(source[0])
             weights.append((key.removeprefix(prefix), source))
     if not weights:
-        raise CheckpointError(f"{directory}: no weights under {prefix!r}, where its Hugging Face model was")
+        raise CheckpointError(f"{directory}: no weights under {reprlib.repr(prefix)}, where its Hugging Face model was")
     shards: list[list] = [[]]
     size = 0
     for key, source in weights:
@@ -103,19 +150,18 @@ def export_hugging_face(
 
 def _write(directory: Path, config: dict[str, Any], shards: list[list]) -> None:
     config = {**config, "torch_dtype": "float32", "dtype": "float32"}  # the fp32 masters (both spellings)
-    with open(directory / "config.json", "w") as f:
-        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    with atomic_file(directory / "config.json") as f:
+        f.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    count = len(shards)
+    names = [f"model-{index:05d}-of-{count:05d}.safetensors" for index in range(1, count + 1)]
+    names = ["model.safetensors"] if count == 1 else names
+    for name, shard in zip(names, shards):
+        with atomic_file(directory / name) as f:
+            _write_safetensors(f, shard)
     if len(shards) == 1:
-        _write_safetensors(directory / "model.safetensors", shards[0])
         return
-    weight_map, total = {}, 0
-    for index, shard in enumerate(shards, start=1):
-        name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(directory / name, shard)
-        for key, (_, _, shape, dtype) in shard:
-            weight_map[key] = name
-            total += math.prod(shape) * dtype.itemsize
+    weight_map = {key: name for name, shard in zip(names, shards) for key, _ in shard}
+    total = sum(math.prod(shape) * dtype.itemsize for shard in shards for _, (_, _, shape, dtype) in shard)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    with atomic_file(directory / "model.safetensors.index.json") as f:
+        f.write((json.dumps(index, indent=2) + "\n").encode())

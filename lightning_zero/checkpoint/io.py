@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_zero.checkpoint.dcp import DcpReader, is_dcp, read_dcp
+from lightning_zero.checkpoint.dcp import DcpReader, read_dcp
+from lightning_zero.checkpoint.dcp_files import is_dcp
 from lightning_zero.checkpoint.format import (
     AVERAGED,
     AVERAGED_IN_SHARDS,

@@ -12,8 +12,10 @@ written where it lives, reading only what this rank keeps:
 - anywhere else (stages 1-2, no strategy, buffers): the whole tensor, copied in.
 
 One tensor at a time, so memory stays near the largest tensor. Names are matched exactly (a
-``prefix`` is prepended to the module's names); with ``strict`` a mismatch is one error listing every
-missing and unexpected name and every shape that differs, raised before anything is written.
+``prefix`` is prepended to the module's names), but for a DCP checkpoint's, whose prefix is found as
+``fit(ckpt_path=...)`` finds it (a LightningModule's ``self.model``); with ``strict`` a mismatch is one
+error listing every missing and unexpected name and every shape that differs, raised before anything is
+written.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_zero.checkpoint.dcp import DcpSource, is_dcp
+from lightning_zero.checkpoint.dcp import DcpSource
+from lightning_zero.checkpoint.dcp_files import is_dcp
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.unit_index import UnitIndex
 
@@ -36,7 +39,8 @@ from lightning_zero.sharding.unit_index import UnitIndex
 class _Source:
     """Names, shapes and flat element ranges of the tensors of a state dict, file or directory."""
 
-    def __init__(self, source: Mapping[str, Tensor] | str | os.PathLike) -> None:
+    def __init__(self, source: Mapping[str, Tensor] | str | os.PathLike, names: list[str]) -> None:
+        """``names``: the module's (prefixed) names, to find a DCP checkpoint's model by."""
         self.tensors: dict[str, Tensor] = {}
         self.files: dict[str, Path] = {}  # name -> safetensors file
         self.saved: dict[str, str] = {}  # name -> key in a DCP checkpoint
@@ -44,9 +48,9 @@ class _Source:
             self.tensors = dict(source)
             return
         path = Path(source)
-        if is_dcp(path):  # its model: the largest section of tensors, without optimizer state (dcp.py)
+        if is_dcp(path):  # its model and the prefix, found as fit(ckpt_path=...) finds them (dcp.py)
             self.dcp = DcpSource(path)
-            self.saved = self.dcp.model_section([])[0]
+            self.saved = self.dcp.model_section(names)[0]
             return
         if path.is_dir():
             index = path / "model.safetensors.index.json"
@@ -111,8 +115,8 @@ def load_pretrained(
     """Loads ``source`` into ``module``'s parameters and persistent buffers (see the module docstring).
 
     Call it on every rank (under stage 3 it is part of the collective construction or set-up)."""
-    reader = _Source(source)
     entries = module.state_dict(keep_vars=True)
+    reader = _Source(source, [prefix + k for k in entries])
     names_of: dict[int, list[str]] = {}
     for key, value in entries.items():
         names_of.setdefault(id(value), []).append(key)

@@ -8,13 +8,14 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from lightning_zero.checkpoint.format import CheckpointError, fsync_dir
+from lightning_zero.checkpoint.format import CheckpointError, check_not_a_link, fsync_dir
 
 OURS = ".lightning_zero_export"  # marks a hidden directory as one an export of ours created
 
 
 def check_new_directory(out_dir: Path) -> None:
     """One line, before any work, if ``out_dir`` cannot be created as a new directory."""
+    check_not_a_link(out_dir)
     if out_dir.exists():
         raise CheckpointError(f"{out_dir}: exists (nothing is overwritten: remove it or choose another name)")
     if not out_dir.parent.is_dir():

@@ -4,19 +4,24 @@ Lightning's checkpoints hold no generator state, so after a resume dropout draws
 uninterrupted run did. Each rank's states (torch's CPU and current CUDA generator, Python's ``random``,
 NumPy's legacy global one) are gathered into Lightning's state in the checkpoint (about 8 KB a rank) and
 set again as the first training batch of a run resumed on as many ranks starts (front/trainer_checkpoints.py,
-[Note: generators across a resume]). On another world size there is no rank-to-rank map: the states are
-not restored and the run goes on from the seeded ones.
+[Note: generators across a resume]); where validation followed the save, the states it left are written
+beside the shards afterwards (``AFTER_VALIDATION``) and taken instead. On another world size there is no
+rank-to-rank map: the states are not restored and the run goes on from the seeded ones.
 """
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from lightning_zero.checkpoint.format import AFTER_VALIDATION, CheckpointError, is_checkpoint, write_atomically
+
 KEY = "lightning_zero_rng"
+_STATE_KEYS = {"torch", "cuda", "python", "numpy"}
 
 
 def capture() -> dict[str, Any]:
@@ -42,16 +47,25 @@ def restore(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
-def snapshot() -> tuple:
-    """torch's CPU and CUDA generators and Python's, as they are, for putting back in this process: taken
-    every training step, so NumPy's (about 40-80 us to copy, 10x the rest) is left out."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, random.getstate()
+def write_after_validation(directory: Path, record: dict[str, Any]) -> None:
+    """Writes ``record`` (every rank's states, as ``KEY`` holds them) into the complete checkpoint ``directory``, if
+    it is still there (a top-k removal may have taken it), with one atomic write."""
+    if directory.is_symlink() or not is_checkpoint(directory):
+        return
+    write_atomically(directory / AFTER_VALIDATION, lambda f: torch.save(record, f))
 
 
-def put_back(state: tuple) -> None:
-    cpu, cuda, python = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda)
-    random.setstate(python)
+def read_after_validation(directory: Path) -> dict[str, Any] | None:
+    """The states written into ``directory`` after the validation that followed its save, or None."""
+    path = directory / AFTER_VALIDATION
+    if not directory.is_dir() or not path.is_file():
+        return None
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+        valid = isinstance(record["world_size"], int) and len(record["states"]) == record["world_size"]
+        valid = valid and all(set(state) == _STATE_KEYS for state in record["states"])
+    except Exception as error:  # noqa: BLE001 - truncated, not a torch file, not our record
+        raise CheckpointError(f"{path}: not a record of random generator states ({error})") from None
+    if not valid:
+        raise CheckpointError(f"{path}: not a record of random generator states")
+    return record

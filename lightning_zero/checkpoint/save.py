@@ -13,7 +13,8 @@ behind and earlier checkpoints untouched:
 3. rank 0 writes Lightning's state, the metadata and ``COMPLETE``, then publishes: the partial
    directory is renamed to the name, or, over an existing checkpoint of that name, exchanged with it
    in one ``renameat2(RENAME_EXCHANGE)`` so that at every instant the name holds either the old or the
-   new checkpoint; the old one (now under the hidden name) is then deleted.
+   new checkpoint; the old one (now under the hidden name) is then deleted: the files a save wrote, nothing
+   else (directory.py's [Note: what a deletion removes]).
 A process killed at any point leaves at most a hidden directory, which nothing loads: the next save of
 that name removes a partial one, the next save into that directory an old one moved aside. Removing a
 checkpoint (ModelCheckpoint's top-k) first renames it to a hidden name, so a half-deleted checkpoint is
@@ -40,6 +41,7 @@ from torch.nn import Module
 from lightning_zero.checkpoint import hugging_face
 from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.consolidate import write_consolidated
+from lightning_zero.checkpoint.directory import OURS, delete, point_links_away, remove_ours
 from lightning_zero.checkpoint.format import (
     AVERAGED,
     AVERAGED_IN_SHARDS,
@@ -65,7 +67,6 @@ from lightning_zero.sharding.averaging import WeightAverage
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
-OURS = ".lightning_zero_partial"  # marks a hidden directory as one a save of ours created
 PAUSE_ENV = "LIGHTNING_ZERO_TEST_PAUSE"  # tests: "<phase>@<n>:<marker file>" stops the n-th save there
 _phases_reached: dict[str, int] = {}
 
@@ -110,39 +111,16 @@ def _agree(problem: str | None, path: Path, rank: int, group=None) -> None:
         raise CheckpointError(f"cannot save checkpoint {path}: {problems[0]}")
 
 
-def _delete(directory: Path) -> None:
-    """Deletes a hidden directory of ours, marking it first: a deletion killed half-way (COMPLETE and the
-    metadata may be gone already) leaves a directory still recognised as ours. Best effort."""
-    if directory.is_symlink():  # a link that stood in the checkpoint's place (save_last="link")
-        directory.unlink(missing_ok=True)
-        return
-    try:
-        (directory / OURS).touch()
-        shutil.rmtree(directory)
-    except OSError as error:
-        warnings.warn(f"lightning_zero: could not delete {directory}: {error.strerror or error}", stacklevel=2)
-
-
-def _remove_ours(directory: Path) -> None:
-    """Deletes a hidden directory a save of ours left: marked, a complete checkpoint moved aside, an empty
-    directory (killed before its mark) or a link; anything else stays."""
-    ours = directory.is_symlink() or (
-        directory.is_dir() and ((directory / OURS).exists() or is_checkpoint(directory) or not any(directory.iterdir()))
-    )
-    if ours:
-        _delete(directory)
-
-
 def _sweep(directory: Path) -> None:
-    """Old checkpoints a killed save or removal had moved aside (``.<name>.replaced|removing``): deleted,
-    except one whose name is empty because the kill fell between the two renames of a replacement: that
-    one is put back."""
+    """Old checkpoints a killed save or removal had moved aside (``.<name>.replaced|removing``): deleted (what is
+    ours: directory.py's [Note: what a deletion removes]), except one whose name is empty because the kill fell
+    between the two renames of a replacement: that one is put back."""
     for hidden in directory.glob(".*.re*"):
         name, _, suffix = hidden.name[1:].rpartition(".")
         if suffix == "replaced" and not (directory / name).exists() and is_checkpoint(hidden):
             os.replace(hidden, directory / name)
         elif suffix in ("replaced", "removing"):
-            _remove_ours(hidden)
+            remove_ours(hidden, directory / name)
 
 
 def _prepare(path: Path, partial: Path) -> None:
@@ -155,7 +133,7 @@ def _prepare(path: Path, partial: Path) -> None:
             " (choose another name, or remove it yourself)"
         )
     if partial.exists() or partial.is_symlink():
-        _remove_ours(partial)  # left by a save that was killed
+        remove_ours(partial, path)  # left by a save that was killed
         if partial.exists() or partial.is_symlink():
             raise CheckpointError(f"{partial}: exists and was not made by lightning_zero; nothing was overwritten")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,10 +167,10 @@ def _publish(partial: Path, path: Path) -> None:
     if _exchange(partial, path):
         _pause("exchanged")
         fsync_dir(path.parent)
-        _delete(partial)  # the old checkpoint, now under the hidden name
+        delete(partial, path)  # the old checkpoint, now under the hidden name
         return
     aside = path.parent / f".{path.name}.replaced"
-    _remove_ours(aside)
+    remove_ours(aside, path)
     os.replace(path, aside)
     try:
         os.replace(partial, path)
@@ -200,7 +178,7 @@ def _publish(partial: Path, path: Path) -> None:
         os.replace(aside, path)  # the old checkpoint goes back under its name
         raise
     fsync_dir(path.parent)
-    _delete(aside)
+    delete(aside, path)
 
 
 def save(
@@ -390,8 +368,10 @@ def _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_o
 
 
 def remove(path: str | os.PathLike, *, rank: int) -> None:
-    """Removes a checkpoint of ours (rank 0): renamed to a hidden name first, so a half-deleted one is never
-    visible; anything that is not a lightning_zero checkpoint is left alone."""
+    """Removes a checkpoint of ours (rank 0): the links that name it (last.ckpt) first name the newest other
+    complete checkpoint, then it is renamed to a hidden name, so a half-deleted one is never visible, and its
+    files are deleted (directory.py's [Note: what a deletion removes]); anything that is not a lightning_zero
+    checkpoint is left alone."""
     path = Path(path)
     if rank != 0 or not (is_checkpoint(path) or path.is_symlink()):
         return
@@ -400,11 +380,12 @@ def remove(path: str | os.PathLike, *, rank: int) -> None:
         return
     hidden = path.parent / f".{path.name}.removing"
     try:
-        _remove_ours(hidden)
+        point_links_away(path)
+        remove_ours(hidden, path)
         os.replace(path, hidden)
         fsync_dir(path.parent)
     except OSError as error:  # rank 0 alone is here: a failure must not stop it while the others go on
         warnings.warn(f"lightning_zero: could not remove checkpoint {path}: {error.strerror or error}", stacklevel=2)
         return
     _pause("removing")
-    _delete(hidden)
+    delete(hidden, path)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.format import Metadata, load_torch_file, rank_file
+from lightning_zero.checkpoint.format import CheckpointError, Metadata, load_torch_file, rank_file
 from lightning_zero.sharding.layout import FlatLayout, layout_from_buckets
 
 
@@ -63,9 +63,28 @@ class ShardReader:
             a, b = max(lo, slo), min(hi, shi)
             if a >= b:
                 continue
+            source = self._partition(rank, unit, name, key, averaged)
+            out[a - lo : b - lo].copy_(source[offset + a - slo : offset + b - slo])
+
+    def _partition(self, rank: int, unit: int, name: str, key: str | None, averaged: bool) -> Tensor:
+        """Saved rank ``rank``'s partition of ``unit`` (its master, state ``key`` or average), which holds a piece of
+        ``name``, checked to have the size the metadata's layout gives it: a file that does not belong with the
+        metadata is named, with the parameter, instead of failing in a copy (or being read at wrong offsets)."""
+        path = self.directory / rank_file(rank)
+        what = "weight average" if averaged else "master" if key is None else f"optimizer state {key!r}"
+        try:
             saved = self.rank_data(rank)["units"][unit]
             source = saved["averaged"] if averaged else saved["master"] if key is None else saved["state"][key]
-            out[a - lo : b - lo].copy_(source[offset + a - slo : offset + b - slo])
+        except (KeyError, IndexError, TypeError):
+            raise CheckpointError(f"{path}: holds no {what} of unit {unit} ({name}'s), as the metadata says") from None
+        expected = self.layouts[unit].partition_numel
+        if not torch.is_tensor(source) or source.dim() != 1 or source.numel() != expected:
+            found = list(source.shape) if torch.is_tensor(source) else type(source).__name__
+            raise CheckpointError(
+                f"{path}: the {what} of unit {unit} ({name}'s) is {found}; the metadata's shapes give rank {rank}"
+                f" [{expected}] (the file and the metadata are not of one checkpoint)"
+            )
+        return source
 
     def full(self, name: str, dtype: torch.dtype | None = None, *, averaged: bool = False) -> Tensor:
         """The whole parameter ``name`` (or its weight average) in its saved shape (fp32 unless ``dtype``)."""

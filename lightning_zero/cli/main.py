@@ -10,7 +10,7 @@
   for ``load_from_checkpoint``) or a plain state dict (``.pt``, ``.safetensors``) (``--trust-pickles``: only
   for a checkpoint you trust, whose Lightning state safe loading refuses); with ``--hf`` a Hugging Face
   directory, with ``--dcp`` a torch.distributed.checkpoint directory for FSDP2.
-- ``convert-deepspeed DS_DIR OUT.ckpt --trust-pickles``: a DeepSpeed ZeRO checkpoint as a plain Lightning
+- ``convert-deepspeed DS_DIR OUT.ckpt``: a DeepSpeed ZeRO checkpoint as a plain Lightning
   checkpoint file, to resume from under any stage (migration in).
 
 Bad input (a config value, an argument, a DeepSpeed config, a checkpoint) is answered with one line,
@@ -44,6 +44,7 @@ from lightning_zero.checkpoint.format import (
     CheckpointError,
     UnsafePickleError,
     check_files,
+    check_not_a_link,
     read_metadata,
     unsafe_pickle_error,
 )
@@ -185,6 +186,7 @@ def _checkpoint_command(
         parser.add_argument(f"--{name.replace('_', '-')}", default="", help=help_text)
     parsed = parser.parse_args(args)
     try:
+        check_not_a_link(Path(parsed.output))  # (before any work: what writes the output refuses a link too)
         switches = {name: getattr(parsed, name) for name in [*(flags or {}), *(options or {})]}
         print(run(parsed.source, parsed.output, parsed.trust_pickles, **switches))
     except CheckpointError as error:
@@ -240,8 +242,9 @@ def convert_deepspeed_main(args: list[str]) -> None:
         " loops and schedulers when DeepSpeedStrategy saved them.",
         source="DeepSpeed's save directory (with 'latest') or one tag directory in it",
         output="the checkpoint file to write, e.g. converted.ckpt",
-        trust="load DeepSpeed's files, which are pickles holding DeepSpeed's classes: unpickling can run any"
-        " code, so only for a checkpoint you trust",
+        trust="unpickle DeepSpeed's files without restrictions, for one that safe loading refuses (it allows"
+        " tensors, containers and DeepSpeed's own classes; the error names what it refused). Unpickling can run"
+        " any code: only for a checkpoint you trust.",
         run=lambda source, output, trust: convert_deepspeed(source, output, trust_pickles=trust),
     )
 

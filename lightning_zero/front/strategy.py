@@ -236,6 +236,8 @@ class ZeroStrategy(DDPStrategy):
         super().on_validation_start()
         trainer = self.lightning_module.trainer
         end_on_signal_outside_training(trainer)  # see resilience/preemption.py
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.checkpoints.fit_validation_starts()  # see [Note: generators across a resume]
         if (
             trainer.state.fn == TrainerFn.FITTING
             and not trainer.sanity_checking
@@ -250,7 +252,7 @@ class ZeroStrategy(DDPStrategy):
         super().on_validation_end()
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
-            self.checkpoints.fit_validation_ended()  # see [Note: generators across a resume]
+            self.checkpoints.fit_validation_ended(self.engine, self.world_size)  # [Note: generators across a resume]
 
     def on_test_start(self) -> None:
         super().on_test_start()
@@ -294,6 +296,13 @@ class ZeroStrategy(DDPStrategy):
         its error. Collective only in what the save itself still has to agree on."""
         if self.engine is not None:
             self.engine.finish_saves()
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's, after rank 0 keeps links to a checkpoint still being written in the background on a complete
+        one (trainer_checkpoints.py's [Note: last.ckpt while a save is written in the background])."""
+        if self.engine is not None and self.engine.background is not None:
+            self.checkpoints.hold_links(self.engine)
+        super().barrier(*args, **kwargs)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's top-k: hidden first, then deleted, so a half-removed one is never visible; after the

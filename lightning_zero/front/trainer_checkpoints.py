@@ -4,44 +4,77 @@
 
 [Note: generators across a resume]
 Besides the shards, a save records every rank's random generators (checkpoint/rng.py). A run resumed on as
-many ranks sets them again as its first training batch starts. What runs between a training batch and the
-next one in the uninterrupted run but not in the resumed one is validation (ModelCheckpoint saves before
-it), and validation draws: a plain validation loader's iterator takes its base seed from torch's generator.
-So while fitting, torch's (CPU and CUDA) and Python's generators as the last training step left them are
-put back when validation ends: validation never moves training's random stream, and the two runs draw the
-same dropout masks. (NumPy's global generator is saved and resumed but not put back after validation: it
-costs 10x the others to copy at every step, and validation rarely draws from it.)
+many ranks sets them again as its first training batch starts. Validation draws from them (a plain
+validation loader's iterator takes its base seed from torch's generator), and under ddp it moves training's
+random stream: so it does here, and a run equals ddp's draw for draw. But a checkpoint saved at the end of a
+training batch (``every_n_train_steps``) is followed by a validation that the resumed run skips
+(Lightning fast-forwards it): the resumed run needs the generators as that validation left them. So the
+checkpoints saved between a training step and the validation after it are remembered, and when that
+validation ends every rank's generators are gathered and rank 0 writes them into each of those checkpoints
+(``rng_after_validation.pt``, one atomic write, after the checkpoint's save has succeeded), which a resume
+takes instead of the states saved in it. A run killed during that validation resumes with the states saved
+before it (its draws then differ from the uninterrupted run's from there; nothing else does).
+
+[Note: last.ckpt while a save is written in the background]
+ModelCheckpoint(save_last="link") links last.ckpt to the checkpoint it has just saved as soon as the save returns;
+a background save returns before its checkpoint is published, so the link would name nothing until then, and a
+run killed in between would find no last checkpoint (Lightning's ``ckpt_path="last"`` takes only links that name
+something, and starts from scratch). So while such a save is in flight, every barrier (Lightning's linking ends
+with one) first has rank 0 point the links to the unpublished checkpoint at the newest complete one beside it (one
+rename: at every instant a link names a checkpoint); once the save has succeeded, the training thread points them
+back at it (``after_saves``), before the checkpoint it replaces as the top-k one is removed (its removal moves the
+links that name it too: checkpoint/save.py's ``remove``). What remains is Lightning's own relinking (unlink, then
+link: microseconds), after which a missing or dangling ``last*.ckpt`` given as the path resumes from the newest
+complete checkpoint beside it (``complete_checkpoint``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import rng
-from lightning_zero.checkpoint.format import latest
+from lightning_zero.checkpoint.directory import links_to, point_link
+from lightning_zero.checkpoint.format import CheckpointError, is_checkpoint, latest
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
-def complete_hpc_checkpoint(path: Any) -> Any:
-    """Lightning's SLURM resume takes the highest N among names containing ``hpc_ckpt_``, hidden ones
-    included: after a save killed mid-way (``.hpc_ckpt_3.ckpt.partial``) it names a checkpoint that does not
-    exist. Then the newest complete ``hpc_ckpt_N.ckpt`` beside it is the one to resume."""
+def complete_checkpoint(path: Any) -> Any:
+    """What to resume when ``path`` names nothing because a save or a link was interrupted: the newest complete
+    checkpoint beside it. Lightning's SLURM resume takes the highest N among names containing ``hpc_ckpt_``, hidden
+    ones included: after a save killed mid-way (``.hpc_ckpt_3.ckpt.partial``) it names one that does not exist
+    (then the newest ``hpc_ckpt_N.ckpt``); a ``last*.ckpt`` link killed while relinked is missing or dangling
+    (see [Note: last.ckpt while a save is written in the background])."""
     path = Path(path)
-    if path.exists() or not re.fullmatch(r"hpc_ckpt_\d+\.ckpt", path.name) or not path.parent.is_dir():
+    hpc = re.fullmatch(r"hpc_ckpt_\d+\.ckpt", path.name)
+    last = re.fullmatch(r"last.*\.ckpt", path.name)
+    if path.exists() or not (hpc or last) or not path.parent.is_dir():
         return path
     newest = latest(path.parent)
-    if newest is None or not newest.name.startswith("hpc_ckpt_"):
+    if newest is None or (hpc and not newest.name.startswith("hpc_ckpt_")):
         return path
-    rank_zero_info(f"{path.name} does not exist (an interrupted save); resuming from {newest}, the newest complete")
+    if hpc:
+        rank_zero_info(f"{path.name} does not exist (an interrupted save); resuming from {newest}, the newest complete")
+    else:
+        rank_zero_warn(f"{path} names no checkpoint (an interrupted link); resuming from {newest}, the newest complete")
     return newest
+
+
+def _write_after_validation(paths: list[Path], record: dict[str, Any]) -> None:
+    """Rank 0, in the training thread: never raises (a checkpoint without the file resumes as before)."""
+    for path in paths:
+        try:
+            rng.write_after_validation(path, record)
+        except (OSError, CheckpointError) as error:
+            rank_zero_warn(f"lightning_zero: {path}: the generators after validation were not recorded: {error}")
 
 
 def zero_optimizers(optimizers: list) -> list[ZeroOptimizer]:
@@ -55,7 +88,11 @@ class TrainerCheckpoints:
     def __init__(self) -> None:
         self.loaded: checkpoint_io.LoadedCheckpoint | None = None  # between open and load_optimizers
         self.pending_rng: dict[str, Any] | None = None  # resumed: set as the first training batch starts
-        self.rng_after_step: tuple | None = None  # fitting: the generators as the last training step left them
+        self.before_validation: list[Path] = []  # saved since the last training step, before any validation
+        self.step_ended = False  # fitting: a training step ended and no training batch started since
+        self.validating = False  # a validation while fitting
+        self.writing: Path | None = None  # rank 0: the checkpoint a background save is writing
+        self.held: list[Path] = []  # the links to it that name another until it is published (see the Note)
 
     def save(
         self,
@@ -74,6 +111,40 @@ class TrainerCheckpoints:
         states = collectives.gather_object(mine) if world_size > 1 else [mine]
         checkpoint = {**checkpoint, rng.KEY: {"world_size": world_size, "states": states}}
         engine.save(checkpoint, path, module=module, optimizers=zero_optimizers(optimizers))
+        if self.step_ended and not self.validating:  # a validation may follow (see the Note)
+            self.before_validation.append(Path(path))
+        if engine.rank == 0 and engine.background is not None and engine.background.in_flight:
+            self.writing, self.held = Path(path), []
+            engine.after_saves(self._links_back)
+
+    def hold_links(self, engine: ZeroEngine) -> None:
+        """Links to the checkpoint a background save is writing name the newest complete one until it is published
+        (rank 0; see [Note: last.ckpt while a save is written in the background]). Never raises: a failure is a
+        warning (the other ranks are on their way to a barrier)."""
+        writing = self.writing
+        if writing is None or not engine.background.in_flight or is_checkpoint(writing):
+            return
+        newest = None
+        try:
+            links = links_to(writing)  # (one held already may have been linked to it again: held again)
+            newest = latest(writing.parent) if links else None
+            for link in links if newest is not None else ():
+                point_link(link, newest)
+                if link not in self.held:
+                    self.held.append(link)
+        except OSError as error:
+            rank_zero_warn(f"lightning_zero: could not point the links to {writing} at {newest}: {error}")
+
+    def _links_back(self) -> None:
+        """After the save succeeded: the links held away from its checkpoint name it again."""
+        writing, held = self.writing, self.held
+        self.writing, self.held = None, []
+        try:
+            for link in held:
+                if link.is_symlink():
+                    point_link(link, writing)
+        except OSError as error:
+            rank_zero_warn(f"lightning_zero: could not point the links {held} back at {writing}: {error}")
 
     def open(
         self, path: Any, *, rank: int, world_size: int, module: Module, optimizers: list, fitting: bool, trusted: bool
@@ -81,8 +152,9 @@ class TrainerCheckpoints:
         """Checks a sharded checkpoint directory (any world size and stage) on every rank, or reads a plain
         Lightning checkpoint file (ddp's or one device's) or a torch.distributed.checkpoint directory (FSDP2's,
         torchtitan's); returns Lightning's part of it."""
+        path = complete_checkpoint(path)
         self.loaded = checkpoint_io.open_checkpoint(
-            complete_hpc_checkpoint(path),
+            path,
             rank=rank,
             world_size=world_size,
             optimizer_names=[o.param_names() for o in zero_optimizers(optimizers)],
@@ -91,6 +163,8 @@ class TrainerCheckpoints:
         )
         lightning = self.loaded.lightning
         saved = lightning.pop(rng.KEY, None)
+        if fitting and saved is not None:  # (a directory of ours: see the Note)
+            saved = rng.read_after_validation(Path(path)) or saved
         self.pending_rng = None
         if not fitting:
             pass  # validate/test/predict from a checkpoint: the generators are the run's own
@@ -107,13 +181,25 @@ class TrainerCheckpoints:
         if self.pending_rng is not None:
             rng.restore(self.pending_rng)
             self.pending_rng = None
+        self.step_ended, self.before_validation = False, []
 
     def training_step_ended(self) -> None:
-        self.rng_after_step = rng.snapshot()
+        self.step_ended = True
 
-    def fit_validation_ended(self) -> None:
-        if self.rng_after_step:
-            rng.put_back(self.rng_after_step)
+    def fit_validation_starts(self) -> None:
+        self.validating = True
+
+    def fit_validation_ended(self, engine: ZeroEngine, world_size: int) -> None:
+        """The generators as validation left them go into the checkpoints saved before it (collective; see the
+        Note)."""
+        paths, self.before_validation, self.validating = self.before_validation, [], False
+        if not paths:
+            return
+        mine = rng.capture()
+        states = collectives.gather_object(mine) if world_size > 1 else [mine]
+        if engine.rank == 0:
+            record = {"world_size": world_size, "states": states}
+            engine.after_saves(functools.partial(_write_after_validation, paths, record))
 
     def load_model(self, engine: ZeroEngine, module: Module) -> None:
         """The weights, and a weight average where the checkpoint has one: into the averaging callback's while
@@ -136,4 +222,6 @@ class TrainerCheckpoints:
         self.loaded = None
 
     def clear(self) -> None:
-        self.loaded = self.pending_rng = self.rng_after_step = None
+        self.loaded = self.pending_rng = self.writing = None
+        self.held, self.before_validation = [], []
+        self.step_ended = self.validating = False

@@ -1,5 +1,7 @@
 """Resuming from a checkpoint taken in the middle of an epoch (resumable_loader, the saved random
-generators): bitwise equal to the uninterrupted run at the same world size for stages 1, 2 and 3, and so is
+generators): the uninterrupted run, with dropout and validation (which draws from the same generators),
+equals ddp's; the resumed one is bitwise equal to the uninterrupted run at the same world size for stages 1,
+2 and 3 (the checkpoint saved right before a validation records the generators as it left them), and so is
 resuming again from the epoch-end checkpoint that the resumed run wrote (where Lightning's epoch counter
 lags: see [Note: the iterator starts at the first batch]); on another world size the epoch continues with
 exactly the samples not yet seen."""
@@ -17,6 +19,9 @@ STEPS, CKPT_STEP = 10, 6  # step 6 is half-way through the second epoch (4 steps
 
 
 def _exact_worker(rank: int, world: int, root) -> None:
+    pl.seed_everything(0)
+    ddp = ResumeModule()  # validation draws from the generators that dropout draws from: the same stream here
+    make_trainer("ddp", world, STEPS, val_check_interval=4).fit(ddp)
     for stage in (1, 2, 3):
         pl.seed_everything(0)
         whole = ResumeModule()
@@ -25,6 +30,10 @@ def _exact_worker(rank: int, world: int, root) -> None:
         trainer = make_trainer(stage, world, STEPS, dirpath=root / f"stage{stage}", val_check_interval=4)
         trainer.fit(whole)
         expected = final_state(trainer)
+        assert relative_error(torch.tensor(whole.losses), torch.tensor(ddp.losses)) <= 1e-5, f"stage {stage}"
+        for name, value in ddp.state_dict().items():
+            err = relative_error(expected[name], value)
+            assert err <= 1e-5, f"stage {stage}: {name} differs from ddp's by {err:.2e} (dropout with validation)"
 
         pl.seed_everything(0)  # the resumed run starts from the seed: the checkpoint must restore the rest
         resumed = ResumeModule()

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroConfig, ZeroStrategy, resumable_loader
@@ -58,11 +59,18 @@ class ResumeModule(pl.LightningModule):
         return resumable_loader(self.data, GLOBAL_BATCH // self.trainer.world_size, shuffle=True)
 
 
-def make_trainer(stage: int, world: int, steps: int, *, dirpath=None, callbacks=(), timeout: float = 120, **kwargs):
-    """``dirpath``: a checkpoint every 2 steps (kept) and last.ckpt."""
+def make_trainer(
+    stage: int | str, world: int, steps: int, *, dirpath=None, callbacks=(), timeout: float = 120, **kwargs
+):
+    """``stage``: 1, 2, 3, or "ddp"; ``dirpath``: a checkpoint every 2 steps (kept) and last.ckpt."""
     checkpoints = [ModelCheckpoint(dirpath, every_n_train_steps=2, save_top_k=-1, save_last=True)] if dirpath else []
+    strategy = (
+        DDPStrategy()
+        if stage == "ddp"
+        else ZeroStrategy(ZeroConfig(stage=stage, timeout=timeout, param_persistence_threshold=0))
+    )
     return pl.Trainer(
-        strategy=ZeroStrategy(ZeroConfig(stage=stage, timeout=timeout, param_persistence_threshold=0)),
+        strategy=strategy,
         accelerator="cpu",
         devices=world,
         max_steps=steps,
