@@ -5,7 +5,19 @@ of the model set up by ``fabric.setup`` is a forward (a training one when gradie
 ``fabric.backward`` the backward, ``optimizer.step()`` the step, and
 ``fabric.no_backward_sync(model, enabled=...)`` the micro-batches before a step's last. Forward-only calls
 (under ``torch.no_grad()``) must run as many times on every rank under stage 3 (as under FSDP): Fabric has
-no loop that could tell when a rank ran out of batches. One model per strategy: set up several as one module.
+no loop that could tell when a rank ran out of batches.
+
+[Note: several models]
+Each model set up (``fabric.setup`` or ``fabric.setup_module``: a student and its frozen teacher) gets an engine
+of its own, with its own units and, at stage 3, its own schedule: a model set up without optimizers has no
+optimizer state, and at stage 3 its parameters are sharded and gathered by its schedule alone, whenever it is
+called (inside another model's step too: its gathers follow its own calls, the same on every rank, and touch
+no other engine's bookkeeping). A parameter belongs to one engine: models that share one are set up as one
+module. A backward belongs to the engines whose models ran a training forward since the last backward (a loss
+made through none of them: the engines with optimizers); ``no_backward_sync``, ``clip_gradients``, the step
+and the state dict go to the model's or optimizer's own engine. A checkpoint holds one model, with its own
+optimizers (as Lightning's FSDP and DeepSpeed strategies for Fabric): a checkpoint directory is one model's
+shards, which the Trainer, ``consolidate`` and ``load_pretrained`` read as that model.
 
 Checkpoints are the Trainer's format (checkpoint/format.py): ``fabric.save(path, {"model": model,
 "optimizer": optimizer, "step": 3})`` writes each rank's shards and the other entries into ``lightning.pt``,
@@ -15,7 +27,7 @@ reads a checkpoint of either, at any world size and stage, and returns what it d
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -36,7 +48,7 @@ from lightning_zero.checkpoint.hugging_face import HUGGING_FACE
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.front.precision import ZeroPrecision, as_zero_precision, check_skip_on_device, stage3_param_dtype
-from lightning_zero.front.prepare import config_for, place_module
+from lightning_zero.front.prepare import check_not_shared, config_for, construction_of, place_module
 from lightning_zero.resilience.elastic import start_process_group
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.stage3_setup import ShardedModule
@@ -55,12 +67,14 @@ INTERNAL_KEYS = (
 
 
 class ZeroModule(Module):
-    """The module ``fabric.setup`` returns (inside Fabric's wrapper): each call is a forward the engine knows of."""
+    """The module ``fabric.setup`` returns (inside Fabric's wrapper): each call is a forward its engine knows of;
+    a training one is reported to ``trains(engine)`` (the strategy's: that engine's step has begun)."""
 
-    def __init__(self, module: Module, engine: ZeroEngine) -> None:
+    def __init__(self, module: Module, engine: ZeroEngine, trains: Callable[[ZeroEngine], None]) -> None:
         super().__init__()
         self.module = module
         self.engine = [engine]  # (in a list: not a submodule)
+        self.trains = trains
         self.calls = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -71,17 +85,16 @@ class ZeroModule(Module):
             return engine.forward_only(self.module, *args, checked_as=where, **kwargs)
         engine.check_collectives(where)
         engine.begin_training_forward()
+        self.trains(engine)
         output = self.module(*args, **kwargs)
         engine.end_training_forward()
         return output
 
 
 class _NoSync(_BackwardSyncControl):
-    def __init__(self, strategy: ZeroFabricStrategy) -> None:
-        self.strategy = strategy
-
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return self.strategy.engine.no_sync() if enabled else nullcontext()
+        """``module``: the ``ZeroModule`` (Fabric passes what ``setup`` returned), whose engine skips its sync."""
+        return module.engine[0].no_sync() if enabled else nullcontext()
 
 
 def _zero(optimizer: Any) -> ZeroOptimizer:
@@ -118,10 +131,13 @@ class ZeroFabricStrategy(DDPStrategy):
             timeout=timedelta(seconds=self.config.timeout),
             start_method=start_method,
         )
-        self._backward_sync_control = _NoSync(self)
+        self._backward_sync_control = _NoSync()
         self.topology = Topology(shard_rank=0, shard_size=1)
-        self.engine: ZeroEngine | None = None
-        self._construction: ShardedConstruction | None = None  # stage 3, from fabric.init_module to set-up
+        self.engine: ZeroEngine | None = None  # the first model's (see [Note: several models])
+        self.engines: list[ZeroEngine] = []  # one per set-up, in order (a failed one's too: torn down at the end)
+        self.models: list[ZeroModule] = []  # the models set up, each with its engine
+        self._training: list[ZeroEngine] = []  # engines whose model ran a training forward since the last backward
+        self._constructions: list[ShardedConstruction] = []  # stage 3: init_module's, until their models are set up
         self._steps = 0  # optimizer steps taken (for messages)
         self._observing = ExitStack()  # from set-up to teardown: with config.check_collectives, the collective log
 
@@ -149,7 +165,10 @@ class ZeroFabricStrategy(DDPStrategy):
         if self.precision.device is None:
             self.precision.device = self.root_device.type
         self.topology = topology_for(self.topology, self.config, self.global_rank, self.world_size, self.num_processes)
-        self.engine = ZeroEngine(self.config, self.topology, self.root_device, rank=self.global_rank)
+        self.engine = self._new_engine()
+
+    def _new_engine(self) -> ZeroEngine:
+        return ZeroEngine(self.config, self.topology, self.root_device, rank=self.global_rank)
 
     # --- set-up ------------------------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -160,50 +179,77 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @contextmanager
     def _constructing(self) -> Generator[None, None, None]:
-        self._construction = self.engine.construction()
+        construction = self.engine.construction()  # (made of the engines' topology and device: any engine's)
+        self._constructions.append(construction)
         with ExitStack() as stack:
             stack.enter_context(self.root_device)
-            stack.enter_context(self._construction)
+            stack.enter_context(construction)
             yield
 
     def module_to_device(self, module: Module) -> None:
+        check_not_shared(module, [model.module for model in self.models])  # (before .to() reads a sharded one)
         on_meta = any(p.is_meta for p in module.parameters())  # (materialized at set-up)
-        if ShardedModule.of(module) is None and self._construction is None and not on_meta:
+        constructed = construction_of(module, self._constructions) is not None
+        if ShardedModule.of(module) is None and not constructed and not on_meta:
             module.to(self.root_device)
 
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None):
-        module = self._prepare(module, training=True, optimizers=optimizers)
-        zero = self.engine.wrap(module, optimizers)
+        module, engine = self._prepare(module, training=True, optimizers=optimizers)
+        zero = engine.wrap(module, optimizers)
         if self.precision.skip_on_device:
             check_skip_on_device(zero, self.config.fused_step)
-        return ZeroModule(module, self.engine), zero, scheduler
+        return self._set_up(module, engine), zero, scheduler
 
     def setup_module(self, module: Module) -> Module:
-        """A module set up without optimizers: evaluated (stage 3: sharded for it)."""
-        return ZeroModule(self._prepare(module, training=False, optimizers=[]), self.engine)
+        """A module set up without optimizers: evaluated, or a frozen teacher (stage 3: sharded for it)."""
+        return self._set_up(*self._prepare(module, training=False, optimizers=[]))
 
-    def _prepare(self, module: Module, *, training: bool, optimizers: list[Optimizer]) -> Module:
-        if self.engine.module is not None:
-            raise RuntimeError(
-                "a ZeRO Fabric strategy sets up one model (its engine shards it and steps its optimizers); got a"
-                " second fabric.setup: put the models in one nn.Module and set that up once"
-            )
-        self.engine.record_collectives(self._observing)
-        construction, self._construction = self._construction, None
+    def _prepare(self, module: Module, *, training: bool, optimizers: list[Optimizer]) -> tuple[Module, ZeroEngine]:
+        """``module`` placed (stage 3: sharded) by an engine of its own (see [Note: several models])."""
+        check_not_shared(module, [model.module for model in self.models])
+        engine = self._new_engine() if self.engines else self.engine
+        self.engines.append(engine)
+        engine.record_collectives(self._observing)
+        construction = construction_of(module, self._constructions)
         stage, device = self.config.stage, self.root_device
         module, construction = place_module(
             module, self.precision, stage=stage, device=device, construction=construction
         )
         if stage == 3:
             dtype = stage3_param_dtype(self.precision, self.config.gather_dtype)
-            self.engine.shard(module, training=training, dtype=dtype, construction=construction, optimizers=optimizers)
-        return module
+            engine.shard(module, training=training, dtype=dtype, construction=construction, optimizers=optimizers)
+        self._constructions = [c for c in self._constructions if c.managed]  # (what still builds another model)
+        return module, engine
+
+    def _set_up(self, module: Module, engine: ZeroEngine) -> ZeroModule:
+        model = ZeroModule(module, engine, self._trains)
+        self.models.append(model)
+        return model
+
+    def _trains(self, engine: ZeroEngine) -> None:
+        if engine not in self._training:
+            self._training.append(engine)
+
+    def _model_of(self, module: Module) -> ZeroModule:
+        """A model set up here, given as Fabric's wrapper, ours, or the module itself."""
+        module = getattr(module, "_forward_module", module)  # (Fabric's wrapper)
+        found = [model for model in self.models if module is model or module is model.module]
+        if not found:
+            raise ValueError(f"this {type(module).__name__} was not set up by fabric.setup under this strategy")
+        return found[0]
 
     # --- steps -------------------------------------------------------------------------------------
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        self.engine.before_backward(tensor)
-        self.precision.scale_loss(tensor, self.engine.optimizers).backward(*args, **kwargs)
-        self.engine.after_backward()
+        """The backward of the engines whose models ran a training forward since the last backward (for a loss
+        made through none: of those with optimizers; see [Note: several models])."""
+        engines = self._training or [engine for engine in self.engines if engine.optimizers]
+        self._training = []
+        for engine in engines:
+            engine.before_backward(tensor)
+        optimizers = [optimizer for engine in engines for optimizer in engine.optimizers]
+        self.precision.scale_loss(tensor, optimizers).backward(*args, **kwargs)
+        for engine in engines:
+            engine.after_backward()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self._steps += 1
@@ -234,7 +280,8 @@ class ZeroFabricStrategy(DDPStrategy):
     # --- checkpoints -------------------------------------------------------------------------------
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         """The whole state dict on every rank (fp32 masters where training is mixed). Collective."""
-        return self.engine.full_state_dict(module)
+        model = self._model_of(module)
+        return model.engine[0].full_state_dict(model.module)
 
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: dict | None = None
@@ -242,15 +289,15 @@ class ZeroFabricStrategy(DDPStrategy):
         """Writes ``state`` as a sharded checkpoint directory (collective: every rank calls it)."""
         if storage_options is not None or filter:
             raise TypeError("the ZeRO strategies save sharded checkpoints: storage_options and filter are not taken")
-        module, optimizers = self._stateful(state)
+        engine, module, optimizers = self._stateful(state)
         other = {k: v for k, v in state.items() if not isinstance(v, (Module, Optimizer))}
         checkpoint = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in other.items()}
         checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # what a Trainer resuming it reads
         if optimizers:  # (their state itself is in the shards; no scheduler state: a Fabric program keeps its own)
             checkpoint.update(optimizer_states=[{} for _ in optimizers], lr_schedulers=[])
-        if self.precision.state_dict():
-            checkpoint[ZeroPrecision.__qualname__] = self.precision.state_dict()
-        self.engine.save(checkpoint, path, module=module, optimizers=optimizers)
+        if optimizers and self.precision.state_dict():  # the loss scale: the optimizers' (another model's load
+            checkpoint[ZeroPrecision.__qualname__] = self.precision.state_dict()  # must not set it)
+        engine.save(checkpoint, path, module=module, optimizers=optimizers)
 
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
@@ -258,14 +305,16 @@ class ZeroFabricStrategy(DDPStrategy):
         """Restores the model, optimizers and stateful objects in ``state`` from a sharded checkpoint (the
         Trainer's or Fabric's, any world size and stage); returns the other entries. Collective."""
         state = state if isinstance(state, dict) else {"model": state} if isinstance(state, Module) else {}
-        module, optimizers = self._stateful(state)
-        self.engine.finish_saves()  # (one of ours may still be finishing in the background)
+        engine, module, optimizers = self._stateful(state)
+        for any_engine in self.engines:  # (a save of ours may still be finishing in the background)
+            any_engine.finish_saves()
+        named = module if module is not None else next((m.module for m in self.models if m.engine[0] is engine), None)
         loaded = checkpoint_io.open_checkpoint(
             path,
             rank=self.global_rank,
             world_size=self.world_size,
             optimizer_names=[o.param_names() for o in optimizers],
-            model_names=list(self.engine.module.state_dict(keep_vars=True)),
+            model_names=list(named.state_dict(keep_vars=True)) if named is not None else None,
             weights_only=weights_only is not False,
         )
         saved = dict(loaded.lightning)
@@ -276,10 +325,11 @@ class ZeroFabricStrategy(DDPStrategy):
         if strict and missing:
             raise KeyError(f"{path}: the checkpoint has no {missing}; it has {sorted(saved)}")
         if module is not None:
-            checkpoint_io.load_model(loaded, module, self.engine.units, group=self.topology.shard_group)
+            checkpoint_io.load_model(loaded, module, engine.units, group=self.topology.shard_group)
         for index, optimizer in enumerate(optimizers[: len(loaded.meta.optimizers)]):
             checkpoint_io.load_optimizer(loaded, index, optimizer)
-        self.precision.load_state_dict(saved.get(ZeroPrecision.__qualname__, {}))
+        if optimizers:
+            self.precision.load_state_dict(saved.get(ZeroPrecision.__qualname__, {}))
         for key in other:  # as Fabric's own load: stateful objects load theirs, plain values are replaced
             if key in saved and isinstance(state[key], _Stateful):
                 state[key].load_state_dict(saved.pop(key))
@@ -287,17 +337,34 @@ class ZeroFabricStrategy(DDPStrategy):
                 state[key] = saved.pop(key)
         return {k: v for k, v in saved.items() if k not in INTERNAL_KEYS and not k.startswith("averaged")}
 
-    def _stateful(self, state: dict[str, Any]) -> tuple[Module | None, list[ZeroOptimizer]]:
-        modules = [v.module if isinstance(v, ZeroModule) else v for v in state.values() if isinstance(v, Module)]
-        if len(modules) > 1 or (modules and modules[0] is not self.engine.module):
-            raise ValueError("a ZeRO checkpoint holds the one module set up by fabric.setup; got other modules")
-        return (modules[0] if modules else None), [_zero(v) for v in state.values() if isinstance(v, Optimizer)]
+    def _stateful(self, state: dict[str, Any]) -> tuple[ZeroEngine, Module | None, list[ZeroOptimizer]]:
+        """The engine a checkpoint's ``state`` is of, its model (if in it) and optimizers: one model's, with its
+        own optimizers (see [Note: several models]); raised on every rank alike, before anything is written."""
+        models = {k: self._model_of(v) for k, v in state.items() if isinstance(v, Module)}
+        if len(models) > 1:
+            raise ValueError(
+                f"a ZeRO checkpoint holds one model, got {len(models)} ({', '.join(models)}): save each model with"
+                " its own optimizers to a path of its own (fabric.save(path / 'student', {'model': student,"
+                " 'optimizer': optimizer}); fabric.save(path / 'teacher', {'model': teacher})), and load each so"
+            )
+        optimizers = {k: _zero(v) for k, v in state.items() if isinstance(v, Optimizer)}
+        owners = [model.engine[0] for model in models.values()]
+        owners += [next((e for e in self.engines if o in e.optimizers), None) for o in optimizers.values()]
+        if any(owner is None or owner is not owners[0] for owner in owners):
+            raise ValueError(
+                f"a ZeRO checkpoint holds one model with its own optimizers; {[*models, *optimizers]} are not all"
+                " of one model set up here"
+            )
+        engine = owners[0] if owners else self.engine
+        return engine, next((model.module for model in models.values()), None), list(optimizers.values())
 
     def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.teardown()
-        self._observing.close()
-        super().teardown()
+        """Every engine's (each released, whatever another raised), then Fabric's."""
+        with ExitStack() as releasing:
+            releasing.callback(super().teardown)
+            releasing.callback(self._observing.close)
+            for engine in [self.engine, *self.engines[1:]] if self.engine is not None else []:  # (engines[0]: engine)
+                releasing.callback(engine.teardown)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

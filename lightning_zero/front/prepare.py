@@ -4,6 +4,7 @@ places it, and makes every rank start from rank 0's values (the engine then shar
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -70,3 +71,28 @@ def place_module(
         skip = [n for n, p in module.named_parameters() if construction is not None and construction.owns(p)]
         torch_sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, 0, skip)
     return module, construction
+
+
+def check_not_shared(module: Module, set_up: Sequence[Module]) -> None:
+    """Each model set up has an engine of its own, which shards and steps its parameters (see [Note: several
+    models] in fabric.py): a parameter of a model set up before (tied weights, a submodule, the same model again)
+    would be sharded and stepped twice, so it is refused."""
+    taken = {id(p) for model in set_up for p in model.parameters()}
+    shared = [name for name, p in module.named_parameters() if id(p) in taken]
+    if shared:
+        raise ValueError(
+            f"parameters of this model belong to a model set up before ({', '.join(shared[:3])}"
+            f"{', ...' if len(shared) > 3 else ''}): each model set up gets an engine of its own, which shards and"
+            " steps its parameters; set up models that share parameters as one nn.Module"
+        )
+
+
+def construction_of(module: Module, constructions: Sequence[ShardedConstruction]) -> ShardedConstruction | None:
+    """The stage-3 ``init_module`` context that built ``module`` (None: none did); several models may be built in
+    one, or one each, before they are set up."""
+    builders = [c for c in constructions if any(c.owns(p) for p in module.parameters())]
+    if len(builders) > 1:
+        raise ValueError(
+            "this model's parameters were built in several fabric.init_module() blocks: build each model in one"
+        )
+    return builders[0] if builders else None
