@@ -354,9 +354,9 @@ class ZeroEngine:
         """The parameters of ``targets`` (modules, with their submodules, or parameters) whole inside the block,
         outside the steps too, like DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``.
         Collective: enter it on every rank with the same targets (stage 3 gathers their units, one all-gather
-        each, and frees them after; stages 1 and 2 hold every parameter whole already). Changes made inside
-        are dropped, unless ``modifier_rank`` names the (global) rank whose values every rank then takes,
-        master weights included. Yields the parameters."""
+        each, and frees them after; stages 1 and 2 hold every parameter whole already). Writes made inside are
+        kept: each written tensor's values become every rank's, master weights included, those of the lowest
+        rank that wrote it, or of ``modifier_rank`` when given (sharding/param_writes.py). Yields the parameters."""
         params = list(dict.fromkeys(p for t in targets for p in (t.parameters() if isinstance(t, Module) else [t])))
         with self.placement.gathered_parameters(self.module, params, modifier_rank):
             yield params

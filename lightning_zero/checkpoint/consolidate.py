@@ -32,16 +32,14 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lightning_zero.checkpoint.atomic import atomic_file, check_not_a_link, fsync_dir
 from lightning_zero.checkpoint.format import (
     AVERAGED,
     AVERAGED_IN_SHARDS,
     CheckpointError,
     Metadata,
-    atomic_file,
     averaged_exported,
     check_files,
-    check_not_a_link,
-    fsync_dir,
     load_lightning_state,
     read_metadata,
 )
@@ -114,7 +112,12 @@ def _unique(sources: list[tuple[str, Source]]) -> Iterator[Source]:
 def _holds_storage(obj: Any) -> bool:
     """Whether saving ``obj`` writes any tensor data (wherever a tensor hides in it)."""
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    try:
+        torch.save(obj, buffer)
+    except RecursionError:  # (what a checkpoint records is data: it may be hostile)
+        raise CheckpointError(
+            "the checkpoint's Lightning state (hyper-parameters) is nested too deep to be written again"
+        ) from None
     with zipfile.ZipFile(buffer) as archive:
         return any("/data/" in name for name in archive.namelist())
 

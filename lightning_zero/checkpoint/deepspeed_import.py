@@ -34,7 +34,8 @@ import lightning
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.format import CheckpointError, write_atomically
+from lightning_zero.checkpoint.atomic import write_atomically
+from lightning_zero.checkpoint.format import CheckpointError
 
 log = logging.getLogger(__name__)
 

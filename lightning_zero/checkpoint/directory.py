@@ -21,6 +21,7 @@ import re
 import warnings
 from pathlib import Path
 
+from lightning_zero.checkpoint.atomic import fsync_dir
 from lightning_zero.checkpoint.format import (
     AFTER_VALIDATION,
     COMPLETE,
@@ -29,7 +30,6 @@ from lightning_zero.checkpoint.format import (
     METADATA,
     CheckpointError,
     Metadata,
-    fsync_dir,
     is_checkpoint,
     latest,
 )
@@ -37,7 +37,7 @@ from lightning_zero.checkpoint.format import (
 OURS = ".lightning_zero_partial"  # marks a hidden directory as one a save of ours created
 _NAMES = rf"rank-\d{{5,}}\.pt|{re.escape(LIGHTNING)}|{re.escape(CONSOLIDATED)}|{re.escape(METADATA)}|{COMPLETE}"
 _NAMES += rf"|{re.escape(AFTER_VALIDATION)}"  # (written after publication: no metadata lists it)
-_TEMPORARY = re.compile(rf"\.({_NAMES})\..*tmp")  # format.py's atomic_file writes them under such names
+_TEMPORARY = re.compile(rf"\.({_NAMES})\..*tmp")  # atomic.py's atomic_file writes them under such names
 
 
 def written_files(directory: Path) -> list[str]:

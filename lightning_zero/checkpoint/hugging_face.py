@@ -28,14 +28,9 @@ from typing import Any
 
 from torch.nn import Module
 
+from lightning_zero.checkpoint.atomic import atomic_file
 from lightning_zero.checkpoint.consolidate import _sources, _write_safetensors
-from lightning_zero.checkpoint.format import (
-    CheckpointError,
-    atomic_file,
-    check_files,
-    load_lightning_state,
-    read_metadata,
-)
+from lightning_zero.checkpoint.format import CheckpointError, check_files, load_lightning_state, read_metadata
 from lightning_zero.checkpoint.publish import check_new_directory, write_new_directory
 
 HUGGING_FACE = "hugging_face"

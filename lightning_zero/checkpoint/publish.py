@@ -8,7 +8,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from lightning_zero.checkpoint.format import CheckpointError, check_not_a_link, fsync_dir
+from lightning_zero.checkpoint.atomic import check_not_a_link, fsync_dir
+from lightning_zero.checkpoint.format import CheckpointError
 
 OURS = ".lightning_zero_export"  # marks a hidden directory as one an export of ours created
 

@@ -12,13 +12,15 @@ rank-to-rank map: the states are not restored and the run goes on from the seede
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_zero.checkpoint.format import AFTER_VALIDATION, CheckpointError, is_checkpoint, write_atomically
+from lightning_zero.checkpoint.atomic import write_atomically
+from lightning_zero.checkpoint.format import AFTER_VALIDATION, is_checkpoint
 
 KEY = "lightning_zero_rng"
 _STATE_KEYS = {"torch", "cuda", "python", "numpy"}
@@ -56,16 +58,19 @@ def write_after_validation(directory: Path, record: dict[str, Any]) -> None:
 
 
 def read_after_validation(directory: Path) -> dict[str, Any] | None:
-    """The states written into ``directory`` after the validation that followed its save, or None."""
+    """The states written into ``directory`` after the validation that followed its save, or None; a file that
+    is not such a record is a warning (the states saved in the checkpoint are taken: exact up to that
+    validation's draws)."""
     path = directory / AFTER_VALIDATION
     if not directory.is_dir() or not path.is_file():
         return None
     try:
         record = torch.load(path, map_location="cpu", weights_only=True)
-        valid = isinstance(record["world_size"], int) and len(record["states"]) == record["world_size"]
-        valid = valid and all(set(state) == _STATE_KEYS for state in record["states"])
+        if isinstance(record["world_size"], int) and len(record["states"]) == record["world_size"]:
+            if all(set(state) == _STATE_KEYS for state in record["states"]):
+                return record
+        problem = "not a record of random generator states"
     except Exception as error:  # noqa: BLE001 - truncated, not a torch file, not our record
-        raise CheckpointError(f"{path}: not a record of random generator states ({error})") from None
-    if not valid:
-        raise CheckpointError(f"{path}: not a record of random generator states")
-    return record
+        problem = f"not a record of random generator states ({str(error).splitlines()[0][:200]})"
+    warnings.warn(f"lightning_zero: {path}: {problem}; the generators saved in the checkpoint are set", stacklevel=2)
+    return None

@@ -39,6 +39,7 @@ import torch
 from torch.nn import Module
 
 from lightning_zero.checkpoint import hugging_face
+from lightning_zero.checkpoint.atomic import fsync_dir, write_atomically
 from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.consolidate import write_consolidated
 from lightning_zero.checkpoint.directory import OURS, delete, point_links_away, remove_ours
@@ -55,11 +56,9 @@ from lightning_zero.checkpoint.format import (
     ParamEntry,
     UnitEntry,
     file_digest,
-    fsync_dir,
     is_checkpoint,
     partial_dir,
     rank_file,
-    write_atomically,
 )
 from lightning_zero.checkpoint.snapshot import copy_tensors, unit_payload, zip_crc32
 from lightning_zero.sharding import collectives

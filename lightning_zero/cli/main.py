@@ -37,6 +37,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_zero  # noqa: F401  (registers the zero strategies)
+from lightning_zero.checkpoint.atomic import check_not_a_link
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.dcp_export import export_dcp
 from lightning_zero.checkpoint.deepspeed_import import convert as convert_deepspeed
@@ -44,7 +45,6 @@ from lightning_zero.checkpoint.format import (
     CheckpointError,
     UnsafePickleError,
     check_files,
-    check_not_a_link,
     read_metadata,
     unsafe_pickle_error,
 )

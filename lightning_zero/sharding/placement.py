@@ -55,6 +55,7 @@ class Replicated:
 
     def __init__(self) -> None:
         self.gathers: ParamGathers | None = None  # while training: the post-step gathers
+        self.forward_only_step = False  # inside a validation/test/predict step
 
     def attach(self, reducer: GradReducer, gathers: ParamGathers | None, *, overlap: bool) -> None:
         self.gathers = gathers
@@ -80,7 +81,11 @@ class Replicated:
         pass
 
     def forward_only(self, step: Callable, args: tuple, kwargs: dict, *, join: Join | None) -> Any:
-        return step(*args, **kwargs)
+        self.forward_only_step = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self.forward_only_step = False
 
     def holding(self, unit: FlatUnit) -> AbstractContextManager:
         return contextlib.nullcontext()
@@ -90,25 +95,28 @@ class Replicated:
 
     @contextmanager
     def gathered_parameters(
-        self, module: Module, params: list[Parameter], modifier_rank: int | None
+        self, module: Module | None, params: list[Parameter], modifier_rank: int | None
     ) -> Generator[list[Parameter], None, None]:
-        """See [Note: writes inside gathered_parameters] in param_writes.py."""
+        """See [Note: writes inside gathered_parameters] in param_writes.py. ``module`` is None where the engine
+        holds none (stages 1 and 2 outside fit): no unit then holds the parameters."""
         self.settle()
-        unit_location = UnitIndex.of(module)
-        before = param_writes.fingerprint(params) if modifier_rank is None else None
-        yield params
-        for p in params:
-            located = unit_location(p)
-            if located is not None:
-                located[0].adopt(located[1])
-        if modifier_rank is None and params:
-            modifier_rank = param_writes.agreed_writer(param_writes.changed(before, params), params[0].device)
-        if modifier_rank is not None:
-            for p in params:
-                collectives.broadcast(p.data, src=modifier_rank)
-                located = unit_location(p)
-                if located is not None:
-                    located[0].write_owned(located[1], p.data)  # the master too
+        _refuse_modifier_in_forward_only(modifier_rank, self.forward_only_step)
+        locate = UnitIndex.of(module) if module is not None else UnitIndex()
+        located = [locate(p) for p in params]
+
+        def adopt() -> None:
+            for entry in located:
+                if entry is not None:
+                    entry[0].adopt(entry[1])
+
+        def keep(index: int, writer: int) -> None:
+            collectives.broadcast(params[index].data, src=writer)
+            if located[index] is not None:
+                located[index][0].write_owned(located[index][1], params[index].data)  # the master too
+
+        agree = param_writes.agree_here if self.forward_only_step else param_writes.agree
+        with param_writes.keeping_writes(params, adopt, keep, modifier_rank=modifier_rank, agree=agree):
+            yield params
 
     def teardown(self, module: Module | None) -> None:
         if self.gathers is not None:
@@ -127,12 +135,9 @@ def _refuse_quantized_writes(units: Sequence[FlatUnit]) -> None:
         )
 
 
-def _refuse_forward_only_writes(runtime: Stage3Runtime) -> None:
-    if runtime.forward_only_step:  # (a rank out of batches could not replay the write: see [Note: uneven inputs])
-        raise RuntimeError(
-            "a parameter written inside gathered_parameters inside a validation/test/predict step: stage 3 keeps"
-            " writes made in a training step or between steps; make it there"
-        )
+def _refuse_modifier_in_forward_only(modifier_rank: int | None, forward_only: bool) -> None:
+    if modifier_rank is not None and forward_only:  # (every rank alike: the same code passes the same rank)
+        raise RuntimeError(param_writes.FORWARD_ONLY_WRITE)
 
 
 class Sharded:
@@ -192,28 +197,30 @@ class Sharded:
 
     @contextmanager
     def gathered_parameters(
-        self, module: Module, params: list[Parameter], modifier_rank: int | None
+        self, module: Module | None, params: list[Parameter], modifier_rank: int | None
     ) -> Generator[list[Parameter], None, None]:
         """See [Note: writes inside gathered_parameters] in param_writes.py."""
+        _refuse_modifier_in_forward_only(modifier_rank, self.runtime.forward_only_step)
         with self.runtime.gathered_params(params) as units:
             if modifier_rank is not None:
                 _refuse_quantized_writes(units)
-            flats = [unit.flat_param for unit in units]
-            before = param_writes.fingerprint(flats) if modifier_rank is None else None
-            yield params
-            for unit in units:
-                for index in range(len(unit.params)):
-                    unit.adopt(index)
-            if modifier_rank is None and units:
-                modifier_rank = self.runtime.agree_on_writer(param_writes.changed(before, flats), flats[0].device)
-                if modifier_rank is not None:
-                    _refuse_quantized_writes(units)
-                    _refuse_forward_only_writes(self.runtime)
-            if modifier_rank is not None:
-                for unit in units:  # whole units: every rank then keeps its own pieces of them
-                    collectives.broadcast(unit.flat_param, src=modifier_rank)
-                    for index, p in enumerate(unit.params):
-                        unit.write_owned(index, p.data)
+
+            held = [(unit, k) for unit in units for k in range(len(unit.params))]  # their parameters, whole
+
+            def adopt() -> None:
+                for unit, k in held:
+                    unit.adopt(k)
+
+            def keep(index: int, writer: int) -> None:
+                unit, k = held[index]
+                _refuse_quantized_writes([unit])  # (on every rank: the writers are agreed)
+                collectives.broadcast(unit.params[k].data, src=writer)  # whole: each rank keeps its pieces
+                unit.write_owned(k, unit.params[k].data)
+
+            tensors = [unit.params[k] for unit, k in held]
+            agree = self.runtime.agree_on_writers
+            with param_writes.keeping_writes(tensors, adopt, keep, modifier_rank=modifier_rank, agree=agree):
+                yield params
 
     def gather_module(self, module: Module, device: torch.device) -> Replicated:
         """Makes ``module`` whole on ``device``, one unit at a time (collective); it is then replicated."""

@@ -24,6 +24,16 @@ an optimizer's (``BaseFinetuning.filter_on_optimizer``), between steps.
 
 Once the unit's values are here the class is the parameter's own again, so a unit's forward costs nothing
 extra.
+
+[Note: a read after the unit's forward]
+A unit whose forward has returned may stay gathered a while (until the next entry or the end of the forward
+pass frees it). A parameter read then without attribute access (``self.parameters()`` in a penalty iterates
+``_parameters.items()``, which ``_GatherOnAccess`` never sees) would save the gathered tensor for its backward
+with nothing keeping it gathered: freed when the forward pass ends, it would be the NaN placeholder when the
+penalty's backward (created later, so run before the unit's own) reads it. So when a unit's forward returns,
+its parameters take the sharded class while the unit is still gathered: a read goes through ``read`` and pins
+the unit until the step ends, as any other read in a step (its gather is then a no-op); its next entry
+(forward, backward or recomputation) waits for it, which gives them their own class back.
 """
 
 from __future__ import annotations

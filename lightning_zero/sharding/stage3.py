@@ -25,16 +25,6 @@ unit for its backward.
 Prefetching never takes more than ``max_live_parameters`` elements of gathered units (the root and
 persistent units not counted); a unit that is about to run is gathered regardless.
 
-[Note: a read after the unit's forward]
-A unit whose forward has returned may stay gathered a while (until the next entry or the end of the forward
-pass frees it). A parameter read then without attribute access (``self.parameters()`` in a penalty iterates
-``_parameters.items()``, which ``_GatherOnAccess`` never sees) would save the gathered tensor for its backward
-with nothing keeping it gathered: freed when the forward pass ends, it would be the NaN placeholder when the
-penalty's backward (created later, so run before the unit's own) reads it. So when a unit's forward returns,
-its parameters take the sharded class while the unit is still gathered: a read goes through ``read`` and pins
-the unit until the step ends, as any other read in a step (its gather is then a no-op); its next entry
-(forward, backward or recomputation) waits for it, which gives them their own class back.
-
 [Note: a secondary partition]
 With ``ZeroConfig(secondary_partition=True)`` (ZeRO++'s hpZ) a unit gathered for a training forward (from
 the shards of every rank, across nodes) leaves each rank a copy of its 1/K of the whole unit, K being the
@@ -250,7 +240,7 @@ class Stage3Runtime:
 
     def _guard(self, k: int) -> None:
         """``k``'s forward returned: while its units stay gathered unpinned, their parameters take the sharded
-        class again (see [Note: a read after the unit's forward])."""
+        class again (see [Note: a read after the unit's forward] in sharded_param.py)."""
         if k in self.schedule.persistent or k in self.schedule.pinned:
             return
         for unit in self.scheduled[k]:
@@ -375,11 +365,13 @@ class Stage3Runtime:
         """Inside a validation/test/predict step (the same on every rank)."""
         return self.in_step and not self._training_step
 
-    def agree_on_writer(self, written: bool, device: torch.device) -> int | None:
-        """``param_writes.agreed_writer``, which a rank that has run out of batches replays in a forward-only step."""
-        if self.forward_only_step:
-            self._replays.append(partial(param_writes.agreed_writer, False, device))
-        return param_writes.agreed_writer(written, device)
+    def agree_on_writers(self, changed: Tensor, problem: str | None) -> list[int | None]:
+        """``param_writes.agree``, which a rank that has run out of batches replays in a forward-only step (there it
+        writes nothing, and raises as the others do)."""
+        forward_only = self.forward_only_step
+        if forward_only:
+            self._replays.append(partial(param_writes.agree, torch.zeros_like(changed), None, forward_only=True))
+        return param_writes.agree(changed, problem, forward_only=forward_only)
 
     def shadow_step(self) -> None:
         """Issues the collectives of a forward-only step without running the model (see [Note: uneven inputs]):
@@ -405,9 +397,16 @@ class Stage3Runtime:
     @contextmanager
     def gathered_params(self, params: Sequence[Tensor]) -> Iterator[list[FlatUnit]]:
         """Keeps the units holding ``params`` gathered inside the block, in unit order (collective: every
-        rank the same ``params``); yields them. Units gathered already (by the step) stay as they were."""
+        rank the same ``params``); yields them. In a step they are held as any read there holds them, until the
+        step ends (a forward inside the block must not free a write made before it); elsewhere units gathered
+        already stay as they were and the others are freed when the block ends."""
         ids = {id(p) for p in params}
         units = [u for u in self.units if any(id(p) in ids for p in u.params)]
+        if self.can_read():
+            for unit in units:
+                self.read(unit.params[0])
+            yield units
+            return
         before = {id(u) for u in units if u.gathered}
         for unit in units:
             self._start(unit)
@@ -417,14 +416,8 @@ class Stage3Runtime:
             yield units
         finally:
             for unit in units:
-                if id(unit) not in before and not self._held_by_schedule(unit):
+                if id(unit) not in before:
                     self._free(unit)
-
-    def _held_by_schedule(self, unit: FlatUnit) -> bool:
-        """Whether the step's schedule counts ``unit`` as gathered (a read inside the block pinned it, say)."""
-        if unit in self.root:
-            return self.in_step
-        return id(unit) in self._index and self._index[id(unit)] in self.schedule.gathered
 
     @contextmanager
     def gathered(self, unit: FlatUnit) -> Iterator[None]:

@@ -27,11 +27,13 @@ events that happen identically on every rank, never of which unit this rank happ
   first that reaches ``max_prefetch`` elements (DeepSpeed's ``stage3_prefetch_bucket_size``; 0:
   none); whether a unit is gathered is itself a function of the schedule, so prefetch is too.
 - A forward-only step (validation, test, predict) may run many forward passes: ``generate()`` runs one
-  per token. There every unit gathered is kept gathered until the step ends ("kept") while the units kept
-  fit ``max_live`` (all of them if the whole model does, else in gathering order as long as the largest
-  unit still fits beside them), so a step costs one gather per kept unit however many passes it makes;
-  units beyond the budget are gathered and freed as above. Which units are kept follows from the order of
-  gathers, the same on every rank.
+  per token. A unit entered again there begins another pass, whose cursor starts again at the first unit
+  (so it serves skipped units as the first pass did). From the second pass on every unit gathered, and those
+  still gathered when it begins, stay gathered until the step ends ("kept") while the kept
+  units fit ``max_live`` (all of them if the whole model does, else in gathering order as long as the largest
+  unit still fits beside them): a step costs at most two gathers per kept unit however many passes it makes,
+  and a step of one pass keeps nothing (its memory is a training forward's). Units beyond the budget are
+  gathered and freed as above.
 Frees and waits are local: they change memory and timing, never the sequence.
 """
 
@@ -70,7 +72,11 @@ class Schedule:
         self.gathered: set[int] = set(self.persistent)  # persistent units are gathered at set-up
         self.pinned: set[int] = set()
         self.kept: set[int] = set()  # a forward-only step's units gathered until it ends
-        self._keeping = False  # the step is forward-only: gathered units are kept while they fit
+        self._forward_only = False  # the step has no backward
+        self._keeping = False  # ... and its second pass has begun: gathered units are kept while they fit
+        scheduled = [size for u, size in enumerate(self.sizes) if u not in self.persistent]
+        self._all_fit = sum(scheduled) <= max_live  # every unit can be kept
+        self._largest = max(scheduled, default=0)
         self.peak_live = 0
         self._reset_pass()
         self._open = False
@@ -100,12 +106,18 @@ class Schedule:
                 self.kept.add(unit)
 
     def _fits_kept(self, unit: int) -> bool:
-        """Whether ``unit``, just gathered in a forward-only step, is kept (see the module's Note)."""
-        scheduled = [size for u, size in enumerate(self.sizes) if u not in self.persistent]
-        if sum(scheduled) <= self.max_live:
+        """Whether ``unit``, gathered in a forward-only step's later passes, is kept (see the module's Note)."""
+        if self._all_fit:
             return True
         kept = sum(self.sizes[u] for u in self.kept) + self.sizes[unit]
-        return kept + max(scheduled) <= self.max_live
+        return kept + self._largest <= self.max_live
+
+    def _start_keeping(self) -> None:
+        """A forward-only step's second pass begins: what is gathered now is kept too, while it fits."""
+        self._keeping = True
+        for unit in sorted(self.gathered - self.persistent):
+            if self._fits_kept(unit):
+                self.kept.add(unit)
 
     def _free(self, unit: int) -> None:
         if unit in self.gathered and not (unit in self.persistent or unit in self.pinned or unit in self.kept):
@@ -114,16 +126,16 @@ class Schedule:
 
     # --- a step --------------------------------------------------------------------------------------
     def begin_step(self, *, forward_only: bool = False) -> None:
-        """``forward_only``: a step with no backward, whose gathered units are kept (see the module's Note)."""
+        """``forward_only``: a step with no backward, whose later passes keep their units (see the module's Note)."""
         self.end_step()
         self._open = True
-        self._keeping = forward_only
+        self._forward_only = forward_only
 
     def end_step(self) -> None:
         """Frees everything not persistent (after backward, or after a forward-only step)."""
         self.pinned.clear()
         self.kept.clear()
-        self._keeping = False
+        self._forward_only = self._keeping = False
         for unit in sorted(self.gathered):
             self._free(unit)
         self._reset_pass()
@@ -146,6 +158,11 @@ class Schedule:
             self.access(unit)
             self._active.append((unit, -1))  # no entry: pinned units are reduced at the end of backward
             return -1
+        if unit < self._cursor and self._forward_only and self._latest.get(unit) != len(self.entries) - 1:
+            # a unit entered again: another pass, which serves the units skipped here as the first did
+            if not self._keeping:
+                self._start_keeping()
+            self._cursor = 0
         if unit >= self._cursor:
             first, self._cursor = self._cursor, unit + 1
             self._free_behind(first)
@@ -235,19 +252,24 @@ class Schedule:
         region's last entry (non-reentrant: when its first saved tensor is unpacked) or of the region's node
         (reentrant), before backward has reached the region's earlier entries: those are started here, not
         reached (backward finishes each entry, and reduces its unit, only when the gradient reaches it or an
-        earlier entry, as without checkpointing). An entry finished already is gathered again on demand."""
+        earlier entry, as without checkpointing). They are started in backward's order, every entry between the
+        one backward is in and the recomputed one, so a rank where a unit of the region did not run (and is not
+        recomputed) starts the same ones; the region's first unit must run on every rank (the README's SPMD list).
+        An entry finished already is gathered again on demand."""
         entry = self.entry_for_recompute(unit)
         if entry < 0:
             return entry
-        if entry < self._top:
-            self._start(entry)
+        if entry < self._top:  # in backward's order, as on a rank where an earlier recomputed unit did not run
+            for k in range(self._top - 1, entry - 1, -1):
+                self._start(k)
         elif entry > self._top:
             self._gather(unit)
         self.run.wait(unit)
         return entry
 
     def backward(self, entry: int) -> None:
-        """The first gradient reached an output of ``entry`` (or ``entry`` is recomputed): gather it.
+        """The first gradient reached an output of ``entry`` (or a reentrant recomputation's inner backward did):
+        gather it.
 
         Entries above it that no event reached on this rank get their events now, in order, as on the
         ranks where they ran."""

@@ -18,7 +18,9 @@ when used): never a NaN.
   weights: training goes on from them.
 - Writes inside ``gathered_parameters`` without ``modifier_rank`` (in ``on_fit_start``, as a ddp user edits
   weights) are kept under every stage: an edit through ``.data``, a new tensor as ``.data``, ``nn.init`` on
-  rank 0 only and ``add_`` on the last rank only; training then equals ddp's with the same edits on every rank.
+  rank 0 only and ``add_`` on the last rank only (both in one block, in one unit); and in ``training_step`` a
+  write through the parameters the block yields followed by the step's forward inside the block; training
+  then equals ddp's with the same edits on every rank.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ class Reads(EquivalenceModule):
     def training_step(self, batch, batch_idx):
         with lightning_zero.gathered_parameters(self, self.net.blocks[1]):  # read as an attribute: kept for the step
             self.block_norm = self.net.blocks[1].lin.weight.detach().norm()
-        loss = super().training_step(batch, batch_idx)
+        with lightning_zero.gathered_parameters(self, self.net.blocks[0]) as params:
+            if self.global_step == 2 and batch_idx % 2 == 0:  # a write, then the forward inside the block
+                for p in params:
+                    if p.dim() == 1:
+                        p.data.mul_(0.5)
+            loss = super().training_step(batch, batch_idx)
         norm = torch.stack([p.detach().norm() for _, p in self.named_parameters()]).norm()
         self.norms.append(float(norm))
         self.log("param_norm", norm)
@@ -108,8 +115,7 @@ class WritesAtFitStart(pl.Callback):
             blocks[1].norm.weight.data = torch.linspace(0.5, 1.5, 9)  # a new tensor, every rank
             if self.every_rank or rank == 0:
                 torch.nn.init.constant_(blocks[3].lin.bias, 0.5)
-        with lightning_zero.gathered_parameters(pl_module, blocks[1].norm):
-            if self.every_rank or rank == last:
+            if self.every_rank or rank == last:  # another parameter of a unit rank 0 wrote to: kept too
                 with torch.no_grad():
                     blocks[1].norm.bias.add_(0.25)
 
@@ -244,7 +250,7 @@ class PenaltyMLP(pl.LightningModule):
             x = x + block(x)
         loss = torch.nn.functional.cross_entropy(self.head(x), y)
         loss = loss + PENALTY * sum(p.pow(2).sum() for p in self.parameters())
-        self.vector_norms.append(float(torch.nn.utils.parameters_to_vector(self.parameters()).norm()))
+        self.vector_norms.append(float(torch.nn.utils.parameters_to_vector(self.parameters()).detach().norm()))
         self.state_sum = float(sum(v.sum() for v in self.state_dict().values()))
         return loss
 

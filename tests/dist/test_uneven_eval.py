@@ -4,7 +4,8 @@ completes, each sample's result equals one process's, and the ranks issue the sa
 Lightning's predict sampler does not pad (5 samples on 2 ranks: 3 and 2 batches); its validation and
 test sampler pads (3 and 3); with ``use_distributed_sampler=False`` and an explicit split, validation
 and test are uneven too. The model routes samples to experts that are units of their own, so ranks
-also run different units within a step.
+also run different units within a step. ``gathered_parameters`` in such steps (stages 2 and 3) issues what
+a rank out of batches issues too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
+import lightning_zero
 from lightning_zero.sharding import collectives
 from tests.support.dynamic_models import DynamicModule, Indexed
 from tests.support.helpers import zero_strategy
@@ -82,3 +84,39 @@ def test_uneven_predict_validate_test_complete_with_single_process_results(ranks
                 assert len(seen) == N and len({len(r[phase]) for r in per_rank}) > 1
             for i, loss in seen:
                 assert abs(loss - float(losses[i])) <= 1e-6 * max(1.0, abs(float(losses[i]))), (name, phase, i)
+
+
+class ReadsInPredict(DynamicModule):
+    """Reads its weights inside ``gathered_parameters`` in each predict step, as code written for stage 3 does."""
+
+    def predict_step(self, batch, batch_idx):
+        with lightning_zero.gathered_parameters(self, self.net.head) as (weight, bias):
+            self.head_sum = float(weight.sum() + bias.sum())
+        return super().predict_step(batch, batch_idx)
+
+
+def _reads_worker(rank: int, world: int) -> dict:
+    """Stage 2 (built outside fit: the engine holds no module) and stage 3, predict with 3 and 2 batches."""
+    results = {}
+    for stage in (2, 3):
+        pl.seed_everything(0)
+        module = ReadsInPredict("experts")
+        trainer = pl.Trainer(
+            strategy=zero_strategy(stage, param_persistence_threshold=0),
+            accelerator="cpu",
+            devices=world,
+            logger=False,
+            enable_progress_bar=False,
+        )
+        predictions = trainer.predict(module, DataLoader(Indexed(module.data, N), batch_size=1))
+        results[stage] = ([int(i) for index, _ in predictions for i in index], module.head_sum)
+    return results
+
+
+def test_gathered_parameters_in_uneven_predict_steps(ranks):
+    results = ranks(_reads_worker, 2, timeout_s=60)
+    pl.seed_everything(0)
+    head = ReadsInPredict("experts").net.head
+    for stage in (2, 3):
+        assert sorted(i for r in results for i in r[stage][0]) == list(range(N)), stage
+        assert all(abs(r[stage][1] - float(head.weight.sum() + head.bias.sum())) < 1e-5 for r in results), stage

@@ -13,15 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_zero.checkpoint.atomic import write_atomically
 from lightning_zero.checkpoint.consolidate import consolidate
-from lightning_zero.checkpoint.format import (
-    CheckpointError,
-    Metadata,
-    file_digest,
-    latest,
-    read_metadata,
-    write_atomically,
-)
+from lightning_zero.checkpoint.format import CheckpointError, Metadata, file_digest, latest, read_metadata
 from lightning_zero.checkpoint.save import OURS, remove
 from lightning_zero.checkpoint.save import _prepare as prepare
 from lightning_zero.checkpoint.save import _publish as publish

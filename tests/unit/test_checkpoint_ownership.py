@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_zero.checkpoint.atomic import write_atomically
 from lightning_zero.checkpoint.background import BackgroundSaves
-from lightning_zero.checkpoint.format import CheckpointError, write_atomically
+from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.save import OURS, remove, save
 from lightning_zero.checkpoint.save import _prepare as prepare
 from lightning_zero.checkpoint.save import _publish as publish

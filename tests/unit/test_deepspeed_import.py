@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import deepspeed_import
+from lightning_zero.checkpoint.atomic import write_atomically
 from lightning_zero.checkpoint.deepspeed_import import convert
-from lightning_zero.checkpoint.format import CheckpointError, write_atomically
+from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.cli.main import main
 from tests.support.helpers import DEEPSPEED_FIXTURES, Poison, deepspeed_expected
 

@@ -25,10 +25,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from lightning_zero.checkpoint import format as checkpoint_format
+from lightning_zero.checkpoint import atomic
+from lightning_zero.checkpoint.atomic import write_atomically
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.dcp import DcpSource
-from lightning_zero.checkpoint.format import WRITTEN_DIGEST, CheckpointError, file_digest, write_atomically
+from lightning_zero.checkpoint.format import WRITTEN_DIGEST, CheckpointError, file_digest
 from lightning_zero.checkpoint.hugging_face import HUGGING_FACE, MAX_CONFIG_BYTES, describe
 from tests.support.helpers import run_cli
 
@@ -55,7 +56,7 @@ def test_temporaries_never_follow_a_link(stage2_checkpoint, tmp_path, monkeypatc
     assert victim.read_text() == "precious"
     # a fresh name that is taken, by a link, is passed over: created exclusively, never opened through the link
     names = iter(["taken", "free"])
-    monkeypatch.setattr(checkpoint_format.secrets, "token_hex", lambda _: next(names))
+    monkeypatch.setattr(atomic.secrets, "token_hex", lambda _: next(names))
     (out / ".again.pt.taken.tmp").symlink_to(victim)
     write_atomically(out / "again.pt", lambda f: f.write(b"data"))
     assert (out / "again.pt").read_bytes() == b"data"
@@ -181,3 +182,22 @@ def test_a_model_whose_config_is_too_deep_is_saved_without_it(depth, problem):
     holder = torch.nn.Sequential(PreTrained())
     with pytest.warns(UserWarning, match=f"'s config is {problem}.*; checkpoints will not export it for Hugging Face"):
         assert describe(holder) == {}
+
+
+def test_hyper_parameters_nested_too_deep_are_one_line(stage2_checkpoint, tmp_path, capsys):
+    """The Lightning state a checkpoint records is data: hyper-parameters nested past Python's recursion limit
+    make ``consolidate`` to a .ckpt one line, not a RecursionError's traceback."""
+    ckpt = tmp_path / "deep.ckpt"
+    shutil.copytree(stage2_checkpoint, ckpt)
+    lightning = torch.load(ckpt / "lightning.pt", weights_only=True)
+    lightning["hyper_parameters"] = _deep(3000)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # (for pickling it here)
+    try:
+        _rewrite(ckpt, "lightning.pt", lightning)
+    finally:
+        sys.setrecursionlimit(limit)
+    code, _, err = run_cli(capsys, "consolidate", str(ckpt), str(tmp_path / "out.ckpt"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert "nested too deep to be written again" in err
+    assert not (tmp_path / "out.ckpt").exists()

@@ -160,12 +160,12 @@ def test_a_recomputation_entering_several_units_reduces_each_after_its_backward(
     assert [u for op, u in recorder.sequence if op == "reduce"] == [2, 1, 0]
 
 
-def _generate(sizes, max_live, passes, skip=()):
-    """A forward-only step of ``passes`` forward passes (as ``generate()`` runs one per token); ``skip``: units
-    this rank does not run. Returns the recorder."""
+def _generate(sizes, max_live, passes, skip=(), *, forward_only=True):
+    """A step of ``passes`` forward passes (``generate()`` runs one per token); ``skip``: units this rank does not
+    run. Returns the recorder and the schedule's peak of live elements."""
     recorder = Recorder()
     schedule = Schedule(sizes, set(), max_live, recorder)
-    schedule.begin_step(forward_only=True)
+    schedule.begin_step(forward_only=forward_only)
     for _ in range(passes):
         for unit in range(len(sizes)):
             if unit not in skip:
@@ -175,23 +175,52 @@ def _generate(sizes, max_live, passes, skip=()):
     schedule.end_forward()
     schedule.end_step()
     assert not recorder.gathered
-    return recorder
+    return recorder.sequence, schedule.peak_live
 
 
-def test_a_forward_only_step_keeps_its_units_gathered_while_they_fit():
-    # The whole model fits the budget: one gather per unit however many passes, on a rank that skips units too
-    # (the first pass serves them, and they are kept alike).
-    assert _generate([4, 4, 4], 12, passes=5).sequence == [("gather", 0), ("gather", 1), ("gather", 2)]
-    assert _generate([4, 4, 4], 12, passes=5, skip={1}).sequence == [("gather", 0), ("gather", 1), ("gather", 2)]
-    # It does not: units 0 and 1 are kept (with room for the largest beside them), 2 and 3 gathered per pass.
-    sequence = _generate([4, 4, 4, 4], 13, passes=3).sequence
-    assert [sequence.count(("gather", unit)) for unit in range(4)] == [1, 1, 3, 3]
+def test_a_forward_only_step_keeps_its_units_gathered_from_its_second_pass_while_they_fit():
+    # The whole model fits the budget: at most two gathers per unit however many passes, alike on a rank that
+    # skips a unit (the passes serve it).
+    sequence, _ = _generate([4, 4, 4], 12, passes=3)
+    counts = [sequence.count(("gather", unit)) for unit in range(3)]
+    assert max(counts) <= 2 and _generate([4, 4, 4], 12, passes=6)[0] == sequence
+    assert _generate([4, 4, 4], 12, passes=6, skip={1})[0] == sequence
+    # It does not: the last unit of the first pass (still gathered) and the first of the second are kept, with
+    # room for the largest unit beside them; the other two are gathered in every pass, on every rank alike.
+    sequence, _ = _generate([4, 4, 4, 4], 13, passes=5)
+    assert [sequence.count(("gather", unit)) for unit in range(4)] == [2, 5, 5, 1]
+    assert _generate([4, 4, 4, 4], 13, passes=5, skip={0})[0] == _generate([4, 4, 4, 4], 13, 5, skip={2})[0] == sequence
+    # One pass keeps nothing: it holds what a training step's forward holds.
+    assert _generate([4, 4, 4, 4], 100, passes=1)[1] == _generate([4, 4, 4, 4], 100, 1, forward_only=False)[1]
     # A training step is unchanged: each pass gathers again.
-    recorder = Recorder()
-    schedule = Schedule([4, 4], set(), 100, recorder)
-    schedule.begin_step()
-    for _ in range(2):
-        for unit in range(2):
+    assert len(_generate([4, 4], 100, passes=2, forward_only=False)[0]) == 4
+
+
+@pytest.mark.parametrize("skipped", [{1}, {2}, {1, 2}])
+def test_a_recomputed_region_with_a_unit_skipped_on_one_rank_issues_the_same_collectives(skipped):
+    """checkpoint_sequential over units 0..3 (non-reentrant: recomputed in forward order inside the backward of
+    unit 3's entry), one rank not running ``skipped`` (layer drop, a data-dependent branch): the gathers and
+    reduce-scatters are the same on both ranks, with prefetch on (DeepSpeed's default budgets, large units)."""
+
+    def rank(run):
+        recorder, million = Recorder(), 10**6
+        schedule = Schedule([60 * million] * 5, set(), 10**9, recorder, max_prefetch=50 * million)
+        schedule.begin_step()
+        tags = {}
+        for unit in sorted(run):
             schedule.enter(unit)
-            schedule.exit(unit)
-    assert len(recorder.sequence) == 4
+            tags[unit] = schedule.exit(unit)
+        schedule.end_forward()
+        schedule.backward(tags[4])
+        schedule.backward(tags[3])  # the gradient reaches the region's output
+        for unit in (0, 1, 2, 3):
+            if unit in run:
+                schedule.recompute(unit)
+        for unit in (2, 1, 0):
+            if unit in run:
+                schedule.backward(tags[unit])
+        schedule.end_backward()
+        schedule.end_step()
+        return recorder.sequence
+
+    assert rank({0, 1, 2, 3, 4} - skipped) == rank({0, 1, 2, 3, 4})
