@@ -1,8 +1,10 @@
-"""What the benchmark scripts share: a quiet Trainer's arguments and writing a report."""
+"""What the benchmark scripts share: a quiet Trainer's arguments, writing a report, why ranks failed."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 # A Trainer that only trains: no validation, logger, checkpoints, progress bar or model summary.
 QUIET = {
@@ -20,3 +22,14 @@ def emit(report: str, out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report)
+
+
+def failure_reason(error: Exception) -> str:
+    """Why ranks started by ``spawn_local_ranks`` failed, in one line: a rank's exception (its last line), the
+    signal that killed a rank or its exit code, or the deadline's ``TimeoutError``."""
+    if isinstance(error, ProcessExitedException):
+        how = f"killed by {error.signal_name}" if error.signal_name else f"exited with code {error.exit_code}"
+        return f"rank {error.error_index} {how}"
+    if isinstance(error, ProcessRaisedException):
+        return f"rank {error.error_index}: {error.msg.strip().splitlines()[-1]}"
+    return str(error)

@@ -1,6 +1,6 @@
 """The same GPT, data, seed and optimizer trained side by side under DDP, FSDP2, DeepSpeed and lightning_zero.
 
-One invocation spawns N CPU ranks (gloo) once and trains every system in them, in interleaved rounds:
+Every system trains once per round, in interleaved rounds (so each sees the machine as the others do):
 ``torch-ddp`` (``DistributedDataParallel``, plain loop), ``lightning-ddp`` (Lightning's ``DDPStrategy``),
 ``fsdp2-reshard`` / ``fsdp2-noreshard`` (``fully_shard`` per block then the root, plain loop),
 ``deepspeed-z1/z2/z3`` (``deepspeed.initialize``, fp32, CPU accelerator; only where ``import deepspeed``
@@ -9,6 +9,10 @@ AdamW param groups and LR schedule, the data module's training set behind the ``
 Lightning would make, and clip the gradient norm at 1.0 like ``Trainer(gradient_clip_val=1.0)``.
 Reported: median step time (warm-up steps dropped) and spread, ratios to lightning-ddp and torch-ddp,
 per-rank bytes of parameters / gradients / optimizer state, elements sent per step over Psi, last loss.
+
+Each run (one system, one round) gets N CPU ranks (gloo) of its own, forked from this process, which only
+supervises: a run that raises, is killed by a signal or runs past its deadline is a "failed" entry in the
+report (the other systems and rounds go on), and with ``--out`` the report is rewritten as each round ends.
 
     python benchmarks/compare.py --n-layer 2 --n-embd 64 --steps 6 --warmup 2 --rounds 1   # a smoke test
     python benchmarks/compare.py --out benchmarks/results/compare_cpu.md  # every system, GPT 8 x 384, 2 ranks
@@ -37,10 +41,11 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from common import QUIET, emit
+from common import QUIET, emit, failure_reason
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -64,6 +69,8 @@ FORMULA.update({"deepspeed-z1": 2, "deepspeed-z2": 2, "deepspeed-z3": 3, "zero1"
 # Python-level collectives counted for the plain loops, and how many times their size each one moves.
 COUNTED = {"all_reduce": 2, "all_gather_single": 1, "all_gather": 1, "reduce_scatter_single": 1, "reduce_scatter": 1}
 COUNTED.update({"reduce": 1, "broadcast": 1})
+# Each run's ranks (see _run): a collective waits at most 600 s, a run still going after 1800 s is killed.
+RANKS = {"timeout_s": 600, "deadline_s": 1800, "start_method": "fork"}
 
 
 def _numel(value) -> int:
@@ -246,20 +253,45 @@ def lightning_run(name: str, rank: int, world: int, args) -> dict:
     return run
 
 
-def _worker(rank: int, world: int, args, systems: list[str], out_file: str) -> None:
+def _worker(rank: int, world: int, args, name: str, out_file: str) -> None:
+    """One run of ``name``; rank 0 writes its measurement whole, then renames it into place (never half a file)."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed calls deprecated collectives
     if deepspeed is not None:
         deepspeed.utils.logger.setLevel(logging.WARNING)
-    results = {name: {"times": []} for name in systems}
-    for _ in range(args.rounds):
-        for name in systems:
-            run = (lightning_run if name in LIGHTNING else plain_run)(name, rank, world, args)
-            loss = torch.tensor(run.pop("loss"))
-            dist.all_reduce(loss)
-            results[name]["times"] += run.pop("times")[args.warmup :]
-            results[name].update(run, loss=loss.item() / world)
+    run = (lightning_run if name in LIGHTNING else plain_run)(name, rank, world, args)
+    loss = torch.tensor(run.pop("loss"))
+    dist.all_reduce(loss)
     if rank == 0:
-        Path(out_file).write_text(json.dumps(results))
+        run.update(times=run["times"][args.warmup :], loss=loss.item() / world)
+        partial = Path(f"{out_file}.partial")
+        partial.write_text(json.dumps(run))
+        partial.replace(out_file)
+
+
+def _run(name: str, args, out_file: Path) -> tuple[dict | None, str | None]:
+    """One run of ``name`` in ranks of its own: rank 0's measurement (None without one) and why a rank failed
+    (None if none did). Forked ranks end with ``os._exit``, so the interpreter's finalization never runs in them:
+    there, gloo threads of a group that outlived ``destroy_process_group`` (FSDP2 and DeepSpeed keep the world's)
+    can abort the rank. Forking also saves each run the ranks' imports (~5 s)."""
+    out_file.unlink(missing_ok=True)
+    failure = None
+    try:
+        spawn_local_ranks(_worker, args.world_size, args, name, str(out_file), **RANKS)
+    except (ProcessException, TimeoutError) as error:
+        failure = failure_reason(error).replace("|", "\\|")  # (a Markdown table's cell)
+    return (json.loads(out_file.read_text()) if out_file.exists() else None), failure
+
+
+def _record(result: dict, round_: int, run: dict | None, failure: str | None) -> str:
+    """Adds a run to ``result``; returns how it went, for the progress line."""
+    if run is not None:
+        result["times"] += run.pop("times")
+        result.update(run)
+    if failure is not None:  # a rank that fails after rank 0 wrote the measurement (in teardown) keeps the run
+        failure += ", after its measurement (kept)" if run else ""
+        result["failures"].append(f"round {round_}: {failure}")
+        return f"failed: {failure}"
+    return f"median {statistics.median(result['times']) * 1e3:.1f} ms so far"
 
 
 def _cpu() -> str:
@@ -269,39 +301,48 @@ def _cpu() -> str:
     )
 
 
-def _table(results: dict, args, skipped: list[str]) -> str:
-    psi = GPT(_gpt_config(args)).num_params()
-    medians = {name: statistics.median(r["times"]) for name, r in results.items()}
+def _row(name: str, r: dict, medians: dict, psi: int) -> str:
+    failed = "; ".join(r["failures"]) or "-"
+    if not r["times"]:
+        return f"| {name} | failed |" + " - |" * 10 + f" {failed} |"
+    times = [t * 1e3 for t in r["times"]]
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    ratios = [
+        f"{medians[name] / medians[ref]:.2f}x" if ref in medians else "-" for ref in ("lightning-ddp", "torch-ddp")
+    ]
+    mem = [r["bytes"][k] for k in ("parameters", "gradients", "optimizer_state")]
+    sent = "not measured" if r["elements_per_step"] is None else f"{r['elements_per_step'] / psi:.2f}"
+    cells = [f"{medians[name] * 1e3:.1f}", f"{q1:.1f}-{q3:.1f}", f"{min(times):.1f}-{max(times):.1f}", *ratios]
+    cells += [f"{b / 2**20:.2f}" for b in (*mem, sum(mem))] + [f"{sent} ({FORMULA[name]})", f"{r['loss']:.4f}"]
+    return f"| {name} | " + " | ".join([*cells, failed]) + " |"
+
+
+def _table(results: dict, args, skipped: list[str], done: int) -> str:
+    """The report after ``done`` of the rounds."""
+    with torch.device("meta"):  # no kernel runs here: this process stays free of threads to fork from
+        psi = GPT(_gpt_config(args)).num_params()
+    medians = {name: statistics.median(r["times"]) for name, r in results.items() if r["times"]}
     versions = f"torch {torch.__version__}, lightning {pl.__version__}"
     versions += f", deepspeed {deepspeed.__version__}" if deepspeed is not None else ""
     command = shlex.join(["python", "benchmarks/compare.py", *sys.argv[1:]])
+    rounds = f"{args.rounds} interleaved rounds" + (f" ({done} done so far)" if done < args.rounds else "")
     lines = [
         f"# DDP vs FSDP2 vs DeepSpeed vs lightning_zero on {args.world_size} CPU ranks (gloo)",
         "",
         f"- date: {datetime.date.today().isoformat()}; machine: {_cpu()}, {os.cpu_count()} cores; {versions}",
         f"- model: GPT n_layer={args.n_layer} n_embd={args.n_embd} block={args.block_size}, Psi = {psi:,} parameters;"
-        f" per-rank batch {args.batch_size}; fp32; {args.steps} steps x {args.rounds} interleaved rounds, first"
-        f" {args.warmup} steps of each run dropped; buckets {args.bucket:,} elements",
+        f" per-rank batch {args.batch_size}; fp32; {args.steps} steps x {rounds}, first"
+        f" {args.warmup} steps of each run dropped; buckets {args.bucket:,} elements; each run in ranks of its own",
         f"- command: `{command}` (python: `{sys.executable}`)",
     ]
     lines += [f"- {name}: skipped, deepspeed is not installed" for name in skipped]
     lines += [
         "",
         "| system | median step (ms) | IQR (ms) | min-max (ms) | vs lightning-ddp | vs torch-ddp | params MiB"
-        " | grads MiB | optimizer state MiB | total MiB | sent per step / Psi (formula) | last loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | grads MiB | optimizer state MiB | total MiB | sent per step / Psi (formula) | last loss | failed runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in results.items():
-        times = [t * 1e3 for t in r["times"]]
-        q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
-        ratios = [
-            f"{medians[name] / medians[ref]:.2f}x" if ref in medians else "-" for ref in ("lightning-ddp", "torch-ddp")
-        ]
-        mem = [r["bytes"][k] for k in ("parameters", "gradients", "optimizer_state")]
-        sent = "not measured" if r["elements_per_step"] is None else f"{r['elements_per_step'] / psi:.2f}"
-        cells = [f"{medians[name] * 1e3:.1f}", f"{q1:.1f}-{q3:.1f}", f"{min(times):.1f}-{max(times):.1f}", *ratios]
-        cells += [f"{b / 2**20:.2f}" for b in (*mem, sum(mem))] + [f"{sent} ({FORMULA[name]})", f"{r['loss']:.4f}"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [_row(name, r, medians, psi) for name, r in results.items()]
     lines += [
         "",
         "Step time: from the batch in hand to the optimizer step done (forward, backward, clipping, step, LR step,",
@@ -326,7 +367,8 @@ def _table(results: dict, args, skipped: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def _arguments() -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The arguments, the systems to run and those skipped (deepspeed not installed)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--n-layer", type=int, default=8)
@@ -346,12 +388,21 @@ def main() -> None:
     if args.steps > 2048 // (args.world_size * args.batch_size) or args.warmup >= args.steps:
         parser.error("need warmup < steps <= one epoch (2048 sequences / (world size x batch size))")
     skipped = [name for name in chosen if name.startswith("deepspeed") and deepspeed is None]
-    systems = [name for name in chosen if name not in skipped]
+    return args, [name for name in chosen if name not in skipped], skipped
+
+
+def main() -> None:
+    args, systems, skipped = _arguments()
+    results = {name: {"times": [], "failures": []} for name in systems}
     with tempfile.TemporaryDirectory() as tmp:
-        out_file = str(Path(tmp) / "results.json")
-        spawn_local_ranks(_worker, args.world_size, args, systems, out_file, timeout_s=600, deadline_s=7200)
-        results = json.loads(Path(out_file).read_text())
-    emit(_table(results, args, skipped), args.out)
+        for round_ in range(1, args.rounds + 1):
+            for name in systems:
+                how = _record(results[name], round_, *_run(name, args, Path(tmp) / "run.json"))
+                print(f"round {round_} of {args.rounds}, {name}: {how}", file=sys.stderr, flush=True)
+            if args.out is not None and round_ < args.rounds:  # a crash here loses at most the round in flight
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(_table(results, args, skipped, done=round_))
+    emit(_table(results, args, skipped, done=args.rounds), args.out)
 
 
 if __name__ == "__main__":

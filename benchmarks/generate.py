@@ -43,8 +43,9 @@ CONFIGS = ("ddp", "zero2", "zero3", "zero3, per token")
 class Generation(pl.LightningModule):
     def __init__(self, args) -> None:
         super().__init__()
+        positions = args.prompt + args.new_tokens
         config = GPT2Config(
-            vocab_size=args.vocab, n_embd=args.n_embd, n_layer=args.n_layer, n_head=8, n_positions=64,
+            vocab_size=args.vocab, n_embd=args.n_embd, n_layer=args.n_layer, n_head=8, n_positions=positions,
             bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         self.model = GPT2LMHeadModel(config)

@@ -27,6 +27,7 @@ long as the default process group they were made on (destroying that destroys th
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -46,7 +47,10 @@ class Topology:
     replicas: int = 1
     shard_group: Any = None
     replicate_group: Any = None
-    world: Any = None  # the default process group the groups were made on
+    # A weak reference to the default process group the groups were made on: a strong one would keep that group
+    # and its gloo threads alive past destroy_process_group, and a thread that frees a finished collective's
+    # tensor while the interpreter exits aborts the process ("terminate called without an active exception").
+    world: weakref.ref | None = None
     host_world: Any = None  # the gloo twins of the world, shard and replicate groups (themselves under gloo)
     host_shard: Any = None
     host_replicate: Any = None
@@ -123,7 +127,7 @@ def _shards(
     setting: int | str | None, rank: int, world_size: int, local_world_size: int, timeout: timedelta | None
 ) -> Topology:
     size = resolve_shard_size(setting, world_size=world_size, local_world_size=local_world_size)
-    world = dist.distributed_c10d._get_default_group()
+    world = weakref.ref(dist.distributed_c10d._get_default_group())
     twins = "gloo" not in str(dist.get_backend())
     host_world = dist.new_group(backend="gloo", timeout=timeout) if twins else None
     if size == world_size:
@@ -161,7 +165,7 @@ def topology_for(topology: Topology, config: Any, rank: int, world_size: int, lo
     """``topology`` if it was made on the current default process group, else a new one for ``config``'s
     ``shard_group_size`` (made once per process group: fit, then test keep it). Collective with hybrid
     sharding: every rank calls it at the same point."""
-    if topology.world is dist.distributed_c10d._get_default_group():
+    if topology.world is not None and topology.world() is dist.distributed_c10d._get_default_group():
         return topology
     zero_plus_plus = config.secondary_partition or config.quantized_gradients
     return make_topology(

@@ -240,7 +240,7 @@ class PenaltyMLP(pl.LightningModule):
         self.head = torch.nn.Linear(16, 4)
         g = torch.Generator().manual_seed(5)
         self.data = torch.utils.data.TensorDataset(
-            torch.randn(48, 16, generator=g), torch.randint(4, (48,), generator=g)
+            torch.randn(36, 16, generator=g), torch.randint(4, (36,), generator=g)
         )
         self.vector_norms: list[float] = []
 
@@ -271,7 +271,7 @@ def _penalty_fit(rank: int, world: int) -> dict:
         if world > 1
         else "auto"
     )
-    trainer = make_trainer(strategy, world, steps=4, accumulate=1, clip=None)
+    trainer = make_trainer(strategy, world, steps=3, accumulate=1, clip=None)
     trainer.fit(module)
     return {
         "state": {k: v.float() for k, v in full_state(trainer.strategy).items()},
