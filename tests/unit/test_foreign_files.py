@@ -147,21 +147,29 @@ def _deep(depth: int) -> dict:
     return config
 
 
+def _with_lightning_state(source: Path, ckpt: Path, key: str, value) -> Path:
+    """A copy of the checkpoint ``source`` whose Lightning state holds ``value`` under ``key`` (pickled with room
+    for its depth)."""
+    shutil.copytree(source, ckpt)
+    lightning = torch.load(ckpt / "lightning.pt", weights_only=True)
+    lightning[key] = value
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)
+    try:
+        _rewrite(ckpt, "lightning.pt", lightning)
+    finally:
+        sys.setrecursionlimit(limit)
+    return ckpt
+
+
 @pytest.mark.parametrize(
     "config, problem",
     [(_deep(3000), "nested more than 64 deep"), ({"model_type": "x" * MAX_CONFIG_BYTES}, "larger than 16,777,216")],
 )
 def test_a_hostile_hugging_face_config_is_one_line(stage2_checkpoint, tmp_path, capsys, config, problem):
-    ckpt = tmp_path / "hostile.ckpt"
-    shutil.copytree(stage2_checkpoint, ckpt)
-    lightning = torch.load(ckpt / "lightning.pt", weights_only=True)
-    lightning[HUGGING_FACE] = {"prefix": "", "config": config}
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(10_000)  # (for pickling it here)
-    try:
-        _rewrite(ckpt, "lightning.pt", lightning)
-    finally:
-        sys.setrecursionlimit(limit)
+    ckpt = _with_lightning_state(
+        stage2_checkpoint, tmp_path / "hostile.ckpt", HUGGING_FACE, {"prefix": "", "config": config}
+    )
     code, _, err = run_cli(capsys, "consolidate", str(ckpt), str(tmp_path / "hf"), "--hf")
     assert code == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
     assert f"its Hugging Face config is {problem}" in err and "a config.json is a JSON object nested at most 64" in err
@@ -187,16 +195,7 @@ def test_a_model_whose_config_is_too_deep_is_saved_without_it(depth, problem):
 def test_hyper_parameters_nested_too_deep_are_one_line(stage2_checkpoint, tmp_path, capsys):
     """The Lightning state a checkpoint records is data: hyper-parameters nested past Python's recursion limit
     make ``consolidate`` to a .ckpt one line, not a RecursionError's traceback."""
-    ckpt = tmp_path / "deep.ckpt"
-    shutil.copytree(stage2_checkpoint, ckpt)
-    lightning = torch.load(ckpt / "lightning.pt", weights_only=True)
-    lightning["hyper_parameters"] = _deep(3000)
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(10_000)  # (for pickling it here)
-    try:
-        _rewrite(ckpt, "lightning.pt", lightning)
-    finally:
-        sys.setrecursionlimit(limit)
+    ckpt = _with_lightning_state(stage2_checkpoint, tmp_path / "deep.ckpt", "hyper_parameters", _deep(3000))
     code, _, err = run_cli(capsys, "consolidate", str(ckpt), str(tmp_path / "out.ckpt"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
     assert "nested too deep to be written again" in err
