@@ -255,6 +255,8 @@ class ZeroEngine:
             self.background.poll()
         if self.buffer_sync is not None:  # see [Note: when buffers are broadcast] in sharding/buffer_sync.py
             self.buffer_sync.forward_starts(training=True, synchronized=not self.blocked)
+        if any(unit.data_replaced() for unit in self.units):  # (pointer checks; a post-step gather must land first)
+            self.settle()
         self.placement.begin_step()
 
     def end_training_forward(self, *, step_ends: bool = False) -> None:
@@ -309,8 +311,11 @@ class ZeroEngine:
         return int(collectives.all_reduce(flag, torch.distributed.ReduceOp.SUM).item())
 
     def settle(self) -> None:
-        """Waits for the post-step parameter all-gathers still running (before anything reads parameters)."""
+        """Waits for the post-step parameter all-gathers still running (before anything reads parameters), and keeps
+        a ``.data`` user code replaced (sharding/param_writes.py's [Note: a replaced .data])."""
         self.placement.settle()
+        for unit in self.units:
+            unit.take_replaced()
 
     def before_weights_change(self) -> None:
         """Before anything but the optimizer step writes the masters (the averaging callbacks' swaps): the

@@ -10,10 +10,11 @@ does the rest of the save protocol (save.py's [Note: the save protocol]) while t
   when the save was called. Whatever else changes the masters or the state (loading a checkpoint, the end
   of a run) waits for the whole save first.
 - At most one save is in flight: the next save, the end of the run (``wait``) and a preemption wait for it.
-- What must follow a save's success (ModelCheckpoint's removal of the checkpoint it replaces as the best, a
-  last.ckpt link put back on it) is deferred to after it (``defer``), as a synchronous save orders it: a kill in
-  between never leaves neither. It runs in the training thread once that learns the save succeeded (``wait``, so
-  also ``poll``), never in the writer: Lightning changes the same links there (ModelCheckpoint's last.ckpt).
+- What must follow a save's success (ModelCheckpoint's removal of the checkpoint it replaces as the best, the
+  generators recorded after a validation) is deferred to after it (``defer``), as a synchronous save orders it: a
+  kill in between never leaves neither. It runs in the training thread once that learns the save succeeded
+  (``wait``, so also ``poll``), never in the writer: a removal moves links (ModelCheckpoint's last.ckpt) that
+  Lightning changes in the training thread.
 - The writers agree on each phase's verdict over a group of their own (a gloo group of every rank, made at
   set-up, used by no one else), so their collectives never interleave with training's.
 - Whether the save is done is agreed at a step boundary (``poll``: one MIN all-reduce of a flag per step while

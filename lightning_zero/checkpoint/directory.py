@@ -114,6 +114,20 @@ def point_link(link: Path, target: Path) -> None:
     fsync_dir(link.parent)
 
 
+def stand_in(path: Path) -> bool:
+    """Before a background save writes the new checkpoint ``path``: ``path`` names the newest complete checkpoint
+    beside it until the save publishes the real one over it (see save.py's [Note: a background save's name]).
+    Returns whether it did (nothing stands where something exists, or where no checkpoint is complete)."""
+    newest = latest(path.parent, excluding=path) if path.parent.is_dir() else None
+    if newest is None or os.path.lexists(path):
+        return False
+    try:
+        point_link(path, newest)
+    except OSError:  # (a filesystem without symbolic links: ModelCheckpoint could not link either)
+        return False
+    return True
+
+
 def point_links_away(path: Path) -> None:
     """Before ``path`` is removed: the links that name it name the newest other complete checkpoint beside it."""
     links = links_to(path)

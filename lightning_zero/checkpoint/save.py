@@ -15,12 +15,22 @@ behind and earlier checkpoints untouched:
    in one ``renameat2(RENAME_EXCHANGE)`` so that at every instant the name holds either the old or the
    new checkpoint; the old one (now under the hidden name) is then deleted: the files a save wrote, nothing
    else (directory.py's [Note: what a deletion removes]).
-A process killed at any point leaves at most a hidden directory, which nothing loads: the next save of
+A process killed at any point leaves at most a hidden directory, which nothing loads (and a background save's
+stand-in link, below): the next save of
 that name removes a partial one, the next save into that directory an old one moved aside. Removing a
 checkpoint (ModelCheckpoint's top-k) first renames it to a hidden name, so a half-deleted checkpoint is
 never visible. Where the filesystem has no exchange rename
 (some network filesystems), replacing a same-name checkpoint falls back to two renames, with a moment
 in which the name is absent.
+
+[Note: a background save's name]
+ModelCheckpoint links ``last.ckpt`` (``save_last="link"``) to a checkpoint as soon as its save returns, before a
+background save has published it: a run killed then would find ``last.ckpt`` naming nothing, and Lightning's
+``ckpt_path="last"`` would start from scratch. So before a background save returns, rank 0 makes its name a link
+to the newest complete checkpoint beside it (``directory.stand_in``): at every instant the name, and so the links
+to it, resolve to a complete checkpoint, and publishing exchanges the link for the new directory as it exchanges
+any checkpoint of that name. A failed save removes the link; a killed one leaves it (a name that resolves to the
+older checkpoint, which ``latest`` skips as it skips every link, and the next save of that name replaces).
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from lightning_zero.checkpoint import hugging_face
 from lightning_zero.checkpoint.atomic import fsync_dir, write_atomically
 from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.consolidate import write_consolidated
-from lightning_zero.checkpoint.directory import OURS, delete, point_links_away, remove_ours
+from lightning_zero.checkpoint.directory import OURS, delete, point_links_away, remove_ours, stand_in
 from lightning_zero.checkpoint.format import (
     AVERAGED,
     AVERAGED_IN_SHARDS,
@@ -206,10 +216,11 @@ def save(
     ``average``: a weight-averaging callback's, saved beside the weights (format.py)."""
     path = Path(path)
     partial = partial_dir(path)
-    problem = None
+    problem, stood_in = None, False
     if rank == 0:
         try:
             _prepare(path, partial)
+            stood_in = background is not None and stand_in(path)  # see [Note: a background save's name]
         except CheckpointError as error:
             problem = str(error)
         except OSError as error:
@@ -255,7 +266,14 @@ def save(
     def write(taken: tuple[dict | None, str | None], failure: BaseException | None = None) -> None:
         shard, shard_problem = taken if failure is None else (None, _describe(failure, partial / (name or "")))
         group = background.group if background is not None else None
-        _write_files(path, partial, rank, name, shard, lightning, meta, consolidated, problem or shard_problem, group)
+        try:
+            _write_files(
+                path, partial, rank, name, shard, lightning, meta, consolidated, problem or shard_problem, group
+            )
+        except BaseException:
+            if stood_in and path.is_symlink():  # (the save failed: its stand-in goes with it)
+                path.unlink()
+            raise
 
     if background is None:
         with zip_crc32(False):  # (see zip_crc32)

@@ -297,13 +297,6 @@ class ZeroStrategy(DDPStrategy):
         if self.engine is not None:
             self.engine.finish_saves()
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's, after rank 0 keeps links to a checkpoint still being written in the background on a complete
-        one (trainer_checkpoints.py's [Note: last.ckpt while a save is written in the background])."""
-        if self.engine is not None and self.engine.background is not None:
-            self.checkpoints.hold_links(self.engine)
-        super().barrier(*args, **kwargs)
-
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's top-k: hidden first, then deleted, so a half-removed one is never visible; after the
         save that replaces it has succeeded, when saves finish in the background."""

@@ -15,17 +15,13 @@ validation ends every rank's generators are gathered and rank 0 writes them into
 takes instead of the states saved in it. A run killed during that validation resumes with the states saved
 before it (its draws then differ from the uninterrupted run's from there; nothing else does).
 
-[Note: last.ckpt while a save is written in the background]
-ModelCheckpoint(save_last="link") links last.ckpt to the checkpoint it has just saved as soon as the save returns;
-a background save returns before its checkpoint is published, so the link would name nothing until then, and a
-run killed in between would find no last checkpoint (Lightning's ``ckpt_path="last"`` takes only links that name
-something, and starts from scratch). So while such a save is in flight, every barrier (Lightning's linking ends
-with one) first has rank 0 point the links to the unpublished checkpoint at the newest complete one beside it (one
-rename: at every instant a link names a checkpoint); once the save has succeeded, the training thread points them
-back at it (``after_saves``), before the checkpoint it replaces as the top-k one is removed (its removal moves the
-links that name it too: checkpoint/save.py's ``remove``). What remains is Lightning's own relinking (unlink, then
-link: microseconds), after which a missing or dangling ``last*.ckpt`` given as the path resumes from the newest
-complete checkpoint beside it (``complete_checkpoint``).
+[Note: a last.ckpt that names nothing]
+ModelCheckpoint(save_last="link") links last.ckpt to the checkpoint it has just saved; the link resolves to a
+complete checkpoint at every instant (a removal first points it at the newest other one, save.py's ``remove``; a
+background save's name stands in for the newest complete checkpoint until it is published, save.py's [Note: a
+background save's name]). What remains is Lightning's own relinking (unlink, then link: microseconds), after
+which a missing or dangling ``last*.ckpt`` given as the path resumes from the newest complete checkpoint beside
+it (``complete_checkpoint``).
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ from torch.nn import Module
 
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import rng
-from lightning_zero.checkpoint.directory import links_to, point_link
-from lightning_zero.checkpoint.format import CheckpointError, is_checkpoint, latest
+from lightning_zero.checkpoint.format import CheckpointError, latest
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
@@ -52,7 +47,7 @@ def complete_checkpoint(path: Any) -> Any:
     checkpoint beside it. Lightning's SLURM resume takes the highest N among names containing ``hpc_ckpt_``, hidden
     ones included: after a save killed mid-way (``.hpc_ckpt_3.ckpt.partial``) it names one that does not exist
     (then the newest ``hpc_ckpt_N.ckpt``); a ``last*.ckpt`` link killed while relinked is missing or dangling
-    (see [Note: last.ckpt while a save is written in the background])."""
+    (see [Note: a last.ckpt that names nothing])."""
     path = Path(path)
     hpc = re.fullmatch(r"hpc_ckpt_\d+\.ckpt", path.name)
     last = re.fullmatch(r"last.*\.ckpt", path.name)
@@ -91,8 +86,6 @@ class TrainerCheckpoints:
         self.before_validation: list[Path] = []  # saved since the last training step, before any validation
         self.step_ended = False  # fitting: a training step ended and no training batch started since
         self.validating = False  # a validation while fitting
-        self.writing: Path | None = None  # rank 0: the checkpoint a background save is writing
-        self.held: list[Path] = []  # the links to it that name another until it is published (see the Note)
 
     def save(
         self,
@@ -113,38 +106,6 @@ class TrainerCheckpoints:
         engine.save(checkpoint, path, module=module, optimizers=zero_optimizers(optimizers))
         if self.step_ended and not self.validating:  # a validation may follow (see the Note)
             self.before_validation.append(Path(path))
-        if engine.rank == 0 and engine.background is not None and engine.background.in_flight:
-            self.writing, self.held = Path(path), []
-            engine.after_saves(self._links_back)
-
-    def hold_links(self, engine: ZeroEngine) -> None:
-        """Links to the checkpoint a background save is writing name the newest complete one until it is published
-        (rank 0; see [Note: last.ckpt while a save is written in the background]). Never raises: a failure is a
-        warning (the other ranks are on their way to a barrier)."""
-        writing = self.writing
-        if writing is None or not engine.background.in_flight or is_checkpoint(writing):
-            return
-        newest = None
-        try:
-            links = links_to(writing)  # (one held already may have been linked to it again: held again)
-            newest = latest(writing.parent) if links else None
-            for link in links if newest is not None else ():
-                point_link(link, newest)
-                if link not in self.held:
-                    self.held.append(link)
-        except OSError as error:
-            rank_zero_warn(f"lightning_zero: could not point the links to {writing} at {newest}: {error}")
-
-    def _links_back(self) -> None:
-        """After the save succeeded: the links held away from its checkpoint name it again."""
-        writing, held = self.writing, self.held
-        self.writing, self.held = None, []
-        try:
-            for link in held:
-                if link.is_symlink():
-                    point_link(link, writing)
-        except OSError as error:
-            rank_zero_warn(f"lightning_zero: could not point the links {held} back at {writing}: {error}")
 
     def open(
         self, path: Any, *, rank: int, world_size: int, module: Module, optimizers: list, fitting: bool, trusted: bool
@@ -222,6 +183,6 @@ class TrainerCheckpoints:
         self.loaded = None
 
     def clear(self) -> None:
-        self.loaded = self.pending_rng = self.writing = None
-        self.held, self.before_validation = [], []
+        self.loaded = self.pending_rng = None
+        self.before_validation = []
         self.step_ended = self.validating = False

@@ -317,24 +317,63 @@ class FlatUnit:
             p.data = view
 
     def reshard(self) -> None:
-        """Frees the flat buffer; until the next unshard each parameter is a placeholder (see stage3.py)."""
+        """Frees the flat buffer; until the next unshard each parameter is a placeholder (see stage3.py). A ``.data``
+        replaced while gathered is kept first (``take_replaced``)."""
         self.wait_gathered()
+        self.take_replaced()
         for p, placeholder in zip(self.params, self._placeholders):
             p.data = placeholder
         self.flat_param.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 
+    def _replaced(self, index: int) -> bool:
+        view = self._views[index]
+        return view.numel() > 0 and self.params[index].data_ptr() != view.data_ptr()
+
+    def data_replaced(self) -> bool:
+        """Whether user code replaced a parameter's ``.data`` while the unit is whole (pointer checks: cheap)."""
+        whole = self.state in (UnitState.WHOLE, UnitState.GATHERED)
+        return whole and any(self._replaced(k) for k in range(len(self.params)))
+
+    def take_replaced(self) -> None:
+        """Keeps each ``.data`` user code replaced while the unit is whole (``p.data = t``, as ddp keeps ``t``):
+        ``t``'s values go into the flat buffer and this rank's pieces of them into the shard and the master (see
+        param_writes.py's [Note: a replaced .data])."""
+        if self.state in (UnitState.WHOLE, UnitState.GATHERED):
+            for index in range(len(self.params)):
+                if self._replaced(index):
+                    self.adopt(index)
+                    self.write_owned(index, self._views[index])
+
+    def replace(self, index: int, value: Tensor) -> bool:
+        """``params[index].data = value`` while the parameter has the sharded class: False for the flat buffer's own
+        view (the unit re-pointing it); else user code's write, kept as above: a gathered copy takes ``value`` and
+        this rank its pieces of it (no collective: every rank runs the same code, as under ddp)."""
+        view = self._views[index]
+        if value is view:
+            return False
+        if tuple(value.shape) != self.shapes[index]:
+            raise ValueError(self._shape_error(index, value))
+        if self.gathered:
+            self.wait_gathered()
+            view.copy_(value.detach())
+        self.write_owned(index, value)
+        return True
+
+    def _shape_error(self, index: int, value: Tensor) -> str:
+        return (
+            f"{self.names[index]}: its data was replaced by a tensor of shape {tuple(value.shape)}; a sharded"
+            f" parameter keeps its shape {self.shapes[index]}"
+        )
+
     def adopt(self, index: int) -> None:
         """Parameter ``index`` is whole here and its ``.data`` was replaced (``p.data = t``): ``t``'s values go into
         the flat buffer, which the parameter views again (see param_writes.py)."""
         param, view = self.params[index], self._views[index]
-        if view.numel() == 0 or param.data.data_ptr() == view.data_ptr():
+        if not self._replaced(index):
             return
         if tuple(param.shape) != self.shapes[index]:
-            raise ValueError(
-                f"{self.names[index]}: its data was replaced by a tensor of shape {tuple(param.shape)}; a sharded"
-                f" parameter keeps its shape {self.shapes[index]}"
-            )
+            raise ValueError(self._shape_error(index, param))
         view.copy_(param.data)
         param.data = view
 

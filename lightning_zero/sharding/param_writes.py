@@ -24,6 +24,16 @@ training step or between steps only, since a rank that has run out of batches re
 collectives without its broadcasts (stage3.py's [Note: uneven inputs]); stages 1 and 2, which have no such
 replay, refuse it on the rank that wrote without a collective, so that validation with uneven batches issues
 none there either.
+
+[Note: a replaced .data]
+A ddp user may also replace a parameter's tensor anywhere (``p.data = t`` in a callback or a step, outside any
+context), and ddp keeps ``t``. Here ``t`` would be silently lost or frozen: stage 3's next gather points the
+parameter back at its flat buffer, and at stages 1 and 2 the optimizer and the post-step gathers keep updating the
+flat buffer, which ``p`` no longer views. So each rank keeps its own ``t`` (no collective: every rank runs the same
+code, and a rank that alone replaces diverges as under ddp): ``FlatUnit.take_replaced`` copies it into the flat
+buffer and this rank's pieces into the shard and master, finding it by a pointer check, when a whole unit is
+settled or a training step begins (the engine) and when a gathered one is freed; a stage-3 parameter of the
+sharded class is intercepted as it is assigned (``FlatUnit.replace``, through ``ShardedParameter``).
 """
 
 from __future__ import annotations

@@ -74,6 +74,8 @@ class Reader(Protocol):
 
     def read(self, param: Tensor) -> None: ...  # makes ``param``'s values valid here, or raises
 
+    def replace(self, param: Tensor, value: Tensor) -> bool: ...  # ``param.data = value``: True if kept as a write
+
     def describe(self, param: Tensor) -> str: ...  # the parameter's name
 
 
@@ -92,8 +94,11 @@ class ShardedParameter(Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        attribute = getattr(getattr(func, "__self__", None), "__name__", None)
+        if name == "__set__" and attribute == "data" and cls.reader.replace(args[0], args[1]):
+            return None  # user code's ``p.data = t``: kept as a write (see [Note: a replaced .data] in param_writes.py)
         if name == "__get__":
-            reads = getattr(getattr(func, "__self__", None), "__name__", None) in _VALUES
+            reads = attribute in _VALUES
         else:  # (setting ``.data`` or ``.grad`` is how the runtime itself re-points a parameter: not a read)
             reads = name not in _METADATA and name not in ("__set__", "__delete__")
         if name == "__repr__":

@@ -261,6 +261,11 @@ class Stage3Runtime:
         else:
             self.schedule.access(self._index[id(unit)])
 
+    def replace(self, param: Tensor, value: Tensor) -> bool:
+        """``param.data = value`` on a parameter of the sharded class (``FlatUnit.replace``)."""
+        unit = self._owner[id(param)]
+        return unit.replace(next(k for k, p in enumerate(unit.params) if p is param), value)
+
     def describe(self, param: Tensor) -> str:
         return self._names.get(id(param), "a parameter")
 

@@ -20,7 +20,8 @@ when used): never a NaN.
   weights) are kept under every stage: an edit through ``.data``, a new tensor as ``.data``, ``nn.init`` on
   rank 0 only and ``add_`` on the last rank only (both in one block, in one unit); and in ``training_step`` a
   write through the parameters the block yields followed by the step's forward inside the block; training
-  then equals ddp's with the same edits on every rank.
+  then equals ddp's with the same edits on every rank. So does a new tensor given as ``.data`` outside any
+  context, between steps and in a step (param_writes.py's [Note: a replaced .data]).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Reads(EquivalenceModule):
     def training_step(self, batch, batch_idx):
         with lightning_zero.gathered_parameters(self, self.net.blocks[1]):  # read as an attribute: kept for the step
             self.block_norm = self.net.blocks[1].lin.weight.detach().norm()
+        if self.global_step == 3 and batch_idx % 2 == 0:  # a new tensor, outside any context, as under ddp
+            self.net.blocks[3].norm.bias.data = torch.full((9,), -0.1)
         with lightning_zero.gathered_parameters(self, self.net.blocks[0]) as params:
             if self.global_step == 2 and batch_idx % 2 == 0:  # a write, then the forward inside the block
                 for p in params:
@@ -79,6 +82,8 @@ class ReadsBetweenSteps(pl.Callback):
         self.errors.append(str(info.value).split("'")[1])  # the parameter it names
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 2 and batch_idx % 2 == 1:  # between steps, outside any context, as under ddp
+            pl_module.net.blocks[2].lin.bias.data = torch.full((9,), 0.2)
         self._plain(lambda: [p.detach().clone() for p in pl_module.parameters()])
         with lightning_zero.gathered_parameters(pl_module) as params:
             values = [p.detach().clone() for p in params]

@@ -1,6 +1,6 @@
 """``ckpt_path="last"`` always finds a complete checkpoint with ModelCheckpoint(save_last="link"), in one process:
-while a background save is still being written (its publication held), Lightning's "last" resolves to the newest
-complete checkpoint, not to a link that names nothing; removing the top-k checkpoint that last.ckpt names first
+while a background save is still being written (its publication held), its name, which Lightning links last.ckpt
+to, stands in for the newest complete checkpoint, so "last" resolves to that, never to a link that names nothing; removing the top-k checkpoint that last.ckpt names first
 points the link at the newest other one; a last.ckpt that names nothing, given as the path, resumes from the newest
 complete checkpoint beside it."""
 
@@ -62,6 +62,9 @@ def test_last_names_a_complete_checkpoint_while_a_background_save_is_written(tmp
         connector = trainer._checkpoint_connector
         path = connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True, model_connected=True)
         resolved.append(None if path is None else verify_checkpoint(Path(path)))  # (raises unless complete)
+        # Lightning linked last.ckpt to step 2's name as soon as the save returned: that name has resolved to a
+        # complete checkpoint since before then (a stand-in for step 1's), so no instant found it naming nothing
+        resolved.append(verify_checkpoint(tmp_path / "epoch=0-step=2.ckpt"))
         release.set()
 
     every_step = ModelCheckpoint(tmp_path, every_n_train_steps=1, save_top_k=1, save_last="link")
@@ -72,7 +75,7 @@ def test_last_names_a_complete_checkpoint_while_a_background_save_is_written(tmp
         trainer.fit(Tiny(resolve_last))
     assert held == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt"]
     assert resolved != [None], "ckpt_path='last' found no checkpoint: the run would start from scratch"
-    assert resolved == [1]  # the newest complete checkpoint then
+    assert resolved == [1, 1]  # the newest complete checkpoint then
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=3.ckpt", "last.ckpt"]
     assert verify_checkpoint(tmp_path / "last.ckpt") == 3  # and, once published, the newest
 
