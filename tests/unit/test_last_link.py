@@ -1,8 +1,8 @@
 """``ckpt_path="last"`` always finds a complete checkpoint with ModelCheckpoint(save_last="link"), in one process:
-while a background save is still being written (its publication held), its name, which Lightning links last.ckpt
-to, stands in for the newest complete checkpoint, so "last" resolves to that, never to a link that names nothing; removing the top-k checkpoint that last.ckpt names first
-points the link at the newest other one; a last.ckpt that names nothing, given as the path, resumes from the newest
-complete checkpoint beside it."""
+while a background save is still being written (its publication held), its name, which Lightning links last.ckpt to,
+stands in for the newest complete checkpoint, so "last" resolves to that, never to a link that names nothing;
+removing the top-k checkpoint that last.ckpt names first points the link at the newest other one; a last.ckpt that
+names nothing, given as the path, resumes from the newest complete checkpoint beside it."""
 
 from __future__ import annotations
 
