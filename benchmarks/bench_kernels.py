@@ -140,21 +140,7 @@ def main() -> None:
     device = "cpu" if args.dry_run else "cuda"
     scale, reps = (64, 1) if args.dry_run else (1, args.reps)
     lines = [f"# Fused kernels, {datetime.date.today().isoformat()}", ""]
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        lines.append(f"- device: {props.name}, torch {torch.__version__}, CuPy kernels: {loader.available()}")
-        cold_dir = tempfile.mkdtemp()
-        os.environ["CUPY_CACHE_DIR"] = cold_dir
-        loader._module.cache_clear()
-        began = time.perf_counter()
-        loader.compile_all()
-        cold = time.perf_counter() - began
-        loader._module.cache_clear()
-        began = time.perf_counter()
-        loader.compile_all()
-        lines.append(f"- compile all kernels: cold {cold:.2f} s, warm (disk cache) {time.perf_counter() - began:.2f} s")
-    else:
-        lines.append("- DRY RUN on the CPU: references only, timings meaningless")
+    lines += _compile_times() if device == "cuda" else ["- DRY RUN on the CPU: references only, timings meaningless"]
     src = torch.empty(2**28 // scale**2, device=device)
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.nbytes / timed(lambda: dst.copy_(src), device, reps) / 1e9
@@ -165,46 +151,59 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for dtype in (torch.float32, torch.bfloat16):
-        for name, fused, eager, inputs, nbytes in cases(device, dtype, scale):
-            t_fused = timed(fwd_bwd(fused, *inputs), device, reps)
-            t_eager = timed(fwd_bwd(eager, *inputs), device, reps)
-            t_compiled = float("nan") if args.dry_run else timed(fwd_bwd(torch.compile(eager), *inputs), device, reps)
-            gbs = nbytes / t_fused / 1e9
-            cells = [
-                name + " fwd+bwd",
-                str(dtype)[6:],
-                f"{t_fused * 1e3:.3f}",
-                f"{gbs:.0f}",
-                f"{100 * gbs / copy_gbs:.0f}%",
-                f"{t_eager * 1e3:.3f}",
-                f"{t_compiled * 1e3:.3f}",
-                f"{t_eager / t_fused:.2f}x",
-                f"{t_compiled / t_fused:.2f}x",
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-    n = 2**28 // scale**2  # a 1 GiB fp32 master partition
+        for case in cases(device, dtype, scale):
+            lines.append(_case_row(case, dtype, device, reps, copy_gbs, compile_too=not args.dry_run))
+    lines += ["", _adamw_line(device, scale, reps, copy_gbs), _gpt_block_line(device, scale, reps)]
+    lines.append(f"\ncommand: `python benchmarks/bench_kernels.py {' '.join(sys.argv[1:])}`")
+    emit("\n".join(lines) + "\n", args.out)
+
+
+def _compile_times() -> list[str]:
+    """The device, and the time to compile every kernel cold (an empty CuPy cache) and warm (from disk)."""
+    props = torch.cuda.get_device_properties(0)
+    lines = [f"- device: {props.name}, torch {torch.__version__}, CuPy kernels: {loader.available()}"]
+    os.environ["CUPY_CACHE_DIR"] = tempfile.mkdtemp()
+    loader._module.cache_clear()
+    began = time.perf_counter()
+    loader.compile_all()
+    cold = time.perf_counter() - began
+    loader._module.cache_clear()
+    began = time.perf_counter()
+    loader.compile_all()
+    lines.append(f"- compile all kernels: cold {cold:.2f} s, warm (disk cache) {time.perf_counter() - began:.2f} s")
+    return lines
+
+
+def _case_row(case: tuple, dtype: torch.dtype, device: str, reps: int, copy_gbs: float, *, compile_too: bool) -> str:
+    """One row of the table: a case's fused kernels against eager and (``compile_too``) torch.compile."""
+    name, fused, eager, inputs, nbytes = case
+    t_fused = timed(fwd_bwd(fused, *inputs), device, reps)
+    t_eager = timed(fwd_bwd(eager, *inputs), device, reps)
+    t_compiled = timed(fwd_bwd(torch.compile(eager), *inputs), device, reps) if compile_too else float("nan")
+    gbs = nbytes / t_fused / 1e9
+    cells = [
+        name + " fwd+bwd",
+        str(dtype)[6:],
+        f"{t_fused * 1e3:.3f}",
+        f"{gbs:.0f}",
+        f"{100 * gbs / copy_gbs:.0f}%",
+        f"{t_eager * 1e3:.3f}",
+        f"{t_compiled * 1e3:.3f}",
+        f"{t_eager / t_fused:.2f}x",
+        f"{t_compiled / t_fused:.2f}x",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _adamw_line(device: str, scale: int, reps: int, copy_gbs: float) -> str:
+    """Our fused AdamW step on a 1 GiB fp32 partition (bf16 gradient in, bf16 copy out) against torch's."""
+    n = 2**28 // scale**2
     p, m, v = (torch.randn(n, device=device) for _ in range(3))
     v.abs_()
     g16 = torch.randn(n, device=device, dtype=torch.bfloat16)
     low = torch.empty(n, device=device, dtype=torch.bfloat16)
-    t_ours = timed(
-        lambda: fused_adamw_(
-            p,
-            g16,
-            m,
-            v,
-            lr=1e-4,
-            beta1=0.9,
-            beta2=0.95,
-            eps=1e-8,
-            weight_decay=0.1,
-            step=10,
-            inv_scale=1.0,
-            lowp_out=low,
-        ),
-        device,
-        reps,
-    )
+    hyper = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10, inv_scale=1.0)
+    t_ours = timed(lambda: fused_adamw_(p, g16, m, v, **hyper, lowp_out=low), device, reps)
     tp = torch.randn(n, device=device)
     tp.grad = torch.randn(n, device=device)
     torch_opt = torch.optim.AdamW([tp], lr=1e-4, fused=device == "cuda")
@@ -212,12 +211,15 @@ def main() -> None:
     t_torch = timed(torch_opt.step, device, reps)
     adam_bytes = n * (4 * 3 * 2 + 2 + 2)  # p, m, v read and written; bf16 grad read; bf16 copy written
     gbs = adam_bytes / t_ours / 1e9
-    lines += [
-        "",
+    return (
         f"Fused AdamW over {n:,} fp32 elements (bf16 gradient unscaled, bf16 copy written): {t_ours * 1e3:.3f} ms,"
         f" {gbs:.0f} GB/s = {100 * gbs / copy_gbs:.0f}% of copy; torch AdamW(fused=True) on fp32 grads:"
-        f" {t_torch * 1e3:.3f} ms ({t_torch / t_ours:.2f}x ours).",
-    ]
+        f" {t_torch * 1e3:.3f} ms ({t_torch / t_ours:.2f}x ours)."
+    )
+
+
+def _gpt_block_line(device: str, scale: int, reps: int) -> str:
+    """One fused GPT block's forward and backward under bf16 autocast against the plain block's."""
     cfg = dict(vocab_size=64, block_size=1024 // scale, n_layer=1, n_head=16, n_embd=1024 // scale)
     plain, fused = GPT(GPTConfig(**cfg)).to(device), GPT(GPTConfig(**cfg, fused=True)).to(device)
     fused.load_state_dict(plain.state_dict())
@@ -226,12 +228,10 @@ def main() -> None:
     with torch.autocast(device, dtype=torch.bfloat16):
         t_plain = timed(layer(plain.blocks[0]), device, reps)
         t_layer = timed(layer(fused.blocks[0]), device, reps)
-    lines.append(
+    return (
         f"Fused GPT block (bf16 autocast, B=8, T={cfg['block_size']}, C={cfg['n_embd']}) fwd+bwd:"
         f" {t_layer * 1e3:.3f} ms vs eager block {t_plain * 1e3:.3f} ms ({t_plain / t_layer:.2f}x)."
     )
-    lines.append(f"\ncommand: `python benchmarks/bench_kernels.py {' '.join(sys.argv[1:])}`")
-    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from common import QUIET, emit
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.launch_local import spawn_local_ranks
 from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPTConfig, GPTModule
 from lightning_zero.planning.memory import formula_bytes

@@ -25,7 +25,7 @@ from common import QUIET, emit
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.checkpoint.consolidate import consolidate
-from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.launch_local import spawn_local_ranks
 from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPTConfig, GPTModule
 

@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--dir", help="where to save (default: a temporary directory on the same disk as /tmp)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    from lightning_zero.front.spawn import spawn_local_ranks
+    from lightning_zero.launch_local import spawn_local_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         args.dir = args.dir or tmp

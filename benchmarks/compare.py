@@ -34,23 +34,21 @@ import sys
 import tempfile
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from common import QUIET, emit, failure_reason
+from compare_measure import count_collectives, deepspeed_bytes, torch_bytes
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.launch_local import spawn_local_ranks
 from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPT, GPTConfig, GPTModule
 
@@ -66,78 +64,8 @@ LIGHTNING = ("lightning-ddp", "zero1", "zero2", "zero3")
 # Elements per step over Psi in the ZeRO paper's accounting: an all-reduce is a reduce-scatter plus an all-gather.
 FORMULA = {"torch-ddp": 2, "lightning-ddp": 2, "fsdp2-reshard": 3, "fsdp2-noreshard": 2}
 FORMULA.update({"deepspeed-z1": 2, "deepspeed-z2": 2, "deepspeed-z3": 3, "zero1": 2, "zero2": 2, "zero3": 3})
-# Python-level collectives counted for the plain loops, and how many times their size each one moves.
-COUNTED = {"all_reduce": 2, "all_gather_single": 1, "all_gather": 1, "reduce_scatter_single": 1, "reduce_scatter": 1}
-COUNTED.update({"reduce": 1, "broadcast": 1})
 # Each run's ranks (see _run): a collective waits at most 600 s, a run still going after 1800 s is killed.
 RANKS = {"timeout_s": 600, "deadline_s": 1800, "start_method": "fork"}
-
-
-def _numel(value) -> int:
-    if torch.is_tensor(value):
-        return value.numel()
-    return sum(t.numel() for t in value if torch.is_tensor(t)) if isinstance(value, (list, tuple)) else 0
-
-
-@contextmanager
-def count_collectives(counter: list[int]):
-    """Adds to ``counter[0]`` the elements of every collective called from Python: the whole tensor a
-    reduce-scatter reads or an all-gather writes, twice an all-reduce's. Patched in ``torch.distributed``
-    and in ``distributed_c10d``, whose deprecated wrappers (``all_gather_into_tensor``...) call these."""
-    originals = {name: getattr(c10d, name) for name in COUNTED}
-
-    def counted(name):
-        def wrapper(*args, **kwargs):
-            counter[0] += COUNTED[name] * max(_numel(v) for v in (*args, *kwargs.values()))
-            return originals[name](*args, **kwargs)
-
-        return wrapper
-
-    for name in COUNTED:
-        setattr(dist, name, counted(name))
-        setattr(c10d, name, getattr(dist, name))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-            setattr(c10d, name, fn)
-
-
-def _local_bytes(t: torch.Tensor) -> int:
-    return (t.to_local() if isinstance(t, DTensor) else t).nbytes
-
-
-def torch_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's parameters, ``.grad`` tensors and optimizer state (FSDP2: local shards of DTensors)."""
-    params = list(module.parameters())
-    return {
-        "parameters": sum(_local_bytes(p) for p in params),
-        "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer_state": sum(
-            _local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-        ),
-    }
-
-
-def deepspeed_bytes(engine) -> dict[str, int]:
-    """What the engine holds after backward. Stage 1/2: the flat model parameters (whole), the live ``.grad``
-    tensors and reduced gradient partitions, the fp32 master partition and Adam's state. Stage 3: the
-    parameter partitions and whatever is gathered, the flat gradient partition buffer, the fp32 master
-    partition and Adam's state."""
-    opt = engine.optimizer
-    state = sum(v.nbytes for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    params = list(engine.module.parameters())
-    if engine.zero_optimization_stage() == 3:
-        held = sum(p.ds_tensor.nbytes + p.data.nbytes for p in params)
-        grads = opt.grad_partitions_flat_buffer.nbytes
-        master = sum(t.nbytes for t in opt.fp32_partitioned_groups_flat)
-    else:
-        held = sum(t.nbytes for t in opt.bit16_groups_flat)
-        partitions = [t for v in opt.averaged_gradients.values() for t in (v if isinstance(v, list) else [v])]
-        grads = sum(p.grad.nbytes for p in params if p.grad is not None) + sum(t.nbytes for t in partitions)
-        master = sum(t.nbytes for t in opt.single_partition_of_fp32_groups)
-    return {"parameters": held, "gradients": grads, "optimizer_state": master + state}
 
 
 def _gpt_config(args) -> GPTConfig:

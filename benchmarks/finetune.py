@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.launch_local import spawn_local_ranks
 from lightning_zero.planning.memory import SavedBytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.launch_local import spawn_local_ranks
 from lightning_zero.sharding import collectives
 
 CONFIGS = ("ddp", "zero2", "zero3", "zero3, per token")

@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from lightning_zero.front.spawn import spawn_local_ranks
+    from lightning_zero.launch_local import spawn_local_ranks
     from lightning_zero.planning.comm_model import link_bytes, step_collectives
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,7 +29,7 @@ import torch
 from common import QUIET, emit
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.launch_local import spawn_local_ranks
 from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPT, GPTConfig, GPTModule
 from lightning_zero.sharding.layout import build_layout

@@ -226,7 +226,7 @@ def _train_worker(rank: int, world: int, args, out_file: str) -> None:
 
 
 def _training_table(args) -> list[str]:
-    from lightning_zero.front.spawn import spawn_local_ranks
+    from lightning_zero.launch_local import spawn_local_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "results.json")

@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    from lightning_zero.front.spawn import spawn_local_ranks
+    from lightning_zero.launch_local import spawn_local_ranks
 
     command = [sys.executable, "-m", "lightning_zero.cli.main", "estimate", "--model", "configs/gpt.yaml"]
     command += ["--devices", str(args.world_size), "--measure"]

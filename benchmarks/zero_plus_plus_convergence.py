@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    from lightning_zero.front.spawn import spawn_local_ranks
+    from lightning_zero.launch_local import spawn_local_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         spawn_local_ranks(_worker, 4, args.steps, tmp, deadline_s=3600.0)

@@ -7,7 +7,10 @@ is launched, with a message naming the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,6 +54,138 @@ def _number(value: object) -> bool:
 
 def _integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# [Note: validation tables]
+# A config is validated by walking a table of rows (field, predicate, what is allowed): the first row whose
+# predicate fails raises, naming the field, its value and the allowed text, so a table's order is the order
+# in which errors are reported. A predicate gets the field's value and the whole config: most read only the
+# value; the cross-field ones (named below) read other fields, and sit after the rows that check those.
+Predicate = Callable[[Any, Any], bool]
+Row = tuple[str, Predicate, str]
+
+
+def _validate(config: object, section: str, rows: tuple[Row, ...]) -> None:
+    for key, ok, allowed in rows:
+        value = getattr(config, key)
+        _check(ok(value, config), f"{section}.{key}", value, allowed)
+
+
+def _is_bool(value: object, _config: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _one_of(*choices: object) -> Predicate:
+    return lambda value, _config: value in choices
+
+
+def _integer_in(low: int, high: float = math.inf) -> Predicate:
+    return lambda value, _config: _integer(value) and low <= value <= high
+
+
+def _number_above(low: float) -> Predicate:
+    return lambda value, _config: _number(value) and value > low
+
+
+def _number_at_least(low: float) -> Predicate:
+    return lambda value, _config: _number(value) and value >= low
+
+
+def _either(*predicates: Predicate) -> Predicate:
+    return lambda value, config: any(ok(value, config) for ok in predicates)
+
+
+def _class_names(value: object, _config: object) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(name, str) for name in value)
+
+
+def _only_at_stage_3(enabled: object, config: ZeroConfig) -> bool:
+    return not enabled or config.stage == 3
+
+
+def _not_at_stage_1(enabled: object, config: ZeroConfig) -> bool:
+    return not enabled or config.stage > 1
+
+
+def _world_with_zero_plus_plus(shard_group_size: object, config: ZeroConfig) -> bool:
+    """ZeRO++'s secondary partition and two-level gradient reduction shard over the whole world."""
+    return shard_group_size is None or not (config.secondary_partition or config.quantized_gradients)
+
+
+def _offloaded_with_optimizer(offload_param: object, config: ZeroConfig) -> bool:
+    return offload_param == "none" or (config.stage == 3 and config.offload_optimizer == "cpu")
+
+
+def _supported_stage(stage: object, _config: object) -> bool:
+    return _integer(stage) and stage in SUPPORTED_STAGES
+
+
+# ZeroConfig's rows (see [Note: validation tables]), by concern as its fields are declared
+ZERO_ROWS: tuple[Row, ...] = (
+    ("stage", _supported_stage, f"one of {', '.join(map(str, SUPPORTED_STAGES))}"),
+    # communication
+    ("reduce_bucket_size", _integer_in(1), "an integer > 0 (elements)"),
+    ("overlap_comm", _is_bool, "true or false"),
+    ("max_inflight_bytes", _integer_in(1), "an integer > 0 (bytes)"),
+    ("overlap_param_gather", _is_bool, "true or false"),
+    ("reduce_dtype", _one_of(None, *REDUCE_DTYPES), f"null or one of {', '.join(REDUCE_DTYPES)}"),
+    ("timeout", _number_above(0), "a number of seconds > 0"),
+    (
+        "shard_group_size",
+        _either(_one_of(None, "node"), _integer_in(1)),
+        'null (the whole world), "node" or an integer >= 1 that divides the world size',
+    ),
+    # stage 3
+    ("unit_module_classes", _class_names, "a list of module class names"),
+    ("unit_min_params", _integer_in(0), "an integer >= 0 (parameters)"),
+    ("max_live_parameters", _integer_in(1), "an integer > 0 (elements)"),
+    ("prefetch_bucket_size", _integer_in(0), "an integer >= 0 (elements)"),
+    ("param_persistence_threshold", _integer_in(0), "an integer >= 0 (elements)"),
+    ("gather_dtype", _one_of("compute", "float32"), "compute or float32"),
+    ("quantized_weights", _is_bool, "true or false"),
+    ("quantized_weights", _only_at_stage_3, "false unless zero.stage is 3"),
+    ("quantization_block_size", _integer_in(1), "an integer >= 1 (elements per int8 block with one scale)"),
+    ("secondary_partition", _is_bool, "true or false"),
+    ("secondary_partition", _only_at_stage_3, "false unless zero.stage is 3"),
+    ("quantized_gradients", _is_bool, "true or false"),
+    ("quantized_gradients", _not_at_stage_1, "false at zero.stage 1"),
+    ("quantized_gradient_bits", _one_of(8, 4), "8 or 4"),
+    (
+        "node_size",
+        _either(_one_of(None), _integer_in(1)),
+        "null (the launcher's ranks per node) or an integer >= 1 that divides the world size",
+    ),
+    (
+        "shard_group_size",
+        _world_with_zero_plus_plus,
+        "null with zero.secondary_partition or zero.quantized_gradients (ZeRO++ shards over the world)",
+    ),
+    # offload and the step
+    ("offload_optimizer", _one_of("none", "cpu"), OFFLOAD_ALLOWED),
+    ("offload_param", _one_of("none", "cpu"), OFFLOAD_ALLOWED),
+    ("offload_param", _offloaded_with_optimizer, "none unless zero.stage is 3 and zero.offload_optimizer is cpu"),
+    ("offload_pin_memory", _is_bool, "true or false"),
+    ("fused_step", _one_of("auto", "always", "never"), "auto, always or never"),
+    # checkpoints, buffers and debugging
+    ("broadcast_buffers", _is_bool, "true or false"),
+    ("save_consolidated", _is_bool, "true or false"),
+    ("async_save", _is_bool, "true or false"),
+    ("checkpoint_on_signal", _is_bool, "true or false"),
+    ("check_collectives", _is_bool, "true or false"),
+)
+
+# LossScaleConfig's rows, checked before the starting scale against the minimum
+LOSS_SCALE_ROWS: tuple[Row, ...] = (
+    ("static_loss_scale", _number_at_least(0), "a number >= 0 (0 = dynamic)"),
+    ("initial_scale_power", _integer_in(0, 64), "an integer in [0, 64]"),
+    ("scale_window", _integer_in(1), "an integer >= 1"),
+    ("scale_factor", _number_above(1), "a number > 1"),
+    ("hysteresis", _integer_in(1), "an integer >= 1"),
+    ("consecutive_hysteresis", _is_bool, "true or false"),
+    ("min_loss_scale", _number_above(0), "a number > 0"),
+    ("raise_at_min_scale", _is_bool, "true or false"),
+    ("skip_on_device", _is_bool, "true or false"),
+)
 
 
 @dataclass(kw_only=True)
@@ -190,99 +325,7 @@ class ZeroConfig:
     check_collectives: bool = False
 
     def __post_init__(self) -> None:
-        size, dtypes = self.shard_group_size, ", ".join(REDUCE_DTYPES)
-        checks = [
-            ("stage", self.stage in SUPPORTED_STAGES, f"one of {', '.join(map(str, SUPPORTED_STAGES))}"),
-            # communication
-            (
-                "reduce_bucket_size",
-                _integer(self.reduce_bucket_size) and self.reduce_bucket_size > 0,
-                "an integer > 0 (elements)",
-            ),
-            ("overlap_comm", isinstance(self.overlap_comm, bool), "true or false"),
-            (
-                "max_inflight_bytes",
-                _integer(self.max_inflight_bytes) and self.max_inflight_bytes > 0,
-                "an integer > 0 (bytes)",
-            ),
-            ("overlap_param_gather", isinstance(self.overlap_param_gather, bool), "true or false"),
-            ("reduce_dtype", self.reduce_dtype in (None, *REDUCE_DTYPES), f"null or one of {dtypes}"),
-            ("timeout", _number(self.timeout) and self.timeout > 0, "a number of seconds > 0"),
-            (
-                "shard_group_size",
-                size is None or size == "node" or (_integer(size) and size >= 1),
-                'null (the whole world), "node" or an integer >= 1 that divides the world size',
-            ),
-            # stage 3
-            (
-                "unit_module_classes",
-                isinstance(self.unit_module_classes, (list, tuple))
-                and all(isinstance(c, str) for c in self.unit_module_classes),
-                "a list of module class names",
-            ),
-            (
-                "unit_min_params",
-                _integer(self.unit_min_params) and self.unit_min_params >= 0,
-                "an integer >= 0 (parameters)",
-            ),
-            (
-                "max_live_parameters",
-                _integer(self.max_live_parameters) and self.max_live_parameters > 0,
-                "an integer > 0 (elements)",
-            ),
-            (
-                "prefetch_bucket_size",
-                _integer(self.prefetch_bucket_size) and self.prefetch_bucket_size >= 0,
-                "an integer >= 0 (elements)",
-            ),
-            (
-                "param_persistence_threshold",
-                _integer(self.param_persistence_threshold) and self.param_persistence_threshold >= 0,
-                "an integer >= 0 (elements)",
-            ),
-            ("gather_dtype", self.gather_dtype in ("compute", "float32"), "compute or float32"),
-            ("quantized_weights", isinstance(self.quantized_weights, bool), "true or false"),
-            ("quantized_weights", not self.quantized_weights or self.stage == 3, "false unless zero.stage is 3"),
-            (
-                "quantization_block_size",
-                _integer(self.quantization_block_size) and self.quantization_block_size >= 1,
-                "an integer >= 1 (elements per int8 block with one scale)",
-            ),
-            ("secondary_partition", isinstance(self.secondary_partition, bool), "true or false"),
-            ("secondary_partition", not self.secondary_partition or self.stage == 3, "false unless zero.stage is 3"),
-            ("quantized_gradients", isinstance(self.quantized_gradients, bool), "true or false"),
-            ("quantized_gradients", not self.quantized_gradients or self.stage > 1, "false at zero.stage 1"),
-            ("quantized_gradient_bits", self.quantized_gradient_bits in (8, 4), "8 or 4"),
-            (
-                "node_size",
-                self.node_size is None or (_integer(self.node_size) and self.node_size >= 1),
-                "null (the launcher's ranks per node) or an integer >= 1 that divides the world size",
-            ),
-            (
-                "shard_group_size",
-                self.shard_group_size is None or not (self.secondary_partition or self.quantized_gradients),
-                "null with zero.secondary_partition or zero.quantized_gradients (ZeRO++ shards over the world)",
-            ),
-            # offload and the step
-            ("offload_optimizer", self.offload_optimizer in ("none", "cpu"), OFFLOAD_ALLOWED),
-            ("offload_param", self.offload_param in ("none", "cpu"), OFFLOAD_ALLOWED),
-            (
-                "offload_param",
-                self.offload_param == "none" or (self.stage == 3 and self.offload_optimizer == "cpu"),
-                "none unless zero.stage is 3 and zero.offload_optimizer is cpu",
-            ),
-            ("offload_pin_memory", isinstance(self.offload_pin_memory, bool), "true or false"),
-            ("fused_step", self.fused_step in ("auto", "always", "never"), "auto, always or never"),
-            # checkpoints, buffers and debugging
-            ("broadcast_buffers", isinstance(self.broadcast_buffers, bool), "true or false"),
-            ("save_consolidated", isinstance(self.save_consolidated, bool), "true or false"),
-            ("async_save", isinstance(self.async_save, bool), "true or false"),
-            ("checkpoint_on_signal", isinstance(self.checkpoint_on_signal, bool), "true or false"),
-            ("check_collectives", isinstance(self.check_collectives, bool), "true or false"),
-        ]
-        _check(_integer(self.stage), "zero.stage", self.stage, f"one of {', '.join(map(str, SUPPORTED_STAGES))}")
-        for key, ok, allowed in checks:
-            _check(ok, f"zero.{key}", getattr(self, key), allowed)
+        _validate(self, "zero", ZERO_ROWS)
 
     def host_offload(self) -> HostOffload | None:
         """Where units keep their training state: None on the device, else what goes to the host."""
@@ -330,27 +373,7 @@ class LossScaleConfig:
     skip_on_device: bool = False
 
     def __post_init__(self) -> None:
-        checks = [
-            (
-                "static_loss_scale",
-                _number(self.static_loss_scale) and self.static_loss_scale >= 0,
-                "a number >= 0 (0 = dynamic)",
-            ),
-            (
-                "initial_scale_power",
-                _integer(self.initial_scale_power) and 0 <= self.initial_scale_power <= 64,
-                "an integer in [0, 64]",
-            ),
-            ("scale_window", _integer(self.scale_window) and self.scale_window >= 1, "an integer >= 1"),
-            ("scale_factor", _number(self.scale_factor) and self.scale_factor > 1, "a number > 1"),
-            ("hysteresis", _integer(self.hysteresis) and self.hysteresis >= 1, "an integer >= 1"),
-            ("consecutive_hysteresis", isinstance(self.consecutive_hysteresis, bool), "true or false"),
-            ("min_loss_scale", _number(self.min_loss_scale) and self.min_loss_scale > 0, "a number > 0"),
-            ("raise_at_min_scale", isinstance(self.raise_at_min_scale, bool), "true or false"),
-            ("skip_on_device", isinstance(self.skip_on_device, bool), "true or false"),
-        ]
-        for key, ok, allowed in checks:
-            _check(ok, f"fp16.{key}", getattr(self, key), allowed)
+        _validate(self, "fp16", LOSS_SCALE_ROWS)
         start = self.static_loss_scale or 2.0**self.initial_scale_power
         _check(
             start >= self.min_loss_scale, "fp16.min_loss_scale", self.min_loss_scale, f"<= the starting scale {start:g}"

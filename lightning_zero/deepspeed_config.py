@@ -20,17 +20,6 @@ from typing import Any
 
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 
-# zero_optimization keys we map: DeepSpeed name -> ZeroConfig field
-ZERO_KEYS = {
-    "stage": "stage",
-    "reduce_bucket_size": "reduce_bucket_size",
-    "overlap_comm": "overlap_comm",
-    "stage3_max_live_parameters": "max_live_parameters",
-    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-    "stage3_param_persistence_threshold": "param_persistence_threshold",
-    "stage3_gather_16bit_weights_on_model_save": "save_consolidated",  # (the weights in fp32 here)
-}
-ZERO_BOOL_KEYS = ("overlap_comm", "stage3_gather_16bit_weights_on_model_save")
 # keys that change nothing here, and why
 NO_EFFECT = {
     "zero_optimization.allgather_bucket_size": "parameters are all-gathered in the reduce buckets",
@@ -65,13 +54,6 @@ OFFLOAD_NVME_KEYS = (
     "pipeline",
 )
 COMMUNICATION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # -> ZeroConfig.reduce_dtype
-LOSS_SCALE_KEYS = {
-    "initial_scale_power": "initial_scale_power",
-    "loss_scale_window": "scale_window",
-    "hysteresis": "hysteresis",
-    "min_loss_scale": "min_loss_scale",
-    "consecutive_hysteresis": "consecutive_hysteresis",
-}
 
 
 @dataclass
@@ -98,31 +80,15 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _offload(key: str, section: Any, zero: dict[str, Any], no_effect: list[str], unsupported: list[str]) -> None:
-    """``zero_optimization.offload_optimizer`` / ``offload_param``: {device, pin_memory, ratio, NVMe settings}.
-    What is not supported goes to ``unsupported`` (one error names them all)."""
-    if not isinstance(section, dict):
-        raise ValueError(f'DeepSpeed config: {key} must be an object such as {{"device": "cpu"}}, got {section!r}')
-    device = section.get("device", "none")
-    if device not in ("none", "cpu"):
-        unsupported.append(f"{key}.device {device!r} (NVMe offload is not implemented; use 'cpu' or 'none')")
-        return
-    if zero.setdefault(OFFLOAD_SECTIONS[key], device) != device:
-        raise ValueError(f"DeepSpeed config: {key} and zero_optimization.cpu_offload disagree")
-    for name, value in section.items():
-        if name == "pin_memory" and device == "cpu":
-            if not isinstance(value, bool):
-                raise ValueError(f"DeepSpeed config: {key}.pin_memory must be true or false, got {value!r}")
-            if zero.setdefault("offload_pin_memory", value) != value:
-                raise ValueError("DeepSpeed config: offload_optimizer.pin_memory and offload_param.pin_memory differ")
-        elif name == "ratio" and value != 1 and device == "cpu":
-            unsupported.append(f"{key}.ratio {value!r} (partial offload; remove it to offload all of it)")
-        elif name in OFFLOAD_NVME_KEYS or (name in ("pin_memory", "ratio") and device == "none"):
-            no_effect.append(f"{key}.{name} (no NVMe offload here)" if name in OFFLOAD_NVME_KEYS else f"{key}.{name}")
-        elif name not in ("device", "pin_memory", "ratio"):
-            unsupported.append(f"{key}.{name}")
-    if device == "none":
-        no_effect.append(f"{key} (device 'none': nothing is offloaded)")
+@dataclass
+class _Reading:
+    """What the keys read so far say: fields of our configs, and the keys to report."""
+
+    zero: dict[str, Any] = field(default_factory=dict)  # -> ZeroConfig
+    loss_scale: dict[str, Any] = field(default_factory=dict)  # -> LossScaleConfig
+    settings: dict[str, Any] = field(default_factory=dict)  # -> DeepSpeedSettings' Trainer values
+    no_effect: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)  # (one error names them all)
 
 
 def _number(key: str, value: Any, kind: type) -> Any:
@@ -131,6 +97,154 @@ def _number(key: str, value: Any, kind: type) -> Any:
             f"DeepSpeed config: {key} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
         )
     return kind(value)
+
+
+def _integer(key: str, value: Any) -> int:
+    return _number(key, value, int)
+
+
+def _float(key: str, value: Any) -> float:
+    return _number(key, value, float)
+
+
+def _unchecked(key: str, value: Any) -> Any:
+    return value  # (our config checks it, under our name)
+
+
+def _true_or_false(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _stage(key: str, value: Any) -> int:
+    stage = _integer(key, value)
+    if stage == 0:
+        raise ValueError("DeepSpeed config: zero_optimization.stage 0 is plain data parallelism: use strategy='ddp'")
+    return stage
+
+
+def _clip_value(key: str, value: Any) -> float | None:
+    return _float(key, value) or None  # 0: no clipping
+
+
+def _communication_dtype(key: str, value: Any) -> str:
+    if value not in COMMUNICATION_DTYPES:
+        raise ValueError(f"DeepSpeed config: {key} must be one of {', '.join(COMMUNICATION_DTYPES)}, got {value!r}")
+    return COMMUNICATION_DTYPES[value]
+
+
+# The keys that map one to one: DeepSpeed key -> (the _Reading part it goes to, our field, how its value is read)
+MAPPED_KEYS = {
+    "zero_optimization.stage": ("zero", "stage", _stage),
+    "zero_optimization.reduce_bucket_size": ("zero", "reduce_bucket_size", _integer),
+    "zero_optimization.overlap_comm": ("zero", "overlap_comm", _unchecked),
+    "zero_optimization.stage3_max_live_parameters": ("zero", "max_live_parameters", _integer),
+    "zero_optimization.stage3_prefetch_bucket_size": ("zero", "prefetch_bucket_size", _integer),
+    "zero_optimization.stage3_param_persistence_threshold": ("zero", "param_persistence_threshold", _integer),
+    # (the weights in fp32 here)
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("zero", "save_consolidated", _unchecked),
+    "zero_optimization.zero_quantized_weights": ("zero", "quantized_weights", _true_or_false),
+    "zero_optimization.zero_quantized_gradients": ("zero", "quantized_gradients", _true_or_false),
+    "communication_data_type": ("zero", "reduce_dtype", _communication_dtype),
+    "fp16.loss_scale": ("loss_scale", "static_loss_scale", _float),
+    "fp16.initial_scale_power": ("loss_scale", "initial_scale_power", _integer),
+    "fp16.loss_scale_window": ("loss_scale", "scale_window", _integer),
+    "fp16.hysteresis": ("loss_scale", "hysteresis", _integer),
+    "fp16.min_loss_scale": ("loss_scale", "min_loss_scale", _float),
+    "fp16.consecutive_hysteresis": ("loss_scale", "consecutive_hysteresis", _unchecked),
+    "gradient_clipping": ("settings", "gradient_clip_val", _clip_value),
+    "gradient_accumulation_steps": ("settings", "accumulate_grad_batches", _integer),
+    "train_micro_batch_size_per_gpu": ("settings", "micro_batch_size", _integer),
+}
+
+
+def _offload(key: str, section: Any, reading: _Reading) -> None:
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: {device, pin_memory, ratio, NVMe settings}."""
+    if not isinstance(section, dict):
+        raise ValueError(f'DeepSpeed config: {key} must be an object such as {{"device": "cpu"}}, got {section!r}')
+    device = section.get("device", "none")
+    if device not in ("none", "cpu"):
+        reading.unsupported.append(f"{key}.device {device!r} (NVMe offload is not implemented; use 'cpu' or 'none')")
+        return
+    if reading.zero.setdefault(OFFLOAD_SECTIONS[key], device) != device:
+        raise ValueError(f"DeepSpeed config: {key} and zero_optimization.cpu_offload disagree")
+    for name, value in section.items():
+        if name == "pin_memory" and device == "cpu":
+            if not isinstance(value, bool):
+                raise ValueError(f"DeepSpeed config: {key}.pin_memory must be true or false, got {value!r}")
+            if reading.zero.setdefault("offload_pin_memory", value) != value:
+                raise ValueError("DeepSpeed config: offload_optimizer.pin_memory and offload_param.pin_memory differ")
+        elif name == "ratio" and value != 1 and device == "cpu":
+            reading.unsupported.append(f"{key}.ratio {value!r} (partial offload; remove it to offload all of it)")
+        elif name in OFFLOAD_NVME_KEYS or (name in ("pin_memory", "ratio") and device == "none"):
+            note = f"{key}.{name} (no NVMe offload here)" if name in OFFLOAD_NVME_KEYS else f"{key}.{name}"
+            reading.no_effect.append(note)
+        elif name not in ("device", "pin_memory", "ratio"):
+            reading.unsupported.append(f"{key}.{name}")
+    if device == "none":
+        reading.no_effect.append(f"{key} (device 'none': nothing is offloaded)")
+
+
+def _mics_shard_size(key: str, value: Any, reading: _Reading) -> None:
+    """MiCS: shard within groups, replicate across them."""
+    size = _integer(key, value)
+    if size != -1:  # -1: off (DeepSpeed's default)
+        reading.zero["shard_group_size"] = size
+
+
+def _hpz_partition_size(key: str, value: Any, reading: _Reading) -> None:
+    size = _integer(key, value)
+    if size > 1:
+        reading.zero.update(secondary_partition=True, node_size=size)
+    else:
+        reading.no_effect.append(f"{key} (1: no secondary partition)")
+
+
+def _cpu_offload(key: str, value: Any, reading: _Reading) -> None:
+    """DeepSpeed's older spelling of offload_optimizer: cpu."""
+    device = "cpu" if _true_or_false(key, value) else "none"
+    if reading.zero.setdefault("offload_optimizer", device) != device:
+        raise ValueError(f"DeepSpeed config: {key} and zero_optimization.offload_optimizer disagree")
+
+
+# The keys read by a function of their own: DeepSpeed key -> (key, value, the _Reading to add to)
+HANDLED_KEYS = {
+    "zero_optimization.offload_optimizer": _offload,
+    "zero_optimization.offload_param": _offload,
+    "zero_optimization.mics_shard_size": _mics_shard_size,
+    "zero_optimization.zero_hpz_partition_size": _hpz_partition_size,
+    "zero_optimization.cpu_offload": _cpu_offload,
+}
+
+
+def _read_keys(flat: dict[str, Any]) -> _Reading:
+    """Every key of the flattened config, mapped, noted as changing nothing, or listed as unsupported."""
+    reading = _Reading()
+    # DeepSpeed reads nothing else of a section that says "enabled": false, and shipped configs often keep
+    # their loss-scale settings there: inert, so accepted without a word (or a check).
+    disabled = {section for section in ("fp16", "bf16") if flat.get(f"{section}.enabled") is False}
+    for key, value in flat.items():
+        if value == "auto" or key in ("fp16.enabled", "bf16.enabled") or key.rpartition(".")[0] in disabled:
+            continue
+        if key in MAPPED_KEYS:
+            part, name, read_value = MAPPED_KEYS[key]
+            getattr(reading, part)[name] = read_value(key, value)
+        elif key in NO_EFFECT:
+            reading.no_effect.append(f"{key} ({NO_EFFECT[key]})")
+        elif key in HANDLED_KEYS:
+            HANDLED_KEYS[key](key, value, reading)
+        else:
+            reading.unsupported.append(key)
+    return reading
+
+
+def _precision(fp16: Any, bf16_enabled: bool) -> str | None:
+    """The Trainer's precision the fp16 and bf16 sections select (None: the Trainer's own)."""
+    if fp16 is True and bf16_enabled:
+        raise ValueError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; choose one")
+    precision = {True: "16-mixed", False: None if bf16_enabled else "32-true"}.get(fp16)
+    return "bf16-mixed" if bf16_enabled else precision
 
 
 def _load(source: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
@@ -152,89 +266,22 @@ def read_deepspeed_config(
 ) -> DeepSpeedSettings:
     """Reads a DeepSpeed config (a JSON file or its dict). ``ignore`` names top-level keys to drop on purpose."""
     flat = {k: v for k, v in _flatten(_load(source)).items() if k.split(".")[0] not in ignore}
-    zero: dict[str, Any] = {}
-    loss_scale: dict[str, Any] = {}
-    settings: dict[str, Any] = {}
-    unsupported, no_effect = [], []
     fp16 = flat.get("fp16.enabled")  # True, False, "auto" (the Trainer decides) or None (absent)
-    bf16_enabled = flat.get("bf16.enabled") is True
-    # DeepSpeed reads nothing else of a section that says "enabled": false, and shipped configs often keep
-    # their loss-scale settings there: inert, so accepted without a word (or a check).
-    disabled = {section for section in ("fp16", "bf16") if flat.get(f"{section}.enabled") is False}
-    for key, value in flat.items():
-        section, _, name = key.rpartition(".")
-        if value == "auto" or key in ("fp16.enabled", "bf16.enabled") or section in disabled:
-            continue
-        if section == "zero_optimization" and name in ZERO_KEYS:
-            kind = bool if name in ZERO_BOOL_KEYS else int
-            zero[ZERO_KEYS[name]] = value if kind is bool else _number(key, value, int)
-            if name == "stage" and value == 0:
-                raise ValueError(
-                    "DeepSpeed config: zero_optimization.stage 0 is plain data parallelism: use strategy='ddp'"
-                )
-        elif key == "fp16.loss_scale":
-            loss_scale["static_loss_scale"] = _number(key, value, float)
-        elif section == "fp16" and name in LOSS_SCALE_KEYS:
-            kind = bool if name == "consecutive_hysteresis" else (float if name == "min_loss_scale" else int)
-            loss_scale[LOSS_SCALE_KEYS[name]] = value if kind is bool else _number(key, value, kind)
-        elif key == "gradient_clipping":
-            settings["gradient_clip_val"] = _number(key, value, float) or None
-        elif key == "gradient_accumulation_steps":
-            settings["accumulate_grad_batches"] = _number(key, value, int)
-        elif key == "train_micro_batch_size_per_gpu":
-            settings["micro_batch_size"] = _number(key, value, int)
-        elif key == "communication_data_type":
-            if value not in COMMUNICATION_DTYPES:
-                raise ValueError(
-                    f"DeepSpeed config: {key} must be one of {', '.join(COMMUNICATION_DTYPES)}, got {value!r}"
-                )
-            zero["reduce_dtype"] = COMMUNICATION_DTYPES[value]
-        elif key in NO_EFFECT:
-            no_effect.append(f"{key} ({NO_EFFECT[key]})")
-        elif key in OFFLOAD_SECTIONS:
-            _offload(key, value, zero, no_effect, unsupported)
-        elif key == "zero_optimization.mics_shard_size":  # MiCS: shard within groups, replicate across
-            size = _number(key, value, int)
-            if size != -1:  # -1: off (DeepSpeed's default)
-                zero["shard_group_size"] = size
-        elif key == "zero_optimization.zero_quantized_weights":
-            if not isinstance(value, bool):
-                raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")
-            zero["quantized_weights"] = value
-        elif key == "zero_optimization.zero_hpz_partition_size":
-            size = _number(key, value, int)
-            if size > 1:
-                zero.update(secondary_partition=True, node_size=size)
-            else:
-                no_effect.append(f"{key} (1: no secondary partition)")
-        elif key == "zero_optimization.zero_quantized_gradients":
-            if not isinstance(value, bool):
-                raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")
-            zero["quantized_gradients"] = value
-        elif key == "zero_optimization.cpu_offload":  # DeepSpeed's older spelling of offload_optimizer: cpu
-            if not isinstance(value, bool):
-                raise ValueError(f"DeepSpeed config: {key} must be true or false, got {value!r}")
-            if zero.setdefault("offload_optimizer", "cpu" if value else "none") != ("cpu" if value else "none"):
-                raise ValueError(f"DeepSpeed config: {key} and zero_optimization.offload_optimizer disagree")
-        else:
-            unsupported.append(key)
-    if unsupported:
+    reading = _read_keys(flat)
+    if reading.unsupported:
         raise ValueError(
-            f"DeepSpeed config: these keys are not supported: {', '.join(sorted(unsupported))}. Remove them, or for"
-            " whole sections handled elsewhere (optimizer, scheduler: configure_optimizers) pass ignore=(...)"
+            f"DeepSpeed config: these keys are not supported: {', '.join(sorted(reading.unsupported))}. Remove them,"
+            " or for whole sections handled elsewhere (optimizer, scheduler: configure_optimizers) pass ignore=(...)"
         )
-    if fp16 is True and bf16_enabled:
-        raise ValueError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; choose one")
-    precision = {True: "16-mixed", False: None if bf16_enabled else "32-true"}.get(fp16)
-    precision = "bf16-mixed" if bf16_enabled else precision
-    if loss_scale and fp16 not in (True, "auto"):
-        raise ValueError(f"DeepSpeed config: fp16 loss-scale keys {sorted(loss_scale)} need fp16.enabled: true")
-    if no_effect:
-        warnings.warn("DeepSpeed config keys accepted with no effect: " + "; ".join(no_effect), stacklevel=2)
+    precision = _precision(fp16, flat.get("bf16.enabled") is True)
+    if reading.loss_scale and fp16 not in (True, "auto"):
+        raise ValueError(f"DeepSpeed config: fp16 loss-scale keys {sorted(reading.loss_scale)} need fp16.enabled: true")
+    if reading.no_effect:
+        warnings.warn("DeepSpeed config keys accepted with no effect: " + "; ".join(reading.no_effect), stacklevel=2)
     return DeepSpeedSettings(
-        zero=dataclasses.replace(ZeroConfig(), **zero),
+        zero=dataclasses.replace(ZeroConfig(), **reading.zero),
         precision=precision,
-        loss_scale=LossScaleConfig(**loss_scale) if fp16 in (True, "auto") else None,
-        no_effect=no_effect,
-        **settings,
+        loss_scale=LossScaleConfig(**reading.loss_scale) if fp16 in (True, "auto") else None,
+        no_effect=reading.no_effect,
+        **reading.settings,
     )

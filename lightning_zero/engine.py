@@ -1,104 +1,105 @@
 """ZeroEngine: ZeRO data parallelism for one module and its optimizers, with nothing of Lightning in it.
 
 Three front doors drive it: ``ZeroStrategy`` (the Trainer), ``ZeroFabricStrategy`` (Fabric) and
-``lightning_zero.initialize`` (a plain PyTorch script under torchrun). The engine owns what sharding needs:
-the flat units, the gradient reducer, the ZeroOptimizers around the user's optimizers, stage 3's runtime,
-the post-step gathers of stages 1 and 2, buffer broadcasts and the sharded state checkpoints save.
+``lightning_zero.initialize`` (a plain PyTorch script under torchrun). The engine builds, once and in order, what
+sharding needs (the units, the post-step gathers, the gradient reducer, the placement, the ZeroOptimizers; see the
+README's "How it works") and saves and loads their sharded state for every door.
 
 [Note: the step's boundaries]
-Sharding needs to know where a training step starts and ends, which only the front door knows: stage 3
-gathers the root unit for a whole step and serves the units this rank did not run once the forward ends;
-stage 1 reduces in the backward of a step's last micro-batch; buffers are broadcast before a forward that
-follows a synchronized training forward (sharding/buffer_sync.py). So a front door calls, per micro-batch:
-``begin_training_forward`` before the forward, ``end_training_forward`` after it, ``before_backward`` /
-``after_backward`` around the backward, and enters ``no_sync`` for the micro-batches before a step's last;
-forward-only work (evaluation) goes through ``forward_only``. The same events on every rank give the same
-collectives on every rank.
+Sharding needs to know where a training step starts and ends, which only the front door knows: stage 3 gathers
+the root unit for a whole step and serves the units this rank did not run once the forward ends; stage 1 reduces
+in the backward of a step's last micro-batch; buffers are broadcast before a forward that follows a synchronized
+training forward (sharding/buffer_sync.py). So a front door calls, per micro-batch: ``begin_training_forward``
+before the forward, ``end_training_forward`` after it, ``before_backward`` / ``after_backward`` around the
+backward, and enters ``no_sync`` for the micro-batches before a step's last; forward-only work (evaluation) goes
+through ``forward_only``. Each call moves the engine's ``StepState`` (sharding/step_state.py's [Note: the step's
+phases]), which raises on a call out of order; the same events on every rank give the same collectives on every
+rank.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import warnings
 from collections.abc import Callable, Generator, Sequence
-from contextlib import ExitStack, contextmanager
-from datetime import timedelta
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint import save as checkpoint_save
-from lightning_zero.checkpoint.background import BackgroundSaves
+from lightning_zero.checkpoint.background import background_saves
+from lightning_zero.checkpoint.io import open_checkpoint
+from lightning_zero.checkpoint.restore import Restore
+from lightning_zero.checkpoint.save import Observer, SaveJob
+from lightning_zero.checkpoint.save_state import SaveSpec
 from lightning_zero.config import ZeroConfig
-from lightning_zero.planning.memory import persistent_bytes
+from lightning_zero.planning.memory import engine_bytes
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.averaging import WeightAverage
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.buffer_sync import BufferSync
 from lightning_zero.sharding.build import (
     check_optimizer_params,
-    trainable_units,
-    units_per_param_group,
+    check_units_follow_optimizers,
+    make_reducer,
+    replicated_training,
     wrap_optimizers,
 )
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.full_state import full_state_dict, needs_masters, parameter_norms
 from lightning_zero.sharding.grad_reduce import GradReducer
-from lightning_zero.sharding.param_gather import ParamGathers, runs_compiled_code
+from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.placement import Join, Replicated, Sharded
 from lightning_zero.sharding.stage3 import Stage3Runtime
-from lightning_zero.sharding.stage3_setup import (
-    ShardedModule,
-    default_init,
-    initialize_sharded,
-    install_load_hooks,
-    shard_module,
-)
+from lightning_zero.sharding.stage3_start import shard_or_reuse, start_runtime
+from lightning_zero.sharding.step_state import StepState
 from lightning_zero.sharding.topology import Topology
-from lightning_zero.sharding.unit_index import UnitIndex
+from lightning_zero.sharding.unit_set import ParamActivation, UnitSet, before_weights_change, settle
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
 class ZeroEngine:
-    """Args:
-    config: the typed configuration (its ``stage`` chooses what is sharded).
-    topology: the process groups (sharding/topology.py), made once the default group exists.
-    device: where the module computes.
-    rank: this process's global rank (for error messages).
-    """
+    """Args: ``config``, the typed configuration (its ``stage`` chooses what is sharded); ``topology``, the process
+    groups (sharding/topology.py), made once the default group exists; ``device``, where the module computes;
+    ``rank``, this process's global rank (for error messages); ``sharded_init_peak_bytes``: what building the model
+    sharded took in an earlier run of the same front door."""
 
-    def __init__(self, config: ZeroConfig, topology: Topology, device: torch.device, *, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: ZeroConfig,
+        topology: Topology,
+        device: torch.device,
+        *,
+        rank: int = 0,
+        sharded_init_peak_bytes: int | None = None,
+    ) -> None:
         self.config, self.topology, self.device, self.rank = config, topology, device, rank
         self.module: Module | None = None
-        self.units: list[FlatUnit] = []
+        self.unit_set = UnitSet()
         self.optimizers: list[ZeroOptimizer] = []
         self.reducer: GradReducer | None = None  # while training
-        self.placement: Replicated | Sharded = Replicated()  # see [Note: placements] in sharding/placement.py
+        self.step = StepState()  # see [Note: the step's phases] in sharding/step_state.py
+        self.placement: Replicated | Sharded = Replicated(self.step)  # see [Note: placements] in sharding/placement.py
         self.backward_end = BackwardEnd()
         self.buffer_sync: BufferSync | None = None  # while training, with config.broadcast_buffers
-        self.blocked = False  # inside no_sync: a micro-batch before the step's last
-        self.load_hooks: list = []  # stages 1 and 2: load_state_dict reaches the masters
         self.average: WeightAverage | None = None  # a weight average kept sharded (sharding/averaging.py)
-        self.collective_log: list | None = None  # with config.check_collectives: every collective issued
-        self._checked = 0  # how much of it every rank has agreed on
-        self.sharded_init_peak_bytes: int | None = None  # stage 3 built sharded: see construct.py
+        self.collective_check = collectives.SequenceCheck(None)  # with config.check_collectives
+        self.sharded_init_peak_bytes = sharded_init_peak_bytes  # stage 3 built sharded (construct.py)
         self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
-        self.background = _background_saves(config, topology)  # with config.async_save
+        self.background = background_saves(config.async_save, config.timeout, topology.host_world)
+
+    @property
+    def units(self) -> list[FlatUnit]:  # (the unit set's, which grows as parameters join training)
+        return self.unit_set.units
 
     # --- set-up ------------------------------------------------------------------------------------
     def construction(self) -> ShardedConstruction:
         """Stage 3: a context in which modules are built sharded, never whole (sharding/construct.py)."""
-        return ShardedConstruction(
-            rank=self.topology.shard_rank,
-            world_size=self.topology.shard_size,
-            device=self.device,
-            max_whole_numel=self.config.max_live_parameters,
-            group=self.topology.shard_group,
-        )
+        rank, size, group = self.topology.shard_rank, self.topology.shard_size, self.topology.shard_group
+        largest = self.config.max_live_parameters
+        return ShardedConstruction(rank=rank, world_size=size, device=self.device, max_whole_numel=largest, group=group)
 
     def shard(
         self,
@@ -113,176 +114,122 @@ class ZeroEngine:
         ``optimizers``' parameters; parameters on the meta device are initialized sharded
         (``module.init_module(generator)`` if it has one). ``dtype``: the shards' (None: the module's)."""
         self.module = module
-        sharded = ShardedModule.of(module)
-        rank, size = self.topology.shard_rank, self.topology.shard_size
-        if sharded is not None:  # trained, then evaluated (or trained again): keep the shards
-            sharded.check(world_size=size, rank=rank)
-            if training:
-                for unit in sharded.units:
-                    if unit.requires_grad:
-                        unit.make_trainable(**self.config.unit_options(unit.param_dtype))
-        else:
-            on_meta = any(p.is_meta for p in module.parameters())
-            holder = {id(p): k for k, o in enumerate(optimizers) for g in o.param_groups for p in g["params"]}
-            sharded = shard_module(
-                module,
-                self.config,
-                rank=rank,
-                world_size=size,
-                device=self.device,
-                dtype=dtype,
-                construction=construction,
-                holder=holder if training else None,
-            )
-            if construction is not None:
-                self.sharded_init_peak_bytes = construction.peak_bytes
-            if on_meta:
-                init = getattr(module, "init_module", default_init)
-                self.sharded_init_peak_bytes = initialize_sharded(module, sharded.units, init, device=self.device)
-                module.to(self.device)
-        self.units = sharded.units
-        runtime = Stage3Runtime(
-            sharded.units,
-            sharded.modules,
-            max_live_parameters=self.config.max_live_parameters,
-            prefetch_bucket_size=self.config.prefetch_bucket_size,
-            param_persistence_threshold=self.config.param_persistence_threshold,
-            backward_end=self.backward_end,
-            group=self.topology.shard_group,
-            quantize_block=self.config.quantization_block_size if self.config.quantized_weights else None,
-            node=self._secondary_partition(),
-        )
-        runtime.install_access_hooks(module)
+        options = {"training": training, "dtype": dtype, "construction": construction, "optimizers": optimizers}
+        sharded, built_peak = shard_or_reuse(module, self.config, self.topology, self.device, **options)
+        if built_peak is not None:
+            self.sharded_init_peak_bytes = built_peak
+        self.unit_set.use(sharded.units)
+        if training:  # the schedule releases units to the reducer as their gradients complete
+            names = list(dict.fromkeys(p for _, p in module.named_parameters()))
+            trainable = [u for u in sharded.units if u.trainable]
+            self.reducer = make_reducer(
+                trainable, names, self.config, step=self.step, backward_end=self.backward_end, model=module,
+                topology=self.topology,
+            )  # fmt: skip
+        runtime = start_runtime(
+            module, sharded, self.config, self.topology, step=self.step, reducer=self.reducer,
+            backward_end=self.backward_end, rank=self.rank,
+        )  # fmt: skip
         self.placement = Sharded(runtime)
 
-    def _secondary_partition(self) -> tuple[int, int, Any] | None:
-        """hpZ's (node rank, node size, node group) when asked for and there is more than one node."""
-        if not self.config.secondary_partition:
-            return None
-        if self.topology.cross_group is None:  # one node: the backward's gathers stay in it anyway
-            if self.rank == 0:
-                warnings.warn(
-                    "zero.secondary_partition: the run has one node (zero.node_size = the world size), so every"
-                    " gather stays inside it already; the secondary partition is off",
-                    stacklevel=2,
-                )
-            return None
-        return self.topology.node_rank, self.topology.node_size, self.topology.node_group
-
     @property
-    def stage3(self) -> Stage3Runtime | None:
-        """Stage 3's runtime while the module is sharded (for introspection: memory, tests)."""
+    def stage3(self) -> Stage3Runtime | None:  # stage 3's runtime while sharded (introspection: memory, tests)
         return self.placement.runtime
 
     @property
-    def gathers(self) -> ParamGathers | None:
-        """Stages 1 and 2 while training: the post-step parameter all-gathers (for introspection)."""
+    def gathers(self) -> ParamGathers | None:  # stages 1 and 2 while training: the post-step all-gathers
         return self.placement.gathers
 
-    def wrap(self, module: Module, optimizers: Sequence[Optimizer], *, marks_micro_batches: bool = True) -> list:
+    def wrap(
+        self,
+        module: Module,
+        optimizers: Sequence[Optimizer],
+        *,
+        marks_micro_batches: bool = True,
+        make_average: Callable[..., WeightAverage | None] | None = None,
+    ) -> list:
         """Flat units for the optimizers' parameters (stages 1 and 2; stage 3's come from ``shard``), one
         gradient reducer, and a ZeroOptimizer around each optimizer, returned. ``marks_micro_batches``: the
         front door enters ``no_sync`` for the micro-batches before a step's last (else stage 1 cannot know
-        which backward is a step's last, and reduces in every one)."""
+        which backward is a step's last, and reduces at the step). ``make_average(units, settle=...)``: the
+        weight average a callback keeps (sharding/averaging.py), if any."""
         self.module = module
         self.buffer_sync = BufferSync(module) if self.config.broadcast_buffers else None
         names = check_optimizer_params(module, optimizers, rank=self.rank)
-        if self.placement.units_from_optimizers:
-            shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
-            self.units = units_per_param_group(optimizers, names, self.config, **shard)
-            UnitIndex(self.units).attach(module)
-            self.load_hooks = install_load_hooks(module, self.units)
-        self.optimizers, self.reducer, gathers = wrap_optimizers(
-            optimizers,
-            [u for u in self.units if u.trainable],  # stage 3's frozen units need no gradients
-            names,
-            self.config,
+        gathers = None
+        if self.placement.units_from_optimizers:  # stages 1 and 2: a unit per param group, gathered after a step
+            units, gathers, self.reducer = replicated_training(
+                module, optimizers, names, self.config, self.topology, step=self.step, backward_end=self.backward_end,
+                marks_micro_batches=marks_micro_batches,
+            )  # fmt: skip
+            self.unit_set.use(units, module)
+            self.placement = Replicated(self.step, gathers)
+        else:  # stage 3
+            check_units_follow_optimizers(optimizers, [u for u in self.units if u.trainable])
+        trainable = [u for u in self.units if u.trainable]  # stage 3's frozen units need no gradients
+        settle = functools.partial(before_weights_change, self.placement, self.unit_set, self.background)
+        self.average = make_average(self.units, settle=settle) if make_average is not None else None
+        activation = ParamActivation(
+            config=self.config, module=module, unit_set=self.unit_set, reducer=self.reducer, placement=self.placement,
+            average=self.average, before_change=settle, rank=self.topology.shard_rank,
             world_size=self.topology.shard_size,
-            backward_end=self.backward_end,
-            model=module,
-            topology=self.topology,
-            activate=self.activate,
-        )
+        )  # fmt: skip
+        self.optimizers = wrap_optimizers(
+            optimizers, trainable, names, self.reducer, config=self.config, topology=self.topology, gathers=gathers,
+            activation=activation,
+        )  # fmt: skip
         if self.background is not None:  # a background save's snapshot is taken before the state changes
             for optimizer in self.optimizers:
                 optimizer.register_step_pre_hook(lambda *_: self.background.wait_snapshot())
-        # torch.compile would trace the post-step gathers' overlapping mode and recompile as it comes and goes
-        overlap = self.config.overlap_param_gather and not runs_compiled_code(module)
-        self.placement.attach(self.reducer, gathers, overlap=overlap)
-        self.reducer.accumulating = not marks_micro_batches
         return self.optimizers
 
-    def activate(self, params: list[Parameter]) -> tuple[dict, dict]:
-        """``ZeroOptimizer.add_param_group``: gives ``params`` master weights and gradients from now on
-        (stage 3: their frozen units become trainable; stages 1-2: they get a unit of their own)."""
-        self.before_weights_change()  # (a background save may be copying the units it changes)
-        names = {p: n for n, p in self.module.named_parameters()}
-        shard = {"rank": self.topology.shard_rank, "world_size": self.topology.shard_size}
-        unit_location = UnitIndex.of(self.module)
-        units = trainable_units(params, names, self.config, unit_location, **shard)
-        if self.placement.units_from_optimizers:  # units of their own
-            self.units += units
-            unit_location.add(units)
-            self.load_hooks += install_load_hooks(self.module, units)
-        self.reducer.add_units(units)
-        self.placement.add_units(units)
-        if self.average is not None:
-            self.average.units_changed()
-        return {p: unit_location(p) for p in params}, names
-
     def record_collectives(self, stack: ExitStack) -> None:
-        """With ``config.check_collectives`` (a debug mode): records every collective until ``stack`` closes."""
-        self.collective_log, self._checked = None, 0
-        if self.config.check_collectives:
-            self.collective_log = stack.enter_context(collectives.record())
+        """With ``config.check_collectives``: records every collective until ``stack`` closes (see ``check_...``)."""
+        self.collective_check = collectives.SequenceCheck(stack if self.config.check_collectives else None)
 
     def check_collectives(self, where: str) -> None:
         """With ``config.check_collectives``: every rank's collectives since the last check must be the same, or
         every rank raises one error naming the first difference and ``where`` (e.g. "before global step 3")."""
-        if self.collective_log is None:
-            return
-        sequence = self.collective_log[self._checked :]
-        self._checked = len(self.collective_log)
-        digest = hashlib.sha1(repr(sequence).encode()).hexdigest()  # not hash(): salted per process
-        digests = collectives.all_gather_object((len(sequence), digest))
-        if len(set(digests)) > 1:
-            problem = collectives.first_divergence(collectives.all_gather_object(sequence))
-            raise RuntimeError(f"the ranks issued different collectives {where}: {problem}")
+        self.collective_check.check(where)
 
     # --- steps (see [Note: the step's boundaries]) -------------------------------------------------
     def begin_training_forward(self) -> None:
         if self.background is not None:  # a failed background save raises here, on every rank alike
             self.background.poll()
         if self.buffer_sync is not None:  # see [Note: when buffers are broadcast] in sharding/buffer_sync.py
-            self.buffer_sync.forward_starts(training=True, synchronized=not self.blocked)
+            self.buffer_sync.forward_starts(training=True, synchronized=not self.step.in_no_sync)
         if any(unit.data_replaced() for unit in self.units):  # (pointer checks; a post-step gather must land first)
             self.settle()
+        self._end_open_step("begin_training_forward")
+        self.step.advance("begin_training_forward")
         self.placement.begin_step()
+
+    def _end_open_step(self, event: str) -> None:
+        """Before a step (``event``): the last one ends if its forward gave no backward (training_step returned
+        None)."""
+        self.step.ready_for(event)
+        if self.step.ends_open_step:
+            self.placement.end_step()
 
     def end_training_forward(self, *, step_ends: bool = False) -> None:
         """After a training forward; ``step_ends``: its backward happened inside it (manual optimization)."""
-        self.placement.end_forward(step_ends=step_ends)
+        self.step.ready_for(event := "end_step_in_forward" if step_ends else "end_training_forward")
+        self.placement.end_forward(step_ends=step_ends)  # (inside the step still: stage 3 serves the rest of it)
+        self.step.advance(event)
 
     def before_backward(self, loss: torch.Tensor) -> None:
+        self.step.advance("before_backward")
         self.backward_end.arm_on(loss)  # the end-of-backward callback belongs to this backward
 
     def after_backward(self) -> None:
         """After a step's backward (not under manual optimization, whose step ends with its forward)."""
+        self.step.ready_for("after_backward")
         self.placement.end_step()
+        self.step.advance("after_backward")
 
-    @contextmanager
-    def no_sync(self) -> Generator[None, None, None]:
+    def no_sync(self) -> AbstractContextManager:
         """The micro-batches before a step's last: stage 1 only accumulates gradients locally."""
-        blocked, self.blocked = self.blocked, True
-        accumulating = self.reducer.accumulating if self.reducer is not None else None
-        if self.reducer is not None:
-            self.reducer.accumulating = True
-        try:
-            yield
-        finally:
-            self.blocked = blocked
-            if self.reducer is not None:
-                self.reducer.accumulating = accumulating
+        return self.step.no_sync()
 
     def forward_only(
         self,
@@ -300,11 +247,17 @@ class ZeroEngine:
         if self.buffer_sync is not None:
             self.buffer_sync.forward_starts(training=False, synchronized=False)
         check = functools.partial(self.check_collectives, checked_as)
+        join = None
         if last is None or isinstance(self.placement, Replicated):
             check()
-            return self.placement.forward_only(step, args, kwargs, join=None)
-        join = Join(self._count_ranks_with_batch, last, check)
-        return self.placement.forward_only(step, args, kwargs, join=join)
+        else:
+            join = Join(self._count_ranks_with_batch, last, check)
+        self._end_open_step("begin_forward_only")
+        self.step.advance("begin_forward_only")
+        try:
+            return self.placement.forward_only(step, args, kwargs, join=join)
+        finally:
+            self.step.advance("end_forward_only")
 
     def _count_ranks_with_batch(self, has_batch: int) -> int:
         flag = torch.tensor([has_batch], dtype=torch.int32, device=self.device)
@@ -313,16 +266,7 @@ class ZeroEngine:
     def settle(self) -> None:
         """Waits for the post-step parameter all-gathers still running (before anything reads parameters), and keeps
         a ``.data`` user code replaced (sharding/param_writes.py's [Note: a replaced .data])."""
-        self.placement.settle()
-        for unit in self.units:
-            unit.take_replaced()
-
-    def before_weights_change(self) -> None:
-        """Before anything but the optimizer step writes the masters (the averaging callbacks' swaps): the
-        parameter all-gathers settled and a background save's snapshot taken (background.py's Note)."""
-        self.settle()
-        if self.background is not None:
-            self.background.wait_snapshot()
+        settle(self.placement, self.unit_set)
 
     def release_gradients(self) -> None:
         """Drops the gradients accumulated so far (as ``module.zero_grad()`` drops ddp's)."""
@@ -370,7 +314,8 @@ class ZeroEngine:
         """Stage 3, between runs: makes ``module`` whole on ``device``, one unit at a time. Collective."""
         if isinstance(self.placement, Sharded):
             self.peak_gathered_bytes = self.placement.runtime.peak_gathered_bytes
-            self.placement, self.units = self.placement.gather_module(module, device), []
+            self.placement = self.placement.gather_module(module, device)
+            self.unit_set.use([])
 
     def save(
         self,
@@ -380,35 +325,42 @@ class ZeroEngine:
         module: Module,
         optimizers: Sequence[ZeroOptimizer],
         synchronous: bool = False,
+        on_phase: Observer | None = None,
     ) -> None:
         """Writes ``checkpoint`` (the front door's own state) and each rank's shards of ``module``, ``optimizers``
-        and the weight average as a checkpoint directory (collective; checkpoint/save.py); in the background with
-        ``config.async_save`` unless ``synchronous``."""
+        and the weight average as a checkpoint directory (collective; checkpoint/save.py's ``SaveJob``); in the
+        background with ``config.async_save`` unless ``synchronous``. ``on_phase(phase, path)``: told of each point
+        the save reaches (save.py's [Note: observing a save])."""
         self.settle()
         if self.background is not None:
             self.background.wait()  # at most one save in flight
-        checkpoint_save.save(
-            checkpoint,
-            path,
-            model=module,
-            units=self.units,
-            optimizers=optimizers,
-            stage=self.config.stage,
-            rank=self.rank,
-            world_size=self.topology.shard_size,
-            shard_rank=self.topology.shard_rank,
-            writes_shards=self.topology.writes_checkpoint_shards,
-            consolidated=self.config.save_consolidated,
-            average=self.average,
-            background=None if synchronous else self.background,
-        )
+        spec = SaveSpec(
+            model=module, units=self.units, optimizers=optimizers, stage=self.config.stage, rank=self.rank,
+            topology=self.topology, consolidated=self.config.save_consolidated, average=self.average,
+        )  # fmt: skip
+        background = None if synchronous else self.background
+        SaveJob(checkpoint, path, spec, background=background, on_phase=on_phase).run()
+
+    def load(
+        self, path: Any, *, module: Module | None, optimizers: Sequence[ZeroOptimizer], trusted: bool = False
+    ) -> Restore:
+        """Opens the checkpoint ``path`` (a directory of any world size and stage, a plain Lightning file or a DCP
+        directory) for ``module`` and ``optimizers``, once a save in flight has finished: every rank checks it and
+        all raise the first problem (collective; checkpoint/io.py). Returns what restores their sharded state from
+        it, each part when the front door asks (checkpoint/restore.py). Pickled state is loaded with
+        ``weights_only`` unless ``trusted``."""
+        self.finish_saves()
+        self.settle()
+        model_names = list(module.state_dict(keep_vars=True)) if module is not None else None
+        loaded = open_checkpoint(
+            path, rank=self.rank, world_size=self.topology.shard_size * self.topology.replicas,
+            optimizer_names=[o.param_names() for o in optimizers], model_names=model_names, weights_only=not trusted,
+        )  # fmt: skip
+        return Restore(loaded, units=self.units, group=self.topology.shard_group, average=self.average)
 
     def after_saves(self, then: Callable[[], None]) -> None:
         """Runs ``then`` once the save in flight has succeeded (background saves), else now."""
-        if self.background is not None:
-            self.background.defer(then)
-        else:
-            then()
+        self.background.defer(then) if self.background is not None else then()
 
     def finish_saves(self) -> None:
         """Waits for a background save in flight (raising its error): before an exit that must leave it done."""
@@ -416,19 +368,10 @@ class ZeroEngine:
             self.background.wait()
 
     def memory_bytes(self) -> dict[str, int]:
-        """This rank's persistent bytes by category, device and ``host_*`` (see ``memory.persistent_bytes``;
-        stage 3's units gathered for a moment: ``peak_gathered_bytes``), and ``weight_average`` while a
-        weight average is kept (this rank's share, sharding/averaging.py)."""
+        """This rank's persistent bytes by category, device and ``host_*`` (planning/memory.py's ``engine_bytes``)."""
+        node_size = self.topology.node_size if self.stage3 is not None and self.stage3.node is not None else None
         offloaded = self.config.offload_optimizer != "none"
-        totals = persistent_bytes(self.units, self.optimizers, self.module, offloaded=offloaded)
-        if self.average is not None:
-            totals["weight_average"] = self.average.nbytes()
-        if self.stage3 is not None and self.stage3.node is not None:  # held between a forward and its backward
-            size = self.topology.node_size
-            totals["secondary_partition"] = sum(
-                u.flat_param.numel() // size * u.flat_param.element_size() for u in self.units
-            )
-        return totals
+        return engine_bytes(self.units, self.optimizers, self.module, self.average, offloaded, node_size)
 
     # --- the end -----------------------------------------------------------------------------------
     def teardown(self) -> None:
@@ -450,18 +393,7 @@ class ZeroEngine:
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
-        for handle in self.load_hooks:
-            handle.remove()
-        self.load_hooks = []
+        self.unit_set.release()
+        self.step.reset()
         self.buffer_sync = None
         self.average = None
-
-
-def _background_saves(config: ZeroConfig, topology: Topology) -> BackgroundSaves | None:
-    """With ``config.async_save``: the writer and its own group of every rank (collective: made at set-up)."""
-    if not config.async_save:
-        return None
-    many = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    timeout = timedelta(seconds=config.timeout)  # (torch's default would leave a lost peer's save waiting 30 min)
-    group = torch.distributed.new_group(backend="gloo", timeout=timeout) if many else None
-    return BackgroundSaves(group, poll_group=topology.host_world)

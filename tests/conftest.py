@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.support import cuda_emulator
+from tests.support.environment import launcher_environ
 from tests.support.helpers import COLLECTIVE_TIMEOUT_S, TASK_DEADLINE_S, save_stage2_checkpoint
 from tests.support.pool import RankPools
 
@@ -33,22 +34,21 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(tier)
 
 
-LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK")
-
-
 @pytest.fixture(autouse=True)
 def _leaves_no_process_group():
     """A test that trains in this process (world size 1) must leave no process group, and none of the variables
-    Lightning sets for one, behind: the next test's Trainer, or a command it launches, would inherit them."""
-    before = {k: os.environ.get(k) for k in LAUNCHER_VARS}
+    Lightning, a launcher or a scheduler sets for one (environment.py), behind: the next test's Trainer, or a
+    command it launches, would inherit them."""
+    before = launcher_environ()
     yield
-    leaked = [k for k in LAUNCHER_VARS if os.environ.get(k) != before[k]]
+    after = launcher_environ()
+    leaked = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     initialized = torch.distributed.is_initialized()
     for k in leaked:
-        if before[k] is None:
-            os.environ.pop(k)
-        else:
+        if k in before:
             os.environ[k] = before[k]
+        else:
+            os.environ.pop(k)
     if initialized:
         torch.distributed.destroy_process_group()
     assert not initialized and not leaked, f"the test left a process group ({initialized}) or set {leaked}"

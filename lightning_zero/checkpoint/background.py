@@ -32,6 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -84,7 +85,8 @@ class BackgroundSaves:
     def start(self, snapshot: Callable[[], Any], work: Callable[[Any, BaseException | None], None]) -> None:
         """Runs ``snapshot()`` (the host copies) and then ``work(what it returned, None)`` (the rest of a save) in
         the writer thread, or ``work(None, error)`` if the copy failed: ``work`` always runs, so the ranks' writers
-        always agree. The next optimizer step waits for the snapshot (see the Note)."""
+        always agree. The next optimizer step waits for the snapshot (see the Note). A ``SaveJob`` hands over its
+        ``snapshot`` and ``finish`` (save.py's [Note: a save as a job])."""
         queued = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # the work queued so far on this rank's device: the state as the saving step leaves it. (A new thread
@@ -193,3 +195,14 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux, or not allowed: the writer keeps the training's priority
         pass
+
+
+def background_saves(async_save: bool, timeout_s: float, poll_group) -> BackgroundSaves | None:
+    """With ``ZeroConfig.async_save``: the writer and its own group of every rank (collective: made at set-up), its
+    peers waited for at most ``timeout_s`` (``ZeroConfig.timeout``); ``poll_group``: the topology's ``host_world``."""
+    if not async_save:
+        return None
+    many = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    timeout = timedelta(seconds=timeout_s)  # (torch's default would leave a lost peer's save waiting 30 min)
+    group = torch.distributed.new_group(backend="gloo", timeout=timeout) if many else None
+    return BackgroundSaves(group, poll_group=poll_group)

@@ -36,9 +36,10 @@ import math
 import os
 import pickle
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import xxhash
@@ -146,90 +147,122 @@ class Metadata:
 MAX_WORLD_SIZE = 1 << 20
 MAX_NUMEL = 1 << 44
 DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
-_RANK_FILE = re.compile(r"rank-(\d{5,})\.pt")
+
+
+def _fail(where: Path, field: str, value: Any, allowed: str) -> NoReturn:
+    raise CheckpointError(f"{where}: {field} must be {allowed}, got {str(value)[:80]!r}")
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(name, str) for name in value)
+
+
+# Metadata's plain fields: (field, predicate of its value, what is allowed); the counts come before the
+# files, whose checks read the world size, and the names after the units, as they are listed in Metadata.
+COUNT_FIELDS = (
+    ("stage", lambda stage: stage in (1, 2, 3), "1, 2 or 3"),
+    (
+        "world_size",
+        lambda world: _integer(world) and 1 <= world <= MAX_WORLD_SIZE,
+        f"an integer in [1, {MAX_WORLD_SIZE}]",
+    ),
+    ("global_step", lambda step: _integer(step) and step >= 0, "an integer >= 0"),
+    ("epoch", lambda epoch: _integer(epoch) and epoch >= 0, "an integer >= 0"),
+)
+NAME_FIELDS = (
+    ("state_dict_keys", _names, "a list of names"),
+    (
+        "optimizers",
+        lambda optimizers: (
+            isinstance(optimizers, list)
+            and all(isinstance(groups, list) and all(_names(group) for group in groups) for groups in optimizers)
+        ),
+        "per optimizer, a list of param groups' parameter names",
+    ),
+    ("weights_only", lambda weights_only: isinstance(weights_only, bool), "true or false"),
+)
 
 
 def _validate(raw: dict[str, Any], where: Path) -> None:
     """Raises a CheckpointError naming the first field that is not what a lightning_zero save writes:
     every file a plain name inside the checkpoint (``rank-NNNNN.pt`` for each saved rank, ``lightning.pt``),
     world size and shapes bounded, dtypes known."""
-
-    def fail(field: str, value: Any, allowed: str) -> None:
-        raise CheckpointError(f"{where}: {field} must be {allowed}, got {str(value)[:80]!r}")
-
-    def integer(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
     expected = {"stage", "world_size", "global_step", "epoch", "units", "optimizers", "state_dict_keys"}
     expected |= {"weights_only", "files", "format", "version"}
     if set(raw) != expected:
-        fail("its fields", sorted(raw), f"{sorted(expected)}")
-    if raw["stage"] not in (1, 2, 3):
-        fail("stage", raw["stage"], "1, 2 or 3")
-    world = raw["world_size"]
-    if not integer(world) or not 1 <= world <= MAX_WORLD_SIZE:
-        fail("world_size", world, f"an integer in [1, {MAX_WORLD_SIZE}]")
-    for key in ("global_step", "epoch"):
-        if not integer(raw[key]) or raw[key] < 0:
-            fail(key, raw[key], "an integer >= 0")
-    files = raw["files"]
+        _fail(where, "its fields", sorted(raw), f"{sorted(expected)}")
+    _check_fields(raw, COUNT_FIELDS, where)
+    _validate_files(raw["files"], raw["world_size"], raw["version"], where)
+    _validate_units(raw["units"], where)
+    _check_fields(raw, NAME_FIELDS, where)
+
+
+def _check_fields(raw: dict[str, Any], rows: tuple[tuple[str, Callable[[Any], bool], str], ...], where: Path) -> None:
+    for key, ok, allowed in rows:
+        if not ok(raw[key]):
+            _fail(where, key, raw[key], allowed)
+
+
+def _validate_files(files: Any, world: int, version: int, where: Path) -> None:
+    """Exactly the files a save of ``world`` ranks writes, each with its size and checksum."""
     if not isinstance(files, dict):
-        fail("files", files, "an object of file name -> size and checksum")
+        _fail(where, "files", files, "an object of file name -> size and checksum")
     # The count first: no set of a million names is built for a crafted world size.
     optional = {CONSOLIDATED} & set(files)
     wanted = {rank_file(r) for r in range(world)} | {LIGHTNING} if len(files) == world + 1 + len(optional) else set()
     if set(files) - optional != wanted:
         odd = sorted((set(files) - optional) ^ wanted)[:3]
-        fail("files", odd, f"exactly {LIGHTNING} and rank-00000.pt .. {rank_file(world - 1)} (and {CONSOLIDATED})")
-    digest = "sha256" if raw["version"] == 1 else WRITTEN_DIGEST
+        _fail(
+            where, "files", odd, f"exactly {LIGHTNING} and rank-00000.pt .. {rank_file(world - 1)} (and {CONSOLIDATED})"
+        )
+    digest = "sha256" if version == 1 else WRITTEN_DIGEST
+    digits = DIGESTS[digest][1]
     for name, entry in files.items():
         if not isinstance(entry, dict) or set(entry) != {"bytes", digest}:
-            fail(f"files[{name!r}]", entry, f'{{"bytes": ..., "{digest}": ...}}')
-        if not integer(entry["bytes"]) or entry["bytes"] < 0:
-            fail(f"files[{name!r}].bytes", entry["bytes"], "an integer >= 0")
-        digits = DIGESTS[digest][1]
+            _fail(where, f"files[{name!r}]", entry, f'{{"bytes": ..., "{digest}": ...}}')
+        if not _integer(entry["bytes"]) or entry["bytes"] < 0:
+            _fail(where, f"files[{name!r}].bytes", entry["bytes"], "an integer >= 0")
         if not isinstance(entry[digest], str) or not re.fullmatch(f"[0-9a-f]{{{digits}}}", entry[digest]):
-            fail(f"files[{name!r}].{digest}", entry[digest], f"{digits} hexadecimal digits")
-    if not isinstance(raw["units"], list):
-        fail("units", raw["units"], "a list")
-    for u, unit in enumerate(raw["units"]):
+            _fail(where, f"files[{name!r}].{digest}", entry[digest], f"{digits} hexadecimal digits")
+
+
+def _validate_units(units: Any, where: Path) -> None:
+    if not isinstance(units, list):
+        _fail(where, "units", units, "a list")
+    for u, unit in enumerate(units):
         if not isinstance(unit, dict) or set(unit) != {"params", "buckets"} or not isinstance(unit["params"], list):
-            fail(f"units[{u}]", unit, '{"params": [...], "buckets": [...]}')
+            _fail(where, f"units[{u}]", unit, '{"params": [...], "buckets": [...]}')
         for p, param in enumerate(unit["params"]):
-            field_ = f"units[{u}].params[{p}]"
-            if not isinstance(param, dict) or set(param) != {"name", "keys", "shape", "dtype"}:
-                fail(field_, param, '{"name", "keys", "shape", "dtype"}')
-            if not isinstance(param["name"], str) or not isinstance(param["keys"], list):
-                fail(field_, param, "a name and a list of keys")
-            shape = param["shape"]
-            if (
-                not isinstance(shape, list)
-                or not all(integer(d) and d >= 0 for d in shape)
-                or math.prod(shape) > MAX_NUMEL
-            ):
-                fail(f"{field_}.shape", shape, f"a list of sizes >= 0 with at most {MAX_NUMEL} elements")
-            if param["dtype"] not in DTYPES:
-                fail(f"{field_}.dtype", param["dtype"], f"one of {', '.join(sorted(DTYPES))}")
-        bounds = unit["buckets"]
-        n = len(unit["params"])
-        if not isinstance(bounds, list) or not all(
-            isinstance(b, list) and len(b) == 2 and all(map(integer, b)) for b in bounds
-        ):
-            fail(f"units[{u}].buckets", bounds, "a list of [first, end] pairs")
-        if bounds and (
-            [b[0] for b in bounds[1:]] != [b[1] for b in bounds[:-1]] or bounds[0][0] != 0 or bounds[-1][1] != n
-        ):
-            fail(f"units[{u}].buckets", bounds, f"[first, end) ranges covering parameters 0..{n} in order")
-    if not isinstance(raw["state_dict_keys"], list) or not all(isinstance(k, str) for k in raw["state_dict_keys"]):
-        fail("state_dict_keys", raw["state_dict_keys"], "a list of names")
-    optimizers = raw["optimizers"]
-    if not isinstance(optimizers, list) or not all(
-        isinstance(groups, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in groups)
-        for groups in optimizers
+            _validate_param(param, f"units[{u}].params[{p}]", where)
+        _validate_buckets(unit["buckets"], len(unit["params"]), f"units[{u}].buckets", where)
+
+
+def _validate_param(param: Any, field: str, where: Path) -> None:
+    if not isinstance(param, dict) or set(param) != {"name", "keys", "shape", "dtype"}:
+        _fail(where, field, param, '{"name", "keys", "shape", "dtype"}')
+    if not isinstance(param["name"], str) or not isinstance(param["keys"], list):
+        _fail(where, field, param, "a name and a list of keys")
+    shape = param["shape"]
+    if not isinstance(shape, list) or not all(_integer(d) and d >= 0 for d in shape) or math.prod(shape) > MAX_NUMEL:
+        _fail(where, f"{field}.shape", shape, f"a list of sizes >= 0 with at most {MAX_NUMEL} elements")
+    if param["dtype"] not in DTYPES:
+        _fail(where, f"{field}.dtype", param["dtype"], f"one of {', '.join(sorted(DTYPES))}")
+
+
+def _validate_buckets(bounds: Any, n: int, field: str, where: Path) -> None:
+    """[first, end) pairs covering the unit's ``n`` parameters in order."""
+    if not isinstance(bounds, list) or not all(
+        isinstance(b, list) and len(b) == 2 and all(map(_integer, b)) for b in bounds
     ):
-        fail("optimizers", optimizers, "per optimizer, a list of param groups' parameter names")
-    if not isinstance(raw["weights_only"], bool):
-        fail("weights_only", raw["weights_only"], "true or false")
+        _fail(where, field, bounds, "a list of [first, end] pairs")
+    if bounds and (
+        [b[0] for b in bounds[1:]] != [b[1] for b in bounds[:-1]] or bounds[0][0] != 0 or bounds[-1][1] != n
+    ):
+        _fail(where, field, bounds, f"[first, end) ranges covering parameters 0..{n} in order")
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -210,7 +210,7 @@ def _read_pieces(units, params, buffers, replicated, read) -> None:
     for unit in units:
         for piece in unit.layout.pieces(unit.rank):
             if unit.trainable:
-                view = unit.master_view(piece.partition_offset, piece.numel)
+                view = unit.training.master_view(piece.partition_offset, piece.numel)
             else:
                 view = unit.param_shard[piece.partition_offset : piece.partition_offset + piece.numel]
             exact = view.dtype == torch.float32 and view.device.type == "cpu"
@@ -264,7 +264,7 @@ def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimize
 def _read_optimizer_state(loaded: LoadedCheckpoint, optimizer: ZeroOptimizer) -> None:
     group_of = {id(t): g for g in optimizer.optimizer.param_groups for t in g["params"]}
     for unit in optimizer.units:
-        for piece, tensor in zip(unit.pieces, unit.piece_tensors):
+        for piece, tensor in zip(unit.training.pieces, unit.training.piece_tensors):
             name = unit.names[piece.param]
             found = loaded.reader.state_of(name)
             if found is None:

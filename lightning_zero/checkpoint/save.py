@@ -1,5 +1,5 @@
-"""Writing a sharded checkpoint directory, replacing one of the same name, and removing one: collectively,
-atomically, and never touching what lightning_zero did not write.
+"""Writing a sharded checkpoint directory (a ``SaveJob``), replacing one of the same name, and removing one:
+collectively, atomically, and never touching what lightning_zero did not write.
 
 [Note: the save protocol]
 Three phases, each ending with every rank agreeing on one verdict (an all-gather of the problems, if
@@ -31,6 +31,27 @@ to the newest complete checkpoint beside it (``directory.stand_in``): at every i
 to it, resolve to a complete checkpoint, and publishing exchanges the link for the new directory as it exchanges
 any checkpoint of that name. A failed save removes the link; a killed one leaves it (a name that resolves to the
 older checkpoint, which ``latest`` skips as it skips every link, and the next save of that name replaces).
+
+[Note: a save as a job]
+A ``SaveJob`` is one save; its methods are the phases, called in this order: ``prepare`` (phase 1) and ``capture``
+(what the saving step itself must copy: rank 0's Lightning state and the metadata, the weight average's partitions)
+in the training thread; then ``snapshot`` (this rank's shards on the host), ``write`` (phase 2) and ``publish``
+(phase 3), which ``run`` calls at once, or hands to the background writer (``BackgroundSaves.start``, background.py)
+with ``ZeroConfig(async_save=True)``. A failure before ``write`` is kept, not raised: the ranks agree on it there.
+
+[Note: observing a save]
+A job given ``on_phase`` (``ZeroEngine.save``'s, ``ZeroStrategy(on_save_phase=...)``'s; ``remove``'s likewise)
+calls ``on_phase(phase, path)`` at each point the save of ``path`` reaches, on each rank that reaches it, on the
+thread that runs it (the writer's for a background save's last three phases):
+- "prepared" (every rank): the hidden directory made, every rank agreed;
+- "shards" (every rank): every shard written, every rank agreed;
+- "metadata" (rank 0): Lightning's state and the metadata written, ``COMPLETE`` not yet;
+- "complete" (rank 0): ``COMPLETE`` written, the directory not yet in place;
+- "exchanged" (rank 0, over a checkpoint of the same name): the new one in place, the old one under the hidden
+  name, not yet deleted;
+- "published" (every rank): in place, every rank agreed;
+- "removing" (rank 0, ``remove``): the checkpoint renamed aside, not yet deleted.
+An observer watches and must not raise; it may block (the kill tests stop a save at a phase and kill it there).
 """
 
 from __future__ import annotations
@@ -39,23 +60,18 @@ import ctypes
 import errno
 import os
 import shutil
-import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn import Module
 
-from lightning_zero.checkpoint import hugging_face
 from lightning_zero.checkpoint.atomic import fsync_dir, write_atomically
 from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.consolidate import write_consolidated
 from lightning_zero.checkpoint.directory import OURS, delete, point_links_away, remove_ours, stand_in
 from lightning_zero.checkpoint.format import (
-    AVERAGED,
-    AVERAGED_IN_SHARDS,
     COMPLETE,
     CONSOLIDATED,
     LIGHTNING,
@@ -63,37 +79,16 @@ from lightning_zero.checkpoint.format import (
     WRITTEN_DIGEST,
     CheckpointError,
     Metadata,
-    ParamEntry,
-    UnitEntry,
     file_digest,
     is_checkpoint,
     partial_dir,
     rank_file,
 )
+from lightning_zero.checkpoint.save_state import SaveSpec, lightning_state, metadata
 from lightning_zero.checkpoint.snapshot import copy_tensors, unit_payload, zip_crc32
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.averaging import WeightAverage
-from lightning_zero.sharding.flat_unit import FlatUnit
-from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
-PAUSE_ENV = "LIGHTNING_ZERO_TEST_PAUSE"  # tests: "<phase>@<n>:<marker file>" stops the n-th save there
-_phases_reached: dict[str, int] = {}
-
-
-def _pause(phase: str) -> None:
-    """Test-only: the kill tests stop a save at a chosen phase (``PAUSE_ENV``) and kill -9 it there."""
-    wanted = os.environ.get(PAUSE_ENV)
-    if not wanted:
-        return
-    spec, _, marker = wanted.partition(":")
-    name, _, nth = spec.partition("@")
-    if name != phase:
-        return
-    _phases_reached[phase] = _phases_reached.get(phase, 0) + 1
-    if _phases_reached[phase] == int(nth or 1):
-        Path(marker).write_text(phase)
-        while True:
-            time.sleep(1)
+Observer = Callable[[str, Path], None]  # on_phase(phase, path): see [Note: observing a save]
 
 
 def _describe(error: BaseException, what: Path) -> str:
@@ -165,7 +160,7 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-def _publish(partial: Path, path: Path) -> None:
+def _publish(partial: Path, path: Path, on_phase: Observer | None = None) -> None:
     """Puts the finished directory in place; an older checkpoint of the same name is replaced atomically.
     Once the new checkpoint is in place, deleting the old one is best effort: the save has succeeded."""
     (partial / OURS).unlink()
@@ -174,7 +169,8 @@ def _publish(partial: Path, path: Path) -> None:
         fsync_dir(path.parent)
         return
     if _exchange(partial, path):
-        _pause("exchanged")
+        if on_phase is not None:
+            on_phase("exchanged", path)
         fsync_dir(path.parent)
         delete(partial, path)  # the old checkpoint, now under the hidden name
         return
@@ -190,205 +186,174 @@ def _publish(partial: Path, path: Path) -> None:
     delete(aside, path)
 
 
-def save(
-    checkpoint: dict[str, Any],
-    path: str | os.PathLike,
-    *,
-    model: Module,
-    units: Sequence[FlatUnit],
-    optimizers: Sequence[ZeroOptimizer],
-    stage: int,
-    rank: int,
-    world_size: int,
-    shard_rank: int | None = None,
-    writes_shards: bool = True,
-    consolidated: bool = False,
-    average: WeightAverage | None = None,
-    background: BackgroundSaves | None = None,
-) -> None:
-    """Writes Lightning's ``checkpoint`` dict and the ranks' shards as the directory ``path`` (collective;
-    see [Note: the save protocol]); with ``background`` the files are written by its writer thread once this
-    rank's state is copied to the host (background.py's [Note: background saves]). ``world_size`` ranks hold
-    the partitions, this one as ``shard_rank`` (default: ``rank``); with hybrid sharding only the first shard
-    group ``writes_shards`` (the others hold replicas of the same partitions), and ``rank`` 0 coordinates.
-    ``consolidated``: rank 0 also writes the whole model's fp32 weights as a Lightning checkpoint into it, from
-    the shard files (format.py).
-    ``average``: a weight-averaging callback's, saved beside the weights (format.py)."""
-    path = Path(path)
-    partial = partial_dir(path)
-    problem, stood_in = None, False
-    if rank == 0:
+class SaveJob:
+    """One save of ``checkpoint`` (the front door's own state) and ``spec``'s shards as the directory ``path``, in
+    the phases of [Note: a save as a job]; ``run`` on every rank (collective). ``background``: the phases after
+    ``capture`` are the writer's (background.py's [Note: background saves]); ``on_phase``: see [Note: observing a
+    save]."""
+
+    def __init__(
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike,
+        spec: SaveSpec,
+        *,
+        background: BackgroundSaves | None = None,
+        on_phase: Observer | None = None,
+    ) -> None:
+        self.checkpoint, self.path, self.spec, self.on_phase = checkpoint, Path(path), spec, on_phase
+        self.partial, self.background = partial_dir(self.path), background
+        self.group = background.group if background is not None else None  # the ranks agree over it
+        self.weights_only = "optimizer_states" not in checkpoint
+        self.owner = {id(u): opt for opt in spec.optimizers for u in opt.units}
+        writes = spec.topology.writes_checkpoint_shards
+        self.name = rank_file(spec.topology.shard_rank) if writes else None  # this rank's shard file
+        self.problem: str | None = None  # this rank's first failure, which every rank learns in ``write``
+        self.stood_in = False  # see [Note: a background save's name]
+        self.averaged: list = [None] * len(spec.units)  # the weight average's partitions, copied
+        self.lightning: dict | None = None  # rank 0: Lightning's state and the metadata
+        self.meta: Metadata | None = None
+        self.files: dict[str, dict] = {}  # the shard files written, by name
+
+    def run(self) -> None:
+        """Every phase: at once, or the last three handed to the background writer."""
+        self.prepare()
+        self.capture()
+        if self.background is None:
+            with zip_crc32(False):  # (see zip_crc32)
+                self.finish(self.snapshot())
+        else:
+            self.background.start(self.snapshot, self.finish)
+
+    def _observe(self, phase: str, path: Path) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase, path)
+
+    def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The host tensor written for ``tensor``: a copy that training does not change, in the background."""
+        return self.background.host_copy(tensor) if self.background is not None else tensor.cpu()
+
+    def _empty(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        if self.background is not None:
+            return self.background.host_empty(numel, dtype, pinned)
+        return torch.empty(numel, dtype=dtype)
+
+    def prepare(self) -> None:
+        """Phase 1: rank 0 checks the target and makes the hidden directory (in the background, the name a stand-in:
+        [Note: a background save's name]); every rank agrees."""
+        problem = None
+        if self.spec.rank == 0:
+            try:
+                _prepare(self.path, self.partial)
+                self.stood_in = self.background is not None and stand_in(self.path)
+            except CheckpointError as error:
+                problem = str(error)
+            except OSError as error:
+                problem = _describe(error, self.partial)
+        _agree(problem, self.path, self.spec.rank)
+        self._observe("prepared", self.path)
+
+    def capture(self) -> None:
+        """What the saving step must copy before training goes on (its forward changes buffers, its loop the
+        state, the averaging callback's next update the average): the average's partitions and, on rank 0,
+        Lightning's state and the metadata."""
+        spec = self.spec
         try:
-            _prepare(path, partial)
-            stood_in = background is not None and stand_in(path)  # see [Note: a background save's name]
+            if spec.average is not None and self.name is not None:
+                self.averaged = spec.average.partitions(spec.units)  # (copies)
+            if spec.rank == 0:
+                self.lightning = lightning_state(self.checkpoint, spec)
+                if self.background is not None:
+                    self.lightning = copy_tensors(self.lightning, self._keep)
+                self.meta = metadata(self.checkpoint, spec, weights_only=self.weights_only)
         except CheckpointError as error:
-            problem = str(error)
-        except OSError as error:
-            problem = _describe(error, partial)
-    _agree(problem, path, rank)
-    _pause("prepared")
+            self.problem = str(error)
+        except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
+            self.problem = _describe(error, self.partial / LIGHTNING)
 
-    weights_only = "optimizer_states" not in checkpoint
-    owner = {id(u): opt for opt in optimizers for u in opt.units}
-    keep = background.host_copy if background is not None else (lambda t: t.cpu())
-    empty = background.host_empty if background is not None else (lambda n, dtype, pinned: torch.empty(n, dtype=dtype))
-    name = rank_file(rank if shard_rank is None else shard_rank) if writes_shards else None
-    averaged: list = [None] * len(units)
-
-    def snapshot() -> tuple[dict | None, str | None]:
+    def snapshot(self) -> tuple[dict | None, str | None]:
         """This rank's shards on the host, or the problem (in the background: before the next optimizer step)."""
+        if self.name is None:
+            return None, None
         try:
-            if not writes_shards:
-                return None, None
-            payloads = zip(units, averaged)
-            return {
-                "units": [unit_payload(u, owner.get(id(u)), weights_only, a, keep, empty) for u, a in payloads]
-            }, None
+            payloads = zip(self.spec.units, self.averaged)
+            units = [
+                unit_payload(u, self.owner.get(id(u)), self.weights_only, a, self._keep, self._empty)
+                for u, a in payloads
+            ]
+            return {"units": units}, None
         except CheckpointError as error:
             return None, str(error)
         except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
-            return None, _describe(error, partial / name)
+            return None, _describe(error, self.partial / self.name)
 
-    lightning, meta, problem = None, None, None
-    try:  # what this step must copy before training goes on (its forward changes buffers, its loop the state)
-        if average is not None and writes_shards:
-            averaged = average.partitions(units)  # (copies, which the averaging callback's next update changes)
-        if rank == 0:
-            lightning = _lightning(checkpoint, model, units, optimizers, average)
-            if background is not None:
-                lightning = copy_tensors(lightning, keep)
-            meta = _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, {})
-    except CheckpointError as error:
-        problem = str(error)
-    except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
-        problem = _describe(error, partial / LIGHTNING)
-
-    def write(taken: tuple[dict | None, str | None], failure: BaseException | None = None) -> None:
-        shard, shard_problem = taken if failure is None else (None, _describe(failure, partial / (name or "")))
-        group = background.group if background is not None else None
+    def finish(self, taken: tuple[dict | None, str | None] | None, failure: BaseException | None = None) -> None:
+        """``write`` and ``publish`` what ``snapshot`` took (``failure``: why it took nothing). A failed save's
+        stand-in goes with it."""
+        shard, problem = taken if failure is None else (None, _describe(failure, self.partial / (self.name or "")))
+        self.problem = self.problem or problem
         try:
-            _write_files(
-                path, partial, rank, name, shard, lightning, meta, consolidated, problem or shard_problem, group
-            )
+            self.write(shard)
+            self.publish()
         except BaseException:
-            if stood_in and path.is_symlink():  # (the save failed: its stand-in goes with it)
-                path.unlink()
+            if self.stood_in and self.path.is_symlink():
+                self.path.unlink()
             raise
 
-    if background is None:
-        with zip_crc32(False):  # (see zip_crc32)
-            write(snapshot())
-    else:
-        background.start(snapshot, write)
-
-
-def _write_files(
-    path: Path,
-    partial: Path,
-    rank: int,
-    name: str | None,
-    shard: dict | None,
-    lightning: dict | None,
-    meta: Metadata | None,
-    consolidated: bool,
-    problem: str | None,
-    group=None,
-) -> None:
-    """Phases 2 and 3 of [Note: the save protocol], the ranks agreeing over ``group``."""
-    entry = None
-    try:
-        if problem is None and name is not None:
-            entry = write_atomically(partial / name, lambda f: torch.save(shard, f))
-    except CheckpointError as error:
-        problem = str(error)
-    except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
-        problem = _describe(error, partial / name)
-    written = collectives.all_gather_object((name, entry, problem), group=group)
-    problems = [p for _, _, p in written if p is not None]
-    if problems:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"cannot save checkpoint {path}: {problems[0]}")
-    _pause("shards")
-
-    problem = None
-    if rank == 0:
+    def write(self, shard: dict | None) -> None:
+        """Phase 2: this rank's shard file; every rank agrees (and learns any rank's earlier failure)."""
+        problem, entry = self.problem, None
         try:
-            files = {n: e for n, e, _ in written if n is not None}
-            files[LIGHTNING] = write_atomically(partial / LIGHTNING, lambda f: torch.save(lightning, f))
-            meta.files = files
-            if consolidated:  # streamed from the shard files just written: about one parameter in memory
-                write_consolidated(partial, meta, lightning, partial / CONSOLIDATED)
-                size = (partial / CONSOLIDATED).stat().st_size
-                meta.files[CONSOLIDATED] = {"bytes": size, WRITTEN_DIGEST: file_digest(partial / CONSOLIDATED)}
-            write_atomically(partial / METADATA, lambda f: f.write(meta.to_json().encode()))
-            _pause("metadata")
-            write_atomically(partial / COMPLETE, lambda f: None)
-            fsync_dir(partial)
-            _pause("complete")
-            _publish(partial, path)
-        except Exception as error:  # noqa: BLE001
-            shutil.rmtree(partial, ignore_errors=True)
-            problem = str(error) if isinstance(error, CheckpointError) else _describe(error, path)
-    _agree(problem, path, rank, group)
-    _pause("published")
+            if problem is None and self.name is not None:
+                entry = write_atomically(self.partial / self.name, lambda f: torch.save(shard, f))
+        except CheckpointError as error:
+            problem = str(error)
+        except Exception as error:  # noqa: BLE001 - every failure becomes the one agreed error
+            problem = _describe(error, self.partial / self.name)
+        written = collectives.all_gather_object((self.name, entry, problem), group=self.group)
+        problems = [p for _, _, p in written if p is not None]
+        if problems:
+            if self.spec.rank == 0:
+                shutil.rmtree(self.partial, ignore_errors=True)
+            raise CheckpointError(f"cannot save checkpoint {self.path}: {problems[0]}")
+        self.files = {n: e for n, e, _ in written if n is not None}
+        self._observe("shards", self.path)
+
+    def publish(self) -> None:
+        """Phase 3: rank 0 completes the directory and puts it in place; every rank agrees."""
+        problem = None
+        if self.spec.rank == 0:
+            try:
+                self._complete()
+                _publish(self.partial, self.path, self.on_phase)
+            except Exception as error:  # noqa: BLE001
+                shutil.rmtree(self.partial, ignore_errors=True)
+                problem = str(error) if isinstance(error, CheckpointError) else _describe(error, self.path)
+        _agree(problem, self.path, self.spec.rank, self.group)
+        self._observe("published", self.path)
+
+    def _complete(self) -> None:
+        """Rank 0: Lightning's state, the consolidated weights (if asked), the metadata and ``COMPLETE``."""
+        partial, meta, lightning = self.partial, self.meta, self.lightning
+        files = dict(self.files)
+        files[LIGHTNING] = write_atomically(partial / LIGHTNING, lambda f: torch.save(lightning, f))
+        meta.files = files
+        if self.spec.consolidated:  # streamed from the shard files just written: about one parameter in memory
+            write_consolidated(partial, meta, lightning, partial / CONSOLIDATED)
+            size = (partial / CONSOLIDATED).stat().st_size
+            meta.files[CONSOLIDATED] = {"bytes": size, WRITTEN_DIGEST: file_digest(partial / CONSOLIDATED)}
+        write_atomically(partial / METADATA, lambda f: f.write(meta.to_json().encode()))
+        self._observe("metadata", self.path)
+        write_atomically(partial / COMPLETE, lambda f: None)
+        fsync_dir(partial)
+        self._observe("complete", self.path)
 
 
-def _lightning(
-    checkpoint: dict,
-    model: Module,
-    units: Sequence[FlatUnit],
-    optimizers: Sequence[ZeroOptimizer],
-    average: WeightAverage | None,
-) -> dict:
-    """Lightning's own state, with the parameters and buffers that are not sharded (and their average)."""
-    sharded = {id(p) for u in units for p in u.params}
-    lightning = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-    if average is not None:
-        lightning[AVERAGED] = {k: v.detach().cpu() for k, v in average.whole().items()}
-        lightning[AVERAGED_IN_SHARDS] = {"exported": average.exported}
-    lightning["state_dict"] = {
-        k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in sharded
-    }
-    lightning["optimizer_groups"] = [
-        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers
-    ]
-    lightning.update(hugging_face.describe(model))  # see [Note: the Hugging Face description in a checkpoint]
-    return lightning
-
-
-def _metadata(checkpoint, model, units, optimizers, stage, world_size, weights_only, files) -> Metadata:
-    entries = model.state_dict(keep_vars=True)
-    keys: dict[int, list[str]] = {}  # tied parameters: every key that holds them
-    for key, value in entries.items():
-        keys.setdefault(id(value), []).append(key)
-    return Metadata(
-        stage=stage,
-        world_size=world_size,
-        global_step=int(checkpoint.get("global_step", 0)),
-        epoch=int(checkpoint.get("epoch", 0)),
-        units=[
-            UnitEntry(
-                [
-                    ParamEntry(n, keys[id(p)], list(p.shape), str(p.dtype).removeprefix("torch."))
-                    for n, p in zip(u.names, u.params)
-                ],
-                u.layout.bucket_bounds(),
-            )
-            for u in units
-        ],
-        optimizers=[opt.param_names() for opt in optimizers],
-        state_dict_keys=list(entries),
-        weights_only=weights_only,
-        files=files,
-    )
-
-
-def remove(path: str | os.PathLike, *, rank: int) -> None:
+def remove(path: str | os.PathLike, *, rank: int, on_phase: Observer | None = None) -> None:
     """Removes a checkpoint of ours (rank 0): the links that name it (last.ckpt) first name the newest other
     complete checkpoint, then it is renamed to a hidden name, so a half-deleted one is never visible, and its
     files are deleted (directory.py's [Note: what a deletion removes]); anything that is not a lightning_zero
-    checkpoint is left alone."""
+    checkpoint is left alone. ``on_phase``: see [Note: observing a save]."""
     path = Path(path)
     if rank != 0 or not (is_checkpoint(path) or path.is_symlink()):
         return
@@ -404,5 +369,6 @@ def remove(path: str | os.PathLike, *, rank: int) -> None:
     except OSError as error:  # rank 0 alone is here: a failure must not stop it while the others go on
         warnings.warn(f"lightning_zero: could not remove checkpoint {path}: {error.strerror or error}", stacklevel=2)
         return
-    _pause("removing")
+    if on_phase is not None:
+        on_phase("removing", path)
     delete(hidden, path)

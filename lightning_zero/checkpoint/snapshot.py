@@ -34,7 +34,7 @@ def unit_payload(
     device's state), of which whatever no piece fills is zeroed (padding, pieces without state): each byte is
     written once."""
     # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
-    master = unit.master_partition() if unit.trainable else unit.param_shard
+    master = unit.training.master_partition() if unit.trainable else unit.param_shard
     if master is None:
         raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
     payload: dict[str, Any] = {"master": keep(master.float())}
@@ -45,7 +45,7 @@ def unit_payload(
     state: dict[str, torch.Tensor] = {}
     filled: dict[str, list[tuple[int, int]]] = {}  # state key -> (offset, numel) of the pieces written into it
     scalars: dict[int, dict[str, Any]] = {}
-    for piece, tensor in zip(unit.pieces, unit.piece_tensors):
+    for piece, tensor in zip(unit.training.pieces, unit.training.piece_tensors):
         if tensor not in optimizer.optimizer.state:
             continue
         scalars[piece.param] = {}

@@ -38,6 +38,25 @@ def _positive_int(text: str) -> int:
 
 
 def estimate_main(args: list[str]) -> None:
+    parsed = _parser().parse_args(args)
+    world, shard, capacity = _sizes(parsed)
+    if parsed.params is not None:
+        shape, config = shape_of_count(parsed.params), ZeroConfig()
+    else:
+        shape, config = _shape_of_model(parsed.model)
+    table = estimate(shape, shard, parsed.precision, config, offload=parsed.offload == "cpu")
+    _print_memory(parsed, shape.psi, table, world, shard, capacity)
+    traffic = {"world": world, "per_node": parsed.devices, "shard_size": shard, "micro_batches": parsed.micro_batches}
+    print(format_traffic(shape.psi, parsed.precision, **traffic))
+    if capacity is not None:
+        _print_fit(parsed.device_memory, table, capacity, parsed.devices)
+    hardware = _hardware(parsed)
+    if hardware is not None:
+        _print_step_times(parsed, shape.psi, hardware, world, shard, capacity)
+
+
+def _parser() -> Parser:
+    """The subcommand's flags: the model, the world, precision and memory, and what the step time needs."""
     parser = Parser(
         prog="lightning-zero estimate",
         description="Per-rank bytes of parameters, gradients and optimizer state (Adam) under ddp, zero1, zero2"
@@ -74,7 +93,11 @@ def estimate_main(args: list[str]) -> None:
     speed.add_argument("--inter-bw", type=_positive_float, help="GB/s one rank sends between nodes")
     speed.add_argument("--measure", action="store_true", help="measure FLOP rate and bandwidth here (--model GPT)")
     speed.add_argument("--tokens", type=_positive_int, help="tokens per rank per micro-batch (default: the config's)")
-    parsed = parser.parse_args(args)
+    return parser
+
+
+def _sizes(parsed: argparse.Namespace) -> tuple[int, int, int | None]:
+    """(world size, shard group size, device memory in bytes or None), each refused with its flag's name."""
     world = parsed.devices * parsed.nodes
     if world > MAX_ESTIMATE_RANKS:  # the table is computed rank by rank
         raise InputError(f"--devices x --nodes must be at most {MAX_ESTIMATE_RANKS:,} ranks, got {world:,}")
@@ -86,51 +109,58 @@ def estimate_main(args: list[str]) -> None:
         capacity = parse_bytes(parsed.device_memory) if parsed.device_memory else None
     except ValueError as error:
         raise InputError(f"argument --device-memory: {error}") from error
-    if parsed.params is not None:
-        shape, config = shape_of_count(parsed.params), ZeroConfig()
-    else:
-        shape, config = _shape_of_model(parsed.model)
-    table = estimate(shape, shard, parsed.precision, config, offload=parsed.offload == "cpu")
+    return world, shard, capacity
+
+
+def _print_memory(
+    parsed: argparse.Namespace, psi: int, table: dict, world: int, shard: int, capacity: int | None
+) -> None:
+    """The per-rank table, and what ZeRO++'s secondary partition would add across nodes."""
     hybrid = f", sharded in groups of {shard} ranks (hybrid)" if shard < world else ""
     print(
-        f"{shape.psi:,} trainable parameters on {world} ranks ({parsed.devices} per node x {parsed.nodes} nodes),"
+        f"{psi:,} trainable parameters on {world} ranks ({parsed.devices} per node x {parsed.nodes} nodes),"
         f" precision {parsed.precision}{hybrid}; per rank (the rank that needs the most), GiB:"
     )
     print(format_table(table, capacity))
     if shard == world and parsed.nodes > 1:  # (ZeRO++'s secondary partition: stage 3's option across nodes)
         b = 2 if parsed.precision != "32-true" else 4
-        extra = shape.psi * b / parsed.devices
+        extra = psi * b / parsed.devices
         print(
             f"zero3 with a secondary partition per node (ZeRO++'s hpZ, zero.secondary_partition): up to"
             f" {extra / 2**30:.2f} GiB more per rank, held between a forward and its backward"
         )
-    traffic = {"world": world, "per_node": parsed.devices, "shard_size": shard, "micro_batches": parsed.micro_batches}
-    print(format_traffic(shape.psi, parsed.precision, **traffic))
-    if capacity is not None:
-        fitting = smallest_fitting(table, capacity)
-        verdict = f"the smallest configuration that fits: {fitting}" if fitting else "none fits: add devices or nodes"
-        if fitting and table[fitting][0].host_total:
-            host = max(r.host_total for r in table[fitting]) * parsed.devices
-            verdict += f" (host memory per node: {host / 2**30:.2f} GiB)"
-        print(f"{parsed.device_memory} per device ({capacity:,} bytes), activations not counted: {verdict}")
-    hardware = _hardware(parsed)
-    if hardware is not None:
-        gpt, batch = _gpt_of(parsed.model) if parsed.model else (None, None)
-        tokens = parsed.tokens or (batch * gpt.block_size if gpt else 2048)
-        shape3 = (gpt.n_layer, gpt.block_size, gpt.n_embd) if gpt else None
-        links = {"world_size": world, "per_node": parsed.devices, "shard_size": shard}
-        print(
-            format_step_times(
-                shape.psi,
-                hardware,
-                precision=parsed.precision,
-                flops=flops_per_token(shape.psi, shape3),
-                tokens=tokens,
-                capacity=capacity,
-                micro_batches=parsed.micro_batches,
-                **links,
-            )
+
+
+def _print_fit(device_memory: str, table: dict, capacity: int, per_node: int) -> None:
+    """The smallest configuration that fits ``capacity`` bytes per device (with its host memory per node)."""
+    fitting = smallest_fitting(table, capacity)
+    verdict = f"the smallest configuration that fits: {fitting}" if fitting else "none fits: add devices or nodes"
+    if fitting and table[fitting][0].host_total:
+        host = max(r.host_total for r in table[fitting]) * per_node
+        verdict += f" (host memory per node: {host / 2**30:.2f} GiB)"
+    print(f"{device_memory} per device ({capacity:,} bytes), activations not counted: {verdict}")
+
+
+def _print_step_times(
+    parsed: argparse.Namespace, psi: int, hardware: Hardware, world: int, shard: int, capacity: int | None
+) -> None:
+    """The predicted step time of every strategy; tokens and the model's shape from a GPT config when given."""
+    gpt, batch = _gpt_of(parsed.model) if parsed.model else (None, None)
+    tokens = parsed.tokens or (batch * gpt.block_size if gpt else 2048)
+    shape3 = (gpt.n_layer, gpt.block_size, gpt.n_embd) if gpt else None
+    links = {"world_size": world, "per_node": parsed.devices, "shard_size": shard}
+    print(
+        format_step_times(
+            psi,
+            hardware,
+            precision=parsed.precision,
+            flops=flops_per_token(psi, shape3),
+            tokens=tokens,
+            capacity=capacity,
+            micro_batches=parsed.micro_batches,
+            **links,
         )
+    )
 
 
 def _hardware(parsed) -> Hardware | None:

@@ -43,7 +43,6 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint.hugging_face import HUGGING_FACE
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ZeroEngine
@@ -309,25 +308,17 @@ class ZeroFabricStrategy(DDPStrategy):
         for any_engine in self.engines:  # (a save of ours may still be finishing in the background)
             any_engine.finish_saves()
         named = module if module is not None else next((m.module for m in self.models if m.engine[0] is engine), None)
-        loaded = checkpoint_io.open_checkpoint(
-            path,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            optimizer_names=[o.param_names() for o in optimizers],
-            model_names=list(named.state_dict(keep_vars=True)) if named is not None else None,
-            weights_only=weights_only is not False,
-        )
-        saved = dict(loaded.lightning)
+        restore = engine.load(path, module=named, optimizers=optimizers, trusted=weights_only is False)
+        saved = dict(restore.lightning)
         other = [k for k, v in state.items() if not isinstance(v, (Module, Optimizer))]
         missing = [k for k in other if k not in saved]
-        if len(optimizers) > len(loaded.meta.optimizers):
-            missing.append(f"the state of {len(optimizers)} optimizers (it has {len(loaded.meta.optimizers)})")
+        if len(optimizers) > restore.optimizer_count:
+            missing.append(f"the state of {len(optimizers)} optimizers (it has {restore.optimizer_count})")
         if strict and missing:
             raise KeyError(f"{path}: the checkpoint has no {missing}; it has {sorted(saved)}")
         if module is not None:
-            checkpoint_io.load_model(loaded, module, engine.units, group=self.topology.shard_group)
-        for index, optimizer in enumerate(optimizers[: len(loaded.meta.optimizers)]):
-            checkpoint_io.load_optimizer(loaded, index, optimizer)
+            restore.model(module)
+        restore.optimizers(optimizers)
         if optimizers:
             self.precision.load_state_dict(saved.get(ZeroPrecision.__qualname__, {}))
         for key in other:  # as Fabric's own load: stateful objects load theirs, plain values are replaced

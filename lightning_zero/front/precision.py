@@ -124,7 +124,7 @@ class ZeroPrecision(Precision):
         scale = self._loss_scale(tensor.device)
         for optimizer in optimizers:
             if isinstance(optimizer, ZeroOptimizer):
-                optimizer.loss_scale = scale
+                optimizer.scaled_by(scale)
         return tensor * (scale.to(tensor.dtype) if torch.is_tensor(scale) else scale)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any):
@@ -248,7 +248,7 @@ def check_skip_on_device(optimizers: list, fused_step: str) -> None:
                 " capturable, differentiable, fused or tensor lr) or FusedAdamW, with zero.fused_step 'auto' or"
                 f" 'always'; got {type(zero.optimizer).__name__} with fused_step {fused_step!r}"
             )
-        on_gpu = [u for u in zero.units if u.master is not None and u.master.is_cuda]
+        on_gpu = [u for u in zero.units if u.training.master is not None and u.training.master.is_cuda]
         reading = [u for u in on_gpu if zero.fused.backend(u) != "cuda"]
         if reading:
             rank_zero_warn(

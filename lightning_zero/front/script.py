@@ -72,7 +72,8 @@ class ScriptEngine:
         return self.fabric.strategy.get_module_state_dict(self.module)
 
     def save(self, path: str | os.PathLike, **extra: Any) -> None:
-        """A sharded checkpoint directory: the model, the optimizer and ``extra`` (plain values)."""
+        """A sharded checkpoint directory: the model, the optimizer and ``extra`` (plain values). This door's own
+        state is that dict; Fabric's strategy adds the keys a Trainer resumes from and ``ZeroEngine.save`` the rest."""
         self.fabric.save(Path(path), {"model": self.module, "optimizer": self.optimizer, **extra})
 
     def close(self) -> None:
@@ -85,7 +86,7 @@ class ScriptEngine:
 
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restores the model and optimizer from a checkpoint of this engine, Fabric's or the Trainer's (any world
-        size and stage); returns its other entries."""
+        size and stage; through Fabric's strategy and ``ZeroEngine.load``); returns its other entries."""
         return self.fabric.load(Path(path), {"model": self.module, "optimizer": self.optimizer})
 
 

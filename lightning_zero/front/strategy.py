@@ -8,10 +8,10 @@ boundaries (engine.py's [Note: the step's boundaries]) and answers Lightning's c
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from lightning_zero.checkpoint import save as checkpoint_save
+from lightning_zero.checkpoint.save import Observer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.front import deepspeed
@@ -57,6 +57,8 @@ class ZeroStrategy(DDPStrategy):
         stage: shortcut that overrides ``config.stage``.
         start_method: how Lightning starts the processes: "popen" (re-run the script, like ``ddp``) or
             "spawn" (like ``ddp_spawn``, for notebooks and tests).
+        on_save_phase: ``on_save_phase(phase, path)`` at each point a checkpoint's save or removal reaches
+            (checkpoint/save.py's [Note: observing a save]): to watch saves (the kill tests stop one there).
         The others are Lightning's ``DDPStrategy``'s (the timeout is ``config.timeout``; ddp's own options,
         such as ``find_unused_parameters``, do not apply and are not taken).
     """
@@ -75,6 +77,7 @@ class ZeroStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        on_save_phase: Observer | None = None,
     ) -> None:
         self.config = config_for(config, stage)
         super().__init__(
@@ -89,7 +92,7 @@ class ZeroStrategy(DDPStrategy):
         )
         self.engine: ZeroEngine | None = None  # made with the process group (setup_environment), one per run
         self.topology = Topology(shard_rank=0, shard_size=1)  # likewise
-        self.checkpoints = TrainerCheckpoints()
+        self.checkpoints = TrainerCheckpoints(on_phase=on_save_phase)
         self.traffic = collectives.Traffic()  # what this strategy's collectives covered while it was set up
         self._construction: ShardedConstruction | None = None  # stage 3, from configure_model to set-up
         self._averaging: list[pl.Callback] = []  # while fitting: Lightning's weight averaging, sharded
@@ -130,10 +133,11 @@ class ZeroStrategy(DDPStrategy):
         if self.lightning_module is not None:  # before the callbacks' setup, in which they would copy the model
             self._averaging = shard_averaging_callbacks(self.lightning_module.trainer.callbacks)  # averaging.py
         self.topology = topology_for(self.topology, self.config, self.global_rank, self.world_size, self.num_processes)
-        previous = self.engine
-        self.engine = ZeroEngine(self.config, self.topology, self.root_device, rank=self.global_rank)
-        if previous is not None:  # what building the model sharded took stays readable in later runs (fit, then test)
-            self.engine.sharded_init_peak_bytes = previous.sharded_init_peak_bytes
+        # what building the model sharded took stays readable in later runs (fit, then test)
+        built = self.engine.sharded_init_peak_bytes if self.engine is not None else None
+        self.engine = ZeroEngine(
+            self.config, self.topology, self.root_device, rank=self.global_rank, sharded_init_peak_bytes=built
+        )
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -161,11 +165,10 @@ class ZeroStrategy(DDPStrategy):
             if self.config.stage < 3 or on_meta:
                 self.setup_optimizers(trainer)
             # stage 1 reduces in the backward of a step's last micro-batch, which only automatic optimization tells
-            marks = module.automatic_optimization
-            self.optimizers = self.engine.wrap(module, self.optimizers, marks_micro_batches=marks)
+            marks, group = module.automatic_optimization, self.topology.shard_group
+            average = partial(attach_average, self._averaging, module, group=group)
+            self.optimizers = self.engine.wrap(module, self.optimizers, marks_micro_batches=marks, make_average=average)
             precision.serve(self.optimizers)
-            group, settle = self.topology.shard_group, self.engine.before_weights_change
-            self.engine.average = attach_average(self._averaging, module, self.engine.units, group=group, settle=settle)
             if precision.skip_on_device:  # schedulers then step as under torch's GradScaler
                 check_skip_on_device(self.optimizers, self.config.fused_step)
             elif precision.scaler is not None:
@@ -186,7 +189,7 @@ class ZeroStrategy(DDPStrategy):
     # A step ends after its backward under automatic optimization, and with the step's call under manual
     # optimization, whose backward calls happen inside it.
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_collectives()
+        self.engine.check_collectives(f"before global step {self.lightning_module.trainer.global_step}")
         self.engine.begin_training_forward()
         output = super().training_step(*args, **kwargs)
         self.engine.end_training_forward(step_ends=not self.lightning_module.automatic_optimization)
@@ -224,9 +227,6 @@ class ZeroStrategy(DDPStrategy):
 
         where = f"before global step {trainer.global_step}"
         return self.engine.forward_only(step, *args, last=last, checked_as=where, **kwargs)
-
-    def _check_collectives(self) -> None:
-        self.engine.check_collectives(f"before global step {self.lightning_module.trainer.global_step}")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
@@ -286,9 +286,9 @@ class ZeroStrategy(DDPStrategy):
         """Writes the checkpoint as a directory: each rank its own shards (collective; see checkpoint/format.py)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
-        module, optimizers = self.lightning_module, self.optimizers
+        module, world_size = self.lightning_module, self.world_size
         self.checkpoints.save(
-            self.engine, checkpoint, filepath, module=module, optimizers=optimizers, world_size=self.world_size
+            self.engine, checkpoint, filepath, module=module, optimizers=self.optimizers, world_size=world_size
         )
 
     def finish_saves(self) -> None:
@@ -300,30 +300,19 @@ class ZeroStrategy(DDPStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's top-k: hidden first, then deleted, so a half-removed one is never visible; after the
         save that replaces it has succeeded, when saves finish in the background."""
-        remove = functools.partial(checkpoint_save.remove, filepath, rank=self.global_rank)
-        if self.engine is not None:
-            self.engine.after_saves(remove)
-        else:
-            remove()
+        self.checkpoints.remove(self.engine, filepath, rank=self.global_rank)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint directory (saved at any world size and stage), a plain Lightning checkpoint file
         (from ``ddp`` or one device) or a torch.distributed.checkpoint directory (FSDP2's); pickled state is
         loaded with ``weights_only=True`` unless ``trainer.fit(..., weights_only=False)`` says the file is trusted."""
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        self.finish_saves()  # (one of ours may still be finishing in the background)
+        module, trusted = self.lightning_module, weights_only is False
         return self.checkpoints.open(
-            checkpoint_path,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            module=self.lightning_module,
-            optimizers=self.optimizers,
-            fitting=fitting,
-            trusted=weights_only is False,
+            self.engine, checkpoint_path, module=module, optimizers=self.optimizers, trusted=trusted
         )
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        self.checkpoints.load_model(self.engine, self.lightning_module)
+        self.checkpoints.load_model(self.lightning_module)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         self.checkpoints.load_optimizers(self.optimizers)

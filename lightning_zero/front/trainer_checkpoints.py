@@ -31,12 +31,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
-from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import rng
+from lightning_zero.checkpoint import save as checkpoint_save
 from lightning_zero.checkpoint.format import CheckpointError, latest
+from lightning_zero.checkpoint.restore import Restore
+from lightning_zero.checkpoint.save import Observer
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
@@ -77,11 +81,13 @@ def zero_optimizers(optimizers: list) -> list[ZeroOptimizer]:
 
 
 class TrainerCheckpoints:
-    """Between Lightning's checkpoint calls: the opened checkpoint (``open`` to the restores) and the
-    generators (see [Note: generators across a resume])."""
+    """Between Lightning's checkpoint calls: the checkpoint opened for a restore (``open`` to the loads), the
+    generators (see [Note: generators across a resume]) and ``on_phase``, told of each point a save or removal
+    reaches (checkpoint/save.py's [Note: observing a save])."""
 
-    def __init__(self) -> None:
-        self.loaded: checkpoint_io.LoadedCheckpoint | None = None  # between open and load_optimizers
+    def __init__(self, on_phase: Observer | None = None) -> None:
+        self.on_phase = on_phase
+        self.restore: Restore | None = None  # between open and load_optimizers
         self.pending_rng: dict[str, Any] | None = None  # resumed: set as the first training batch starts
         self.before_validation: list[Path] = []  # saved since the last training step, before any validation
         self.step_ended = False  # fitting: a training step ended and no training batch started since
@@ -103,26 +109,31 @@ class TrainerCheckpoints:
         mine = rng.capture()
         states = collectives.gather_object(mine) if world_size > 1 else [mine]
         checkpoint = {**checkpoint, rng.KEY: {"world_size": world_size, "states": states}}
-        engine.save(checkpoint, path, module=module, optimizers=zero_optimizers(optimizers))
+        engine.save(checkpoint, path, module=module, optimizers=zero_optimizers(optimizers), on_phase=self.on_phase)
         if self.step_ended and not self.validating:  # a validation may follow (see the Note)
             self.before_validation.append(Path(path))
 
+    def remove(self, engine: ZeroEngine | None, path: Any, *, rank: int) -> None:
+        """ModelCheckpoint's top-k (checkpoint/save.py's ``remove``); after the save that replaces it has succeeded,
+        when saves finish in the background."""
+        removal = functools.partial(checkpoint_save.remove, path, rank=rank, on_phase=self.on_phase)
+        if engine is not None:
+            engine.after_saves(removal)
+        else:
+            removal()
+
     def open(
-        self, path: Any, *, rank: int, world_size: int, module: Module, optimizers: list, fitting: bool, trusted: bool
+        self, engine: ZeroEngine, path: Any, *, module: pl.LightningModule, optimizers: list, trusted: bool
     ) -> dict:
         """Checks a sharded checkpoint directory (any world size and stage) on every rank, or reads a plain
         Lightning checkpoint file (ddp's or one device's) or a torch.distributed.checkpoint directory (FSDP2's,
-        torchtitan's); returns Lightning's part of it."""
+        torchtitan's), once a save of ours in flight has finished; returns Lightning's part of it."""
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        rank, world_size = engine.rank, engine.topology.shard_size * engine.topology.replicas  # (Lightning's)
+        engine.finish_saves()
         path = complete_checkpoint(path)
-        self.loaded = checkpoint_io.open_checkpoint(
-            path,
-            rank=rank,
-            world_size=world_size,
-            optimizer_names=[o.param_names() for o in zero_optimizers(optimizers)],
-            model_names=list(module.state_dict(keep_vars=True)),
-            weights_only=not trusted,
-        )
-        lightning = self.loaded.lightning
+        self.restore = engine.load(path, module=module, optimizers=zero_optimizers(optimizers), trusted=trusted)
+        lightning = self.restore.lightning
         saved = lightning.pop(rng.KEY, None)
         if fitting and saved is not None:  # (a directory of ours: see the Note)
             saved = rng.read_after_validation(Path(path)) or saved
@@ -162,27 +173,17 @@ class TrainerCheckpoints:
             record = {"world_size": world_size, "states": states}
             engine.after_saves(functools.partial(_write_after_validation, paths, record))
 
-    def load_model(self, engine: ZeroEngine, module: Module) -> None:
+    def load_model(self, module: Module) -> None:
         """The weights, and a weight average where the checkpoint has one: into the averaging callback's while
         fitting with one; else, where it is what the checkpoint presents as the weights (WeightAveraging's), into
         the model, as ddp's checkpoint holds it as its state_dict (see checkpoint/format.py)."""
-        engine.settle()
-        saved, average = self.loaded.average, engine.average
-        as_weights = average is None and saved is not None and saved["exported"]
-        group = engine.topology.shard_group
-        checkpoint_io.load_model(self.loaded, module, engine.units, group=group, averaged=as_weights)
-        if average is not None and saved is not None:
-            checkpoint_io.load_average(self.loaded, average)
-        elif average is not None:  # as Lightning's callbacks do: the average starts from the loaded weights
-            average.restart()
+        self.restore.model(module, exported_average_as_weights=True)
 
     def load_optimizers(self, optimizers: list) -> None:
-        # Like Lightning's own restore (a zip): a checkpoint saved outside fit has no optimizers to restore.
-        for index, optimizer in enumerate(zero_optimizers(optimizers)[: len(self.loaded.meta.optimizers)]):
-            checkpoint_io.load_optimizer(self.loaded, index, optimizer)
-        self.loaded = None
+        self.restore.optimizers(zero_optimizers(optimizers))
+        self.restore = None
 
     def clear(self) -> None:
-        self.loaded = self.pending_rng = None
+        self.restore = self.pending_rng = None
         self.before_validation = []
         self.step_ended = self.validating = False

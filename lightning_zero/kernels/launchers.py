@@ -121,31 +121,18 @@ def layer_norm_bwd(
         partial_dw = torch.empty(teams, cols, dtype=torch.float32, device=x.device)
         partial_db = torch.empty_like(partial_dw)
         args = (*checked, rstd.data_ptr(), dx.data_ptr(), partial_dw.data_ptr(), partial_db.data_ptr())
-        launch(
-            "layer_norm.cu",
-            f"layer_norm_bwd_rows_{name}",
-            grid,
-            block,
-            (*args, i64(rows), int(cols), int(team), int(_pack(cols, dy, x, dx) > 1)),
-            device=x.device,
-        )
+        vec = int(_pack(cols, dy, x, dx) > 1)
+        args = (*args, i64(rows), int(cols), int(team), vec)
+        launch("layer_norm.cu", f"layer_norm_bwd_rows_{name}", grid, block, args, device=x.device)
         return dx, partial_dw.sum(0).to(weight.dtype), partial_db.sum(0).to(bias_dtype)
     args = (*checked, rstd.data_ptr(), dx.data_ptr(), i64(cols))
     launch("layer_norm.cu", f"layer_norm_bwd_input_{name}", rows, _row_block(cols), args, device=x.device)
     chunks, per_chunk = row_chunks(rows, cols, _sms(x.device))
     partial_dw = torch.empty(chunks, cols, dtype=torch.float32, device=x.device)
     partial_db = torch.empty_like(partial_dw)
-    args = (
-        dy.data_ptr(),
-        x.data_ptr(),
-        mean.data_ptr(),
-        rstd.data_ptr(),
-        i64(rows),
-        i64(cols),
-        i64(per_chunk),
-        partial_dw.data_ptr(),
-        partial_db.data_ptr(),
-    )
+    pointers = (dy.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr())
+    sizes = (i64(rows), i64(cols), i64(per_chunk))
+    args = (*pointers, *sizes, partial_dw.data_ptr(), partial_db.data_ptr())
     grid = (-(-cols // BLOCK), chunks)
     launch("layer_norm.cu", f"layer_norm_bwd_params_{name}", grid, BLOCK, args, device=x.device)
     return dx, partial_dw.sum(0).to(weight.dtype), partial_db.sum(0).to(bias_dtype)

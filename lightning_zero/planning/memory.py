@@ -88,6 +88,23 @@ def persistent_bytes(units: list, optimizers: list, module: torch.nn.Module, *, 
     return totals
 
 
+def engine_bytes(
+    units: list, optimizers: list, module: torch.nn.Module, average, offloaded: bool, node_size: int | None
+) -> dict[str, int]:
+    """An engine's persistent bytes by category (``persistent_bytes``; stage 3's units gathered for a moment are its
+    ``peak_gathered_bytes``), ``weight_average`` while a weight average is kept (this rank's share,
+    sharding/averaging.py), and with ``node_size`` (hpZ) the ``secondary_partition``, held between a forward and its
+    backward."""
+    totals = persistent_bytes(units, optimizers, module, offloaded=offloaded)
+    if average is not None:
+        totals["weight_average"] = average.nbytes()
+    if node_size is not None:
+        totals["secondary_partition"] = sum(
+            u.flat_param.numel() // node_size * u.flat_param.element_size() for u in units
+        )
+    return totals
+
+
 class SavedBytes:
     """Bytes autograd keeps from forward to backward, counted exactly (``start()`` ... ``stop()``).
 

@@ -193,7 +193,7 @@ def measure_here(gpt_config, *, batch: int, ranks: int) -> Hardware:
     import tempfile
     from pathlib import Path
 
-    from lightning_zero.front.spawn import spawn_local_ranks
+    from lightning_zero.launch_local import spawn_local_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "measured.json")

@@ -91,7 +91,7 @@ class WeightAverage:
                 continue  # no element of it on this rank
             lo, n = piece.partition_offset, piece.numel
             names.append(name)
-            values.append(unit.master_view(lo, n) if unit.trainable else unit.param_shard[lo : lo + n])
+            values.append(unit.training.master_view(lo, n) if unit.trainable else unit.param_shard[lo : lo + n])
         return names, values
 
     def _buffers(self) -> list[Tensor]:

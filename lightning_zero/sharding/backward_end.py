@@ -8,12 +8,14 @@ strategy registers before Lightning's backward, or else by the first gradient ho
 runs inside the same ``backward()`` call, after every gradient was accumulated and before it
 returns, so ``on_after_backward`` and code after a plain ``loss.backward()`` see reduced gradients.
 A reentrant activation checkpoint runs an inner backward (a separate graph task); the hook on the
-loss makes sure the callback belongs to the outer one. ``on_begin`` callbacks run when the backward
-starts (inside it, where ``torch._C._will_engine_execute_node`` can tell which gradients will come).
+loss makes sure the callback belongs to the outer one. Begin callbacks run when the backward
+starts (inside it, where ``torch._C._will_engine_execute_node`` can tell which gradients will come). Work
+is registered by name (``BackwardWork``), which fixes its order.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 import torch
@@ -25,11 +27,33 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class BackwardWork(enum.IntEnum):
+    """Who works at a backward's start and end, in this order: stage 3's schedule finishes its backward (it
+    reduces what it still holds) before the gradient reducer launches what is left and waits for everything."""
+
+    SCHEDULE = 1
+    REDUCTION = 2
+
+
 class BackwardEnd:
     def __init__(self) -> None:
-        self.on_begin: list[Callable[[], None]] = []
-        self.on_end: list[Callable[[], None]] = []
+        self._begin: dict[BackwardWork, list[Callable[[], None]]] = {work: [] for work in BackwardWork}
+        self._end: dict[BackwardWork, list[Callable[[], None]]] = {work: [] for work in BackwardWork}
         self._armed = False
+
+    def register(
+        self, work: BackwardWork, *, begin: Callable[[], None] | None = None, end: Callable[[], None] | None = None
+    ) -> None:
+        """``begin`` runs when a backward starts, ``end`` when it ends, in ``BackwardWork``'s order."""
+        for callbacks, fn in ((self._begin, begin), (self._end, end)):
+            if fn is not None:
+                callbacks[work].append(fn)
+
+    def unregister(self, *callbacks: Callable[[], None]) -> None:
+        for registered in (*self._begin.values(), *self._end.values()):
+            for fn in callbacks:
+                if fn in registered:
+                    registered.remove(fn)
 
     @property
     def armed(self) -> bool:
@@ -37,13 +61,14 @@ class BackwardEnd:
         return self._armed
 
     def arm(self) -> None:
-        """Called from inside a backward: runs ``on_begin`` and queues ``on_end`` once per backward."""
+        """Called from inside a backward: runs the begin callbacks and queues the end ones once per backward."""
         if self._armed:
             return
         self._armed = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end)
-        for callback in self.on_begin:
-            callback()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_callbacks)
+        for work in BackwardWork:
+            for callback in self._begin[work]:
+                callback()
 
     def arm_on(self, loss: Tensor) -> None:
         """Arms at the very start of ``loss``'s backward (in its outer graph task)."""
@@ -53,7 +78,8 @@ class BackwardEnd:
     def _arm_hook(self, grad: Tensor) -> None:
         self.arm()
 
-    def _end(self) -> None:
+    def _end_callbacks(self) -> None:
         self._armed = False
-        for callback in self.on_end:
-            callback()
+        for work in BackwardWork:
+            for callback in self._end[work]:
+                callback()

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from torch.nn import Module
+from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
 from lightning_zero.sharding.flat_unit import FlatUnit
-from lightning_zero.sharding.grad_reduce import GradReducer
+from lightning_zero.sharding.grad_reduce import GradReducer, ReduceSettings
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.optimizer_check import check_elementwise
-from lightning_zero.sharding.param_gather import ParamGathers
+from lightning_zero.sharding.param_gather import ParamGathers, runs_compiled_code
+from lightning_zero.sharding.step_state import StepState
 from lightning_zero.sharding.topology import Topology
-from lightning_zero.sharding.unit_index import UnitIndex
+from lightning_zero.sharding.unit_set import ParamActivation
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
@@ -69,47 +70,10 @@ def units_per_param_group(
     return units
 
 
-def trainable_units(
-    params: list, names: dict, config: ZeroConfig, unit_location: UnitIndex, *, rank: int, world_size: int
-) -> list[FlatUnit]:
-    """``add_param_group``: the units that train ``params`` from now on (stage 3: their frozen units made
-    trainable; stages 1-2: one new unit). Refuses what is not a module parameter that requires grad and
-    is not trained already."""
-    for p in params:
-        located = unit_location(p)
-        if p not in names or not p.requires_grad or (located is not None and located[0].trainable):
-            raise ValueError(
-                f"add_param_group: {names.get(p, 'a tensor')!r} must be a parameter of the LightningModule that"
-                " requires grad and is not trained already"
-            )
-    if config.stage == 3:
-        units = list(dict.fromkeys(unit_location(p)[0] for p in params))
-        for unit in units:
-            unit.make_trainable(**config.unit_options(unit.param_dtype))
-        return units
-    layout = build_layout([p.numel() for p in params], world_size, config.reduce_bucket_size)
-    options = config.unit_options(params[0].dtype)
-    return [FlatUnit(params, [names[p] for p in params], layout, rank, full_grad=config.stage == 1, **options)]
-
-
-def wrap_optimizers(
-    optimizers: Sequence[Optimizer],
-    units: Sequence[FlatUnit],
-    names: dict,  # parameter -> name, in module order (as check_optimizer_params returns them)
-    config: ZeroConfig,
-    *,
-    world_size: int,
-    backward_end: BackwardEnd,
-    model: Module,
-    topology: Topology,
-    activate: Callable[[list], tuple[dict, dict]] | None = None,
-) -> tuple[list[ZeroOptimizer], GradReducer, ParamGathers | None]:
-    """One gradient reducer over all units, the post-step gathers (stages 1 and 2) and a ZeroOptimizer
-    around each user optimizer, communicating on ``topology``'s groups (topology.py). ``activate``: gives
-    parameters added later (``add_param_group``) their units."""
+def check_units_follow_optimizers(optimizers: Sequence[Optimizer], units: Sequence[FlatUnit]) -> None:
+    """Raises, before anything is built, if an optimizer cannot be wrapped or a unit is split across optimizers."""
     for optimizer in optimizers:
         check_elementwise(optimizer)
-    locate = {p: (u, i) for u in units for i, p in enumerate(u.params)}
     holder = {id(p): k for k, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
     for unit in units:
         owners = {holder[id(p)] for p in unit.params}
@@ -118,14 +82,26 @@ def wrap_optimizers(
                 f"the parameters of one unit ({unit.names[0]}, ...) are split across optimizers {sorted(owners)};"
                 " with stage 3 every unit's parameters must be stepped by one optimizer"
             )
-    reducer = GradReducer(
-        units,
-        {p: i for i, p in enumerate(names)},
+
+
+def make_reducer(
+    units: Sequence[FlatUnit],
+    params: Sequence[Parameter],  # the module's parameters, in module order
+    config: ZeroConfig,
+    *,
+    step: StepState,
+    backward_end: BackwardEnd,
+    model: Module,
+    topology: Topology,
+    gathers: ParamGathers | None = None,
+    marks_micro_batches: bool = True,
+) -> GradReducer:
+    """The gradient reducer of ``units`` (see grad_reduce.py), communicating on ``topology``'s groups."""
+    world_size = topology.shard_size
+    settings = ReduceSettings(
         stage=config.stage,
-        overlap=config.overlap_comm,
         world_size=world_size,
-        backward_end=backward_end,
-        model=model,
+        overlap=config.overlap_comm,
         max_inflight_bytes=config.max_inflight_bytes,
         coalesce_numel=config.reduce_bucket_size if config.stage == 3 else 0,
         group=topology.shard_group,
@@ -133,21 +109,53 @@ def wrap_optimizers(
         average_over=world_size * topology.replicas,
         two_level=_two_level(config, topology),
     )
-    gathers = ParamGathers(reducer, group=topology.shard_group) if config.stage < 3 else None
-    zero = [
-        ZeroOptimizer(
-            opt,
-            locate,
-            names,
-            reducer,
-            gathers=gathers,
-            fused_step=config.fused_step,
-            topology=topology,
-            activate=activate,
-        )
-        for opt in optimizers
-    ]
-    return zero, reducer, gathers
+    position = {p: i for i, p in enumerate(params)}
+    options = {"model": model, "marks_micro_batches": marks_micro_batches, "gathers": gathers}
+    return GradReducer(units, position, settings, step=step, backward_end=backward_end, **options)
+
+
+def replicated_training(
+    module: Module,
+    optimizers: Sequence[Optimizer],
+    names: dict,
+    config: ZeroConfig,
+    topology: Topology,
+    *,
+    step: StepState,
+    backward_end: BackwardEnd,
+    marks_micro_batches: bool,
+) -> tuple[list[FlatUnit], ParamGathers | None, GradReducer]:
+    """Stages 1 and 2: a unit per param group, their post-step gathers (param_gather.py) and their reducer."""
+    units = units_per_param_group(optimizers, names, config, rank=topology.shard_rank, world_size=topology.shard_size)
+    check_units_follow_optimizers(optimizers, units)
+    gathers = None
+    if config.stage < 3:  # (not a stage-3 module made whole by gather_module: its runs gather nothing after a step)
+        # torch.compile would trace the post-step gathers' overlapping mode and recompile as it comes and goes
+        overlap = config.overlap_param_gather and not runs_compiled_code(module)
+        gathers = ParamGathers(units, overlap=overlap, group=topology.shard_group)
+    reducer = make_reducer(
+        units, list(names), config, step=step, backward_end=backward_end, model=module, topology=topology,
+        gathers=gathers, marks_micro_batches=marks_micro_batches,
+    )  # fmt: skip
+    return units, gathers, reducer
+
+
+def wrap_optimizers(
+    optimizers: Sequence[Optimizer],
+    units: Sequence[FlatUnit],
+    names: dict,  # parameter -> name, in module order (as check_optimizer_params returns them)
+    reducer: GradReducer,
+    *,
+    config: ZeroConfig,
+    topology: Topology,
+    gathers: ParamGathers | None = None,
+    activation: ParamActivation | None = None,
+) -> list[ZeroOptimizer]:
+    """A ZeroOptimizer around each user optimizer, stepping ``units``' pieces (stages 1 and 2: spread by
+    ``gathers`` after a step). ``activation``: gives parameters added later (``add_param_group``) their units."""
+    locate = {p: (u, i) for u in units for i, p in enumerate(u.params)}
+    options = {"gathers": gathers, "fused_step": config.fused_step, "topology": topology, "activation": activation}
+    return [ZeroOptimizer(opt, locate, names, reducer, **options) for opt in optimizers]
 
 
 def _two_level(config: ZeroConfig, topology: Topology) -> dict | None:

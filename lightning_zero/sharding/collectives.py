@@ -57,9 +57,10 @@ whose peers never arrive fails with torch's timeout error instead of waiting for
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -137,6 +138,27 @@ def record() -> Iterator[list[Entry]]:
     log: list[Entry] = []
     with observing(lambda entry, nbytes: log.append(entry)):
         yield log
+
+
+class SequenceCheck:
+    """``ZeroConfig.check_collectives`` (a debug mode): records every collective while ``stack`` is open (None: off),
+    and ``check`` compares every rank's since the last check."""
+
+    def __init__(self, stack: ExitStack | None) -> None:
+        self.log = stack.enter_context(record()) if stack is not None else None
+        self._checked = 0  # how much of it every rank has agreed on
+
+    def check(self, where: str) -> None:
+        """Every rank raises one error naming the first difference and ``where`` if their sequences differ."""
+        if self.log is None:
+            return
+        sequence = self.log[self._checked :]
+        self._checked = len(self.log)
+        digest = hashlib.sha1(repr(sequence).encode()).hexdigest()  # not hash(): salted per process
+        digests = all_gather_object((len(sequence), digest))
+        if len(set(digests)) > 1:
+            problem = first_divergence(all_gather_object(sequence))
+            raise RuntimeError(f"the ranks issued different collectives {where}: {problem}")
 
 
 def first_divergence(sequences: list[list[tuple]]) -> str | None:

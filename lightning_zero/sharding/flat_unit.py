@@ -5,19 +5,11 @@ param group, stage 3 one per module subtree. It owns
 - ``flat_param``: every parameter of the unit, back to back in the bucket-major layout of
   ``layout.py``; the model's parameters are views into it, so the model reads what the all-gather
   writes. In stage 3 (``shard_params``) its storage exists only while the unit is gathered;
-- ``master``: this rank's partition (its chunk of every bucket) in fp32: the weights the
-  optimizer updates, copied (and cast) back into the parameters after each step. With fp32
-  parameters in stages 1 and 2 there is no separate copy (``master is None``, ``master_in_place``):
-  the optimizer steps this rank's chunks of the flat buffer itself, which the all-gather then sends;
 - ``param_shard`` (stage 3): this rank's partition in the parameters' dtype, the input of the
-  all-gather; with fp32 parameters it *is* ``master``;
-- ``pieces``: per-parameter views into ``master``, one per parameter this rank owns part of. The
-  user's optimizer steps these, so per-parameter semantics (a parameter without a gradient is
-  skipped: no momentum, no weight decay) hold exactly as on the unsharded model;
-- gradient storage (see [Note: gradient storage]) and ``used``: which parameters received a
-  gradient since the last ``zero_grad``.
-With ``offload`` the master, the reduced gradient partition (and stage 3's shard with
-``offload.params``) are host buffers of their own (see offload.py).
+  all-gather (with fp32 parameters it is also the master weights); with ``offload.params`` a host buffer;
+- ``state``: where the parameter values are (``UnitState``);
+- ``training`` (unit_training.py, made by ``make_trainable``): the master weights, the gradients and the
+  pieces the optimizer steps; None for frozen and evaluation-only units.
 """
 
 from __future__ import annotations
@@ -33,9 +25,10 @@ from torch.nn import Parameter
 
 from lightning_zero.config import HostOffload
 from lightning_zero.sharding import collectives
-from lightning_zero.sharding.layout import Bucket, FlatLayout, Piece
+from lightning_zero.sharding.layout import Bucket, FlatLayout
 from lightning_zero.sharding.offload import copy_to, host_empty
 from lightning_zero.sharding.quantize import dequantize_into, quantize
+from lightning_zero.sharding.unit_training import UnitTraining
 
 
 class UnitState(enum.Enum):
@@ -101,15 +94,7 @@ class FlatUnit:
             self.flat_param[offset : offset + numel].view(p.shape)
             for p, offset, numel in zip(params, layout.offsets, layout.numels)
         ]
-        with torch.no_grad():
-            for p, view in zip(params, self._views):
-                if on_meta:
-                    # From ``.data``: the new parameter must not share the flat buffer's version counter,
-                    # which every all-gather into the buffer bumps (autograd would see a modified input).
-                    self.replaced[p] = Parameter(view.data, requires_grad=p.requires_grad)
-                else:
-                    view.copy_(p.detach())
-                    p.data = view
+        self._point_into_buffer(params, on_meta)
         self.params = [self.replaced.get(p, p) for p in params]
         self.shapes = [tuple(p.shape) for p in params]
         nan = torch.full((), float("nan"), dtype=self.param_dtype, device=device)
@@ -121,6 +106,7 @@ class FlatUnit:
         self._gather: dist.Work | collectives.Pending | None = None  # the all-gather in flight (GATHERING)
         self.quantized_values = False  # gathered from int8 shards (quantize.py): not the exact weights
         self.secondary: Tensor | None = None  # hpZ: this rank's part of the unit inside its node (stage3.py)
+        self.training: UnitTraining | None = None  # made by make_trainable (unit_training.py)
         if shard_params:
             if offload is not None and offload.params:
                 self.param_shard = host_empty(layout.partition_numel, self.param_dtype, device, offload)
@@ -128,87 +114,32 @@ class FlatUnit:
                 self.param_shard = torch.empty(layout.partition_numel, dtype=self.param_dtype, device=device)
             self.param_shard.copy_(self.param_chunk(layout.buckets[0]))
             self.reshard()
-        self.used = bytearray(len(self.params))  # on the host: set by gradient hooks without touching the device
-        self.params_current = False  # the step wrote the parameters' copy already (sharding/fused_step.py)
-        self.staged_params: Tensor | None = None  # offloaded: the step's 16-bit copy on the host, to be sent
-        self.flat_grad_dirty = False  # stage 1: the flat gradient holds values no reduction consumed
-        self.master: Tensor | None = None
-        self.master_in_place = False  # stages 1 and 2 with fp32 parameters: the master is the flat buffer's chunks
-        self.flat_grad: Tensor | None = None
-        self.grad_partition: Tensor | None = None
-        self.reduced: Tensor | None = None
-        self.step_grad: Tensor | None = None
-        self.used_anywhere: list[bool] | None = None  # per parameter, at the step: got a gradient on some rank
-        self.pieces: list[Piece] = []
-        self.piece_tensors: list[Tensor] = []
-        self._piece_index: dict[int, int] = {}
-        self.grad_dtype = grad_dtype or self.param_dtype
         if trainable:
             self.make_trainable(full_grad=full_grad, grad_dtype=grad_dtype, offload=offload)
+
+    @torch.no_grad()
+    def _point_into_buffer(self, params: Sequence[Parameter], on_meta: bool) -> None:
+        for p, view in zip(params, self._views):
+            if on_meta:
+                # From ``.data``: the new parameter must not share the flat buffer's version counter,
+                # which every all-gather into the buffer bumps (autograd would see a modified input).
+                self.replaced[p] = Parameter(view.data, requires_grad=p.requires_grad)
+            else:
+                view.copy_(p.detach())
+                p.data = view
 
     def make_trainable(
         self, *, full_grad: bool = False, grad_dtype: torch.dtype | None = None, offload: HostOffload | None = None
     ) -> None:
-        """Adds what training needs: the fp32 master partition, gradient storage and the pieces.
-
-        [Note: gradient storage]
-        Gradients are stored in ``grad_dtype`` (by default the parameters' dtype; see
-        ``ZeroConfig.reduce_dtype``): the dtype buckets are reduced in and partitions accumulate in. Stage 1
-        accumulates full gradients across micro-batches in ``flat_grad`` and reduce-scatters them once
-        per step into a transient ``reduced`` partition. Stages 2 and 3 reduce-scatter every backward
-        and accumulate only this rank's partition, which is ``reduced`` at all times. At the step the
-        optimizer gets ``step_grad``: ``reduced`` itself when it is fp32, else an fp32 copy that lives
-        until the step is done. The padding stays zero, since no gradient is ever written there, so
-        it never reaches a norm. With ``offload`` the partition lives on the host in fp32 (the device's
-        reduced chunks are added into it, see offload.py), and so does the master.
-        """
-        if self.trainable:
-            return
-        layout, device, fp32 = self.layout, self.flat_param.device, torch.float32
-        partition = layout.partition_numel
-        self.offload = offload
-        if offload is not None:  # a host master of its own, unless the shard is fp32 and on the host already
-            shard_on_host = self.param_shard is not None and self.param_shard.device.type == "cpu" and offload.params
-            if shard_on_host and self.param_dtype == fp32:
-                self.master = self.param_shard
-            else:
-                self.master = host_empty(partition, fp32, device, offload)
-                for bucket in layout.buckets:
-                    own = self.param_shard if self.param_shard is not None else self.param_chunk(bucket)
-                    self.master[self.partition_slice(bucket)].copy_(own)
-        elif self.param_shard is not None:  # stage 3: fp32 shards are the master themselves
-            self.master = self.param_shard if self.param_dtype == fp32 else self.param_shard.to(fp32)
-        elif self.param_dtype == fp32:
-            self.master_in_place = True
-        else:
-            self.master = torch.empty(partition, dtype=fp32, device=device)
-            for bucket in layout.buckets:
-                self.master_chunk(bucket).copy_(self.param_chunk(bucket))
-        self.grad_dtype = grad_dtype or self.param_dtype
-        if full_grad:
-            self.flat_grad = torch.zeros(layout.total_numel, dtype=self.grad_dtype, device=device)
-        if not full_grad or offload is not None:  # stage 1 offloaded: the step's partition, kept and reused
-            self.grad_partition = self._new_partition()
-        self.reduced = None if full_grad else self.grad_partition
-        self.pieces = layout.pieces(self.rank)
-        self.piece_tensors = [self.master_view(pc.partition_offset, pc.numel) for pc in self.pieces]
-        self._piece_index = {pc.param: k for k, pc in enumerate(self.pieces)}
-
-    def _new_partition(self) -> Tensor:
-        """A zeroed reduced-gradient partition: on the device in ``grad_dtype``, or offloaded in fp32."""
-        if self.offload is None:
-            return torch.zeros(self.layout.partition_numel, dtype=self.grad_dtype, device=self.flat_param.device)
-        return host_empty(self.layout.partition_numel, torch.float32, self.flat_param.device, self.offload).zero_()
-
-    def new_reduced(self) -> Tensor:
-        """Stage 1 in the step's last backward: the zeroed partition its reductions add into (offloaded: the
-        persistent host one, else a transient one)."""
-        return self._new_partition() if self.grad_partition is None else self.grad_partition.zero_()
+        """Adds what training needs (unit_training.py): the fp32 master partition, gradient storage, the pieces."""
+        if self.training is None:
+            self.offload = offload  # (a frozen unit made trainable: the run's offload, that of its shard included)
+            self.training = UnitTraining(self, full_grad=full_grad, grad_dtype=grad_dtype, offload=offload)
 
     @property
     def trainable(self) -> bool:
         """Whether the unit has master weights and gradients (frozen and evaluation-only units do not)."""
-        return self.master is not None or self.master_in_place
+        return self.training is not None
 
     @property
     def requires_grad(self) -> bool:
@@ -221,28 +152,6 @@ class FlatUnit:
 
     def partition_slice(self, bucket: Bucket) -> slice:
         return slice(bucket.partition_offset, bucket.partition_offset + bucket.chunk_numel)
-
-    def master_chunk(self, bucket: Bucket) -> Tensor:
-        return self.param_chunk(bucket) if self.master_in_place else self.master[self.partition_slice(bucket)]
-
-    def master_view(self, offset: int, numel: int) -> Tensor:
-        """Elements [offset, offset + numel) of the master partition, which lie within one bucket's chunk."""
-        if not self.master_in_place:
-            return self.master[offset : offset + numel]
-        bucket = next(b for b in reversed(self.layout.buckets) if b.partition_offset <= offset)
-        start = offset - bucket.partition_offset
-        return self.master_chunk(bucket)[start : start + numel]
-
-    def master_partition(self) -> Tensor:
-        """The master partition as one tensor (a copy of the flat buffer's chunks when it lives there)."""
-        if self.master_in_place:
-            return torch.cat([self.param_chunk(bucket) for bucket in self.layout.buckets])
-        return self.master
-
-    def piece_of(self, index: int) -> tuple[Piece | None, Tensor | None]:
-        """This rank's piece of parameter ``index`` and its view into the master, or (None, None)."""
-        k = self._piece_index.get(index)
-        return (None, None) if k is None else (self.pieces[k], self.piece_tensors[k])
 
     # --- stage 3: gathered only while in use (see [Note: a unit's states]) ---------------------------
     @property
@@ -274,6 +183,9 @@ class FlatUnit:
         part = self.flat_param.numel() // node_size
         self.secondary = self.flat_param[node_rank * part : (node_rank + 1) * part].clone()
 
+    def drop_secondary(self) -> None:
+        self.secondary = None
+
     def unshard_within_node(self, *, group=None) -> None:
         """hpZ: gathers the unit from the secondary parts of the node's ranks (``GATHERING``); the values are
         those its last gather from the shards gave (quantized or not). Collective over the node."""
@@ -281,6 +193,12 @@ class FlatUnit:
         self._allocate()
         self._gather = collectives.all_gather(self.flat_param, self.secondary, async_op=True, group=group)
         self.state = UnitState.GATHERING
+
+    def gathered_from(self, rows: Tensor) -> None:
+        """Gathered by a collective of several units (``unshard_together``): row r of ``rows`` is rank r's shard."""
+        self._allocate()
+        self.flat_param.view(rows.shape[0], -1).copy_(rows)
+        self.state = UnitState.GATHERED
 
     def _gather_quantized(self, shard: Tensor, block: int, *, group=None) -> collectives.Pending:
         values, scales = quantize(shard, block)
@@ -390,64 +308,18 @@ class FlatUnit:
             return
         lo = piece.partition_offset
         own = read(piece.lo, piece.hi)
-        targets = [
-            t[lo : lo + piece.numel]
-            for t in {id(t): t for t in (self.param_shard, self.master) if t is not None}.values()
-        ]
-        if self.master_in_place:
-            targets.append(self.master_view(lo, piece.numel))
+        master = self.training.master_view(lo, piece.numel) if self.training is not None else None
+        targets = [self.param_shard[lo : lo + piece.numel]] if self.param_shard is not None else []
+        if master is not None and (self.param_shard is None or master.data_ptr() != self.param_shard.data_ptr()):
+            targets.append(master)
         for target in targets:
             target.copy_(own)
 
-    # --- per-step operations -----------------------------------------------------------------------
-    def nonfinite(self) -> Tensor:
-        """1 if this rank's reduced gradient holds an inf or nan, else 0 (a device tensor: no sync)."""
-        return (~torch.isfinite(self.reduced)).any().to(torch.uint8).reshape(1)
-
-    def attach_grads(self, used: Sequence[int]) -> None:
-        """Points each piece's ``.grad`` at its fp32 reduced gradient, or None where no rank produced one.
-
-        ``used`` is on the host (one flag per parameter): indexing a device tensor here would sync per piece.
-        """
-        self.used_anywhere = [bool(flag) for flag in used]
-        self.step_grad = self.reduced if self.reduced.dtype == torch.float32 else self.reduced.to(torch.float32)
-        for piece, tensor in zip(self.pieces, self.piece_tensors):
-            lo = piece.partition_offset
-            tensor.grad = self.step_grad[lo : lo + piece.numel] if used[piece.param] else None
-
-    def stage_params(self, written: Sequence[tuple[int, int]]) -> None:
-        """A host buffer for this step's 16-bit parameter partition (see fused_step.py), pinned on CUDA;
-        the step writes the ranges ``written`` (ascending), the rest (padding) is zeroed here."""
-        staged = host_empty(self.layout.partition_numel, self.param_dtype, self.flat_param.device, self.offload)
-        end = 0
-        for lo, hi in (*written, (staged.numel(), staged.numel())):
-            staged[end:lo].zero_()
-            end = hi
-        self.staged_params = staged
-
-    def release_grads(self) -> None:
-        self.params_current = False
-        self.staged_params = None
-        for tensor in self.piece_tensors:
-            tensor.grad = None
-        self.step_grad = None
-        self.used_anywhere = None
-        if self.flat_grad is not None:
-            self.reduced = None
-
-    def zero_grad(self) -> None:
-        if self.flat_grad is not None and self.flat_grad_dirty:
-            self.flat_grad.zero_()  # else every bucket's region was zeroed as its reduction consumed it
-        self.flat_grad_dirty = False
-        if self.grad_partition is not None and self.flat_grad is None:  # (stage 1's is zeroed when next used)
-            self.grad_partition.zero_()
-        self.used[:] = bytes(len(self.used))
-        self.release_grads()
-
+    # --- after a step -------------------------------------------------------------------------------
     def follow_master(self, *, group=None) -> None:
         """Makes the parameters follow the master, now (after a load, or a write of weight averaging's).
         Collective."""
-        self.params_current, self.staged_params = False, None  # the last step's copies are not the master now
+        self.training.forget_params_written()  # the last step's copies are not the master now
         if self.param_shard is None:
             for work in [self.publish(bucket, group=group) for bucket in self.layout.buckets]:
                 collectives.wait(work)
@@ -460,19 +332,21 @@ class FlatUnit:
         """Stage 3 after a step: the shard follows the updated master (the next gather spreads it; a unit
         gathered now must be gathered again, see ``unshard_together``). Stages 1 and 2: see ``publish``."""
         self.secondary = None  # (it mirrors the shards)
-        if self.staged_params is not None:
-            copy_to(self.param_shard, self.staged_params)
-        elif self.param_shard is not self.master and not self.params_current:
-            copy_to(self.param_shard, self.master)
+        training = self.training
+        if training.staged_params is not None:
+            copy_to(self.param_shard, training.staged_params)
+        elif self.param_shard is not training.master and not training.params_written:
+            copy_to(self.param_shard, training.master)
 
     def publish(self, bucket: Bucket, *, group=None) -> dist.Work | collectives.Pending | None:
         """Stages 1 and 2 after a step: copies this rank's updated chunk of ``bucket`` into the flat buffer
         and starts the all-gather that gives every rank the whole bucket (see param_gather.py)."""
         own = self.param_chunk(bucket)
-        if self.staged_params is not None:
-            copy_to(own, self.staged_params[self.partition_slice(bucket)])
-        elif own.data_ptr() != self.master_chunk(bucket).data_ptr() and not self.params_current:
-            copy_to(own, self.master_chunk(bucket))
+        training = self.training
+        if training.staged_params is not None:
+            copy_to(own, training.staged_params[self.partition_slice(bucket)])
+        elif own.data_ptr() != training.master_chunk(bucket).data_ptr() and not training.params_written:
+            copy_to(own, training.master_chunk(bucket))
         flat = self.flat_param[bucket.start : bucket.start + bucket.numel]
         return collectives.all_gather(flat, own, async_op=True, group=group)
 
@@ -483,11 +357,13 @@ class FlatUnit:
         out = dict.fromkeys(("parameters", "gradients", "master"), 0)
         out.update({f"host_{key}": 0 for key in tuple(out)})
         params = self.param_shard if self.param_shard is not None else self.flat_param
-        master = None if self.master is params else self.master
-        held = (("parameters", params), ("gradients", self.flat_grad), ("gradients", self.grad_partition))
+        training = self.training
+        master = None if training is None or training.master is params else training.master
+        flat_grad = training.flat_grad if training is not None else None
+        held = (("parameters", params), ("gradients", flat_grad), ("gradients", training and training.grad_partition))
         for key, tensor in (*held, ("master", master)):
             if tensor is not None:
-                on_host = self.offload is not None and tensor is not self.flat_param and tensor is not self.flat_grad
+                on_host = self.offload is not None and tensor is not self.flat_param and tensor is not flat_grad
                 on_host = on_host and (key != "parameters" or self.offload.params)
                 out[f"host_{key}" if on_host else key] += tensor.nbytes
         return out
@@ -510,8 +386,6 @@ def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
         rows = rows.view(world, -1)
         start = 0
         for unit in same:
-            unit._allocate()
             numel = unit.param_shard.numel()
-            unit.flat_param.view(world, numel).copy_(rows[:, start : start + numel])
-            unit.state = UnitState.GATHERED
+            unit.gathered_from(rows[:, start : start + numel])
             start += numel

@@ -24,14 +24,14 @@ from lightning_zero.sharding.flat_unit import FlatUnit
 
 def needs_masters(unit: FlatUnit) -> bool:
     """Whether ``unit``'s weights are read from its masters: it trains, in 16 bits (the same on every rank)."""
-    return unit.master is not None and unit.param_dtype != torch.float32
+    return unit.trainable and unit.training.master is not None and unit.param_dtype != torch.float32
 
 
 def gather_masters(unit: FlatUnit, *, group=None) -> Iterator[tuple[int, Tensor]]:
     """(index in the unit, the parameter's whole fp32 master weights, flat, on the CPU), one bucket's all-gather at a
     time: every rank's chunk of a bucket, in rank order, is the bucket's flat values, and a parameter lies in
     one bucket (layout.py). Memory: one bucket on the device and on the CPU besides the values yielded."""
-    partition = unit.master_partition()
+    partition = unit.training.master_partition()
     layout = unit.layout
     for bucket in layout.buckets:
         chunk = partition[bucket.partition_offset : bucket.partition_offset + bucket.chunk_numel]
@@ -60,7 +60,7 @@ def full_state_dict(
     for unit in units:
         keys = {k: owner[id(v)][1] for k, v in entries.items() if owner.get(id(v), (None,))[0] is unit}
         if needs_masters(unit):
-            on_host = unit.master_partition().device.type == "cpu"
+            on_host = unit.training.master_partition().device.type == "cpu"
             values = {
                 i: v.view(unit.shapes[i]) for i, v in gather_masters(unit, group=host_group if on_host else group)
             }
@@ -84,7 +84,7 @@ def parameter_norms(model: Module, units: Sequence[FlatUnit], norm_type: float, 
         sums = torch.zeros(len(unit.params), dtype=torch.float64)
         for piece in unit.layout.pieces(unit.rank):
             lo, n = piece.partition_offset, piece.numel
-            values = unit.master_view(lo, n) if unit.trainable else unit.param_shard[lo : lo + n]
+            values = unit.training.master_view(lo, n) if unit.trainable else unit.param_shard[lo : lo + n]
             sums[piece.param] += values.double().abs().pow(norm_type).sum().cpu()
         names += unit.names
         partials.append(sums)

@@ -14,7 +14,7 @@ spans, sent with one asynchronous copy). One pass reads the fp32 gradient the op
 factor (a device scalar: no host sync on the device path), updates the fp32 master and both moments, and
 writes the parameters' 16-bit copy straight into the buffer the all-gather sends (stages 1 and 2: the chunk
 of the flat buffer; stage 3: the shard), so the post-step copy is skipped. Offloaded units write it into a
-host staging buffer instead (``FlatUnit.staged_params``, pinned on CUDA), which the post-step copy sends as
+host staging buffer instead (``UnitTraining.staged_params``, pinned on CUDA), which the post-step copy sends as
 it is: 2 bytes per element over the bus, and no second pass over the master. All host runs of a step go to
 the host kernel in one call, threaded over the whole of them. Any other unit takes the optimizer's own step,
 as before. Adam's moments live in one flat fp32 buffer per unit; each piece's optimizer state holds views of
@@ -68,7 +68,7 @@ class FusedAdamWStep:
         (start, end, group, where its 16-bit parameters go); None if a piece is in no group of ours
         (``group_of``: id of each piece tensor -> its param group)."""
         runs: list[list] = []
-        for piece, tensor in zip(unit.pieces, unit.piece_tensors):
+        for piece, tensor in zip(unit.training.pieces, unit.training.piece_tensors):
             group = group_of.get(id(tensor))
             if group is None:
                 return None
@@ -79,12 +79,12 @@ class FusedAdamWStep:
             else:
                 runs.append([lo, hi, group, bucket])
         if _stages_params(unit):
-            unit.stage_params(written=sorted((lo, hi) for lo, hi, *_ in runs))
+            unit.training.stage_params(written=sorted((lo, hi) for lo, hi, *_ in runs))
         return [(lo, hi, group, _lowp_target(unit, bucket, lo, hi)) for lo, hi, group, bucket in runs]
 
     def backend(self, unit: FlatUnit) -> str | None:
         """What steps ``unit``: "cuda", "host", "reference", or None (the optimizer itself)."""
-        master = unit.master_view(0, 1)
+        master = unit.training.master_view(0, 1)
         if use_kernels(master):
             return "cuda"
         on_host = master.device.type == "cpu" and (self.mode == "always" or unit.offload is not None)
@@ -108,7 +108,7 @@ class FusedAdamWStep:
         device_counts: list[Tensor] = []
         skipped_on_host: bool | None = None  # the flag, read once a step by the host kernel's units (offloaded)
         for unit in units:
-            pieces = unit.piece_tensors
+            pieces = unit.training.piece_tensors
             backend = self.backend(unit) if pieces else None
             states = [self.optimizer.state[t] for t in pieces]
             on_device = found_inf is not None and backend in ("cuda", "reference")
@@ -131,7 +131,12 @@ class FusedAdamWStep:
                 hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"])
                 hyper.update(weight_decay=group["weight_decay"], step=step if on_device else int(step))
                 # what the optimizer would read (clipping by value acts on it), its moments and the master
-                tensors = (unit.master_view(lo, hi - lo), unit.step_grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi])
+                tensors = (
+                    unit.training.master_view(lo, hi - lo),
+                    unit.training.step_grad[lo:hi],
+                    exp_avg[lo:hi],
+                    exp_avg_sq[lo:hi],
+                )
                 if backend == "host":
                     host_mul = float(multiplier) if host_mul is None else host_mul
                     host_runs.append(AdamWRun(*tensors, grad_mul=host_mul, lowp_out=lowp, **hyper))
@@ -147,11 +152,12 @@ class FusedAdamWStep:
             torch._foreach_add_(device_counts, 1.0 - scale["found_inf"].float())
         step_devices()
         for unit, states, step, params_written in stepped:
-            for state, tensor in zip(states, unit.piece_tensors):
+            for state, tensor in zip(states, unit.training.piece_tensors):
                 if step is not None:
                     state["step"].fill_(step)
                 tensor.grad = None
-            unit.params_current = params_written  # the post-step copy is done
+            if params_written:  # the post-step copy is done
+                unit.training.mark_params_written()
             done.add(id(unit))
         return done
 
@@ -164,7 +170,9 @@ class FusedAdamWStep:
         host_count = _shared_count(states)
         if host_count is None:
             return None
-        count = torch.full((), host_count, dtype=torch.float32, device=unit.master_view(0, 1).device)  # (no copy)
+        count = torch.full(
+            (), host_count, dtype=torch.float32, device=unit.training.master_view(0, 1).device
+        )  # (no copy)
         for state in states:
             state["step"] = count
         self._counts[id(unit)] = count
@@ -182,12 +190,12 @@ class FusedAdamWStep:
 
     def _flat_moments(self, unit: FlatUnit, states: list[dict]) -> tuple[Tensor, Tensor]:
         """The unit's flat moments, with every piece's state pointing into them (adopting what it held)."""
-        master = unit.master_chunk(unit.layout.buckets[0])
+        master = unit.training.master_chunk(unit.layout.buckets[0])
         if id(unit) not in self._moments:
             zeros = torch.zeros(unit.layout.partition_numel, dtype=torch.float32, device=master.device)
             self._moments[id(unit)] = (zeros, zeros.clone())
         flat = self._moments[id(unit)]
-        for piece, state in zip(unit.pieces, states):
+        for piece, state in zip(unit.training.pieces, states):
             views = [m[piece.partition_offset : piece.partition_offset + piece.numel] for m in flat]
             for key, view in zip(("exp_avg", "exp_avg_sq"), views):
                 held = state.get(key)
@@ -217,7 +225,7 @@ def _stages_params(unit: FlatUnit) -> bool:
     """An offloaded unit whose 16-bit parameters live on the device (all but stage 3's host shards with
     ``offload_param``): the step writes their copy on the host, into ``staged_params``. Decided by where
     the configuration puts them, not by the device, so the CPU tests take the CUDA path's steps."""
-    if unit.offload is None or unit.param_dtype == torch.float32 or unit.master is None:
+    if unit.offload is None or unit.param_dtype == torch.float32 or unit.training.master is None:
         return False
     return unit.param_shard is None or not unit.offload.params
 
@@ -226,14 +234,14 @@ def _lowp_target(unit: FlatUnit, bucket, lo: int, hi: int) -> Tensor | None:
     """Where the step writes the 16-bit parameters of partition elements [lo, hi) (in ``bucket``'s chunk),
     if the parameters are 16-bit: an offloaded unit's staging buffer or host shard; else the shard (stage
     3) or the flat buffer's chunk (stages 1 and 2) when on the master's device."""
-    if unit.param_dtype == torch.float32 or unit.master is None:
+    if unit.param_dtype == torch.float32 or unit.training.master is None:
         return None
     if unit.offload is not None:
         if not _stages_params(unit):
             return unit.param_shard[lo:hi]
-        return None if unit.staged_params is None else unit.staged_params[lo:hi]
+        return None if unit.training.staged_params is None else unit.training.staged_params[lo:hi]
     if unit.param_shard is not None:
-        return unit.param_shard[lo:hi] if unit.param_shard.device == unit.master.device else None
-    if unit.flat_param.device != unit.master.device:
+        return unit.param_shard[lo:hi] if unit.param_shard.device == unit.training.master.device else None
+    if unit.flat_param.device != unit.training.master.device:
         return None
     return unit.param_chunk(bucket)[lo - bucket.partition_offset : hi - bucket.partition_offset]

@@ -120,7 +120,7 @@ def shard_held_state(state: dict[Tensor, dict], locate: Mapping[Parameter, tuple
             continue
         unit, index = locate[param]
         cut = {key: _per_element(key, value, param, unit.names[index]) for key, value in values.items()}
-        piece, tensor = unit.piece_of(index)
+        piece, tensor = unit.training.piece_of(index)
         if tensor is not None:  # copies (the whole tensors go) in the piece's dtype, as torch's load_state_dict casts
             own = slice(piece.lo, piece.hi)
             state[tensor] = {

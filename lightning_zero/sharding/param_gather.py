@@ -37,31 +37,30 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
-from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.layout import Bucket
 
 
 class ParamGathers:
-    def __init__(self, reducer: GradReducer, *, group=None) -> None:
-        self.reducer = reducer
+    def __init__(self, units: Sequence[FlatUnit], *, overlap: bool, group=None) -> None:
+        """``overlap``: ZeroConfig.overlap_param_gather, unless the model runs compiled code (see the Note)."""
         self.group = group
-        self.overlap = False  # ZeroConfig.overlap_param_gather (see the Note)
+        self.overlap = overlap
         self._mode: _WaitOnUse | None = None
         self._abandoned: list[_WaitOnUse] = []  # emptied modes left below a user's (see the Note)
         self._pending: dict[tuple[int, int], object] = {}  # (id(unit), bucket.start) -> the gather's work
         self._key_of: dict[int, tuple[int, int]] = {}  # id(param) -> its bucket's key
-        self.add_units(reducer.units)
-        reducer.check_param_read = self.check_read
+        self.add_units(units)
 
     def add_units(self, units: Sequence[FlatUnit]) -> None:
         for unit in units:
             for index, p in enumerate(unit.params):
                 self._key_of[id(p)] = (id(unit), unit.layout.buckets[unit.layout.param_bucket[index]].start)
 
-    def launch(self, units: Sequence[FlatUnit]) -> None:
-        """After a step: starts the gathers of ``units``' buckets in forward order (and waits, unless overlapping)."""
+    def launch(self, units: Sequence[FlatUnit], reduce_order: Sequence[tuple[FlatUnit, Bucket]]) -> None:
+        """After a step: starts the gathers of ``units``' buckets in forward order, the reverse of the reducer's
+        ``reduce_order`` (and waits, unless overlapping)."""
         stepped = {id(u) for u in units}
-        for unit, bucket in reversed(self.reducer.order):
+        for unit, bucket in reversed(reduce_order):
             if id(unit) in stepped:
                 self._pending[(id(unit), bucket.start)] = unit.publish(bucket, group=self.group)
         while self._abandoned and _top_mode() is self._abandoned[-1]:
@@ -92,6 +91,7 @@ class ParamGathers:
             self._abandoned.append(mode)
 
     def check_read(self, unit: FlatUnit, bucket: Bucket, index: int) -> None:
+        """A gradient of ``unit``'s parameter ``index`` arrived (the reducer's gradient hook)."""
         if self._pending and (id(unit), bucket.start) in self._pending:
             raise RuntimeError(
                 f"parameter {unit.names[index]!r} got a gradient although it was never read through a torch op"
@@ -101,7 +101,6 @@ class ParamGathers:
 
     def remove_hooks(self) -> None:
         self.wait_all()
-        self.reducer.check_param_read = None
 
 
 def runs_compiled_code(model: torch.nn.Module) -> bool:

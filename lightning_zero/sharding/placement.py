@@ -29,10 +29,10 @@ from torch.nn import Module, Parameter
 
 from lightning_zero.sharding import collectives, param_writes
 from lightning_zero.sharding.flat_unit import FlatUnit
-from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_setup import ShardedModule, gather_module
+from lightning_zero.sharding.step_state import StepState
 from lightning_zero.sharding.unit_index import UnitIndex
 
 
@@ -53,14 +53,9 @@ class Replicated:
     runtime: Stage3Runtime | None = None
     units_from_optimizers = True  # the engine makes one unit per optimizer parameter group
 
-    def __init__(self) -> None:
-        self.gathers: ParamGathers | None = None  # while training: the post-step gathers
-        self.forward_only_step = False  # inside a validation/test/predict step
-
-    def attach(self, reducer: GradReducer, gathers: ParamGathers | None, *, overlap: bool) -> None:
-        self.gathers = gathers
-        if gathers is not None:  # see [Note: post-step gathers] in param_gather.py
-            gathers.overlap = overlap
+    def __init__(self, step: StepState, gathers: ParamGathers | None = None) -> None:
+        """``step``: the engine's step state; ``gathers``: while training, the post-step gathers (param_gather.py)."""
+        self.step, self.gathers = step, gathers
 
     def add_units(self, units: Sequence[FlatUnit]) -> None:
         if self.gathers is not None:
@@ -81,11 +76,7 @@ class Replicated:
         pass
 
     def forward_only(self, step: Callable, args: tuple, kwargs: dict, *, join: Join | None) -> Any:
-        self.forward_only_step = True
-        try:
-            return step(*args, **kwargs)
-        finally:
-            self.forward_only_step = False
+        return step(*args, **kwargs)
 
     def holding(self, unit: FlatUnit) -> AbstractContextManager:
         return contextlib.nullcontext()
@@ -100,7 +91,7 @@ class Replicated:
         """See [Note: writes inside gathered_parameters] in param_writes.py. ``module`` is None where the engine
         holds none (stages 1 and 2 outside fit): no unit then holds the parameters."""
         self.settle()
-        _refuse_modifier_in_forward_only(modifier_rank, self.forward_only_step)
+        _refuse_modifier_in_forward_only(modifier_rank, self.step.evaluating)
         locate = UnitIndex.of(module) if module is not None else UnitIndex()
         located = [locate(p) for p in params]
 
@@ -114,7 +105,7 @@ class Replicated:
             if located[index] is not None:
                 located[index][0].write_owned(located[index][1], params[index].data)  # the master too
 
-        agree = param_writes.agree_here if self.forward_only_step else param_writes.agree
+        agree = param_writes.agree_here if self.step.evaluating else param_writes.agree
         with param_writes.keeping_writes(params, adopt, keep, modifier_rank=modifier_rank, agree=agree):
             yield params
 
@@ -149,9 +140,6 @@ class Sharded:
         self.runtime = runtime
         self.gathers = None
 
-    def attach(self, reducer: GradReducer, gathers: ParamGathers | None, *, overlap: bool) -> None:
-        self.runtime.reducer = reducer
-
     def add_units(self, units: Sequence[FlatUnit]) -> None:
         pass  # (frozen units made trainable: the runtime has them already)
 
@@ -174,7 +162,7 @@ class Sharded:
         if join is not None:
             join.count(1)
             join.check()
-        self.runtime.begin_step(training=False)
+        self.runtime.begin_step()
         try:
             output = step(*args, **kwargs)
             self.runtime.end_forward()
@@ -229,7 +217,7 @@ class Sharded:
         self.teardown(module)  # (called inside a run too: its hooks would shard the module again)
         gather_module(self.runtime, device)
         ShardedModule.detach(module)
-        return Replicated()
+        return Replicated(self.runtime.step)
 
     def teardown(self, module: Module | None) -> None:
         """Releases the hooks; the module stays sharded (``ShardedModule`` keeps the units)."""

@@ -28,7 +28,7 @@ extra.
 [Note: a read after the unit's forward]
 A unit whose forward has returned may stay gathered a while (until the next entry or the end of the forward
 pass frees it). A parameter read then without attribute access (``self.parameters()`` in a penalty iterates
-``_parameters.items()``, which ``_GatherOnAccess`` never sees) would save the gathered tensor for its backward
+``_parameters.items()``, which ``GatherOnAccess`` never sees) would save the gathered tensor for its backward
 with nothing keeping it gathered: freed when the forward pass ends, it would be the NaN placeholder when the
 penalty's backward (created later, so run before the unit's own) reads it. So when a unit's forward returns,
 its parameters take the sharded class while the unit is still gathered: a read goes through ``read`` and pins

@@ -54,8 +54,7 @@ gathers, and the agreements of ``gathered_parameters`` on whether a rank wrote (
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -65,45 +64,13 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.sharding import param_writes
-from lightning_zero.sharding.backward_end import BackwardEnd, in_backward
+from lightning_zero.sharding.backward_end import BackwardEnd, BackwardWork, in_backward
 from lightning_zero.sharding.flat_unit import FlatUnit, unshard_together
+from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.sharded_param import ShardedParameter, original_class, read_error
+from lightning_zero.sharding.stage3_access import GatherOnAccess, output_tensors
 from lightning_zero.sharding.stage3_schedule import Schedule
-
-
-def output_tensors(output: Any, depth: int = 0) -> Iterator[Tensor]:
-    """The tensors in a module's output: nested tuples, lists, dicts (a Hugging Face ``ModelOutput``),
-    dataclasses and plain objects' attributes."""
-    if isinstance(output, Tensor):
-        yield output
-    elif depth > 8 or output is None or isinstance(output, (str, bytes, int, float, bool)):
-        return
-    elif isinstance(output, Mapping):
-        for value in output.values():
-            yield from output_tensors(value, depth + 1)
-    elif isinstance(output, (tuple, list, set)):
-        for value in output:
-            yield from output_tensors(value, depth + 1)
-    elif dataclasses.is_dataclass(output):
-        for field in dataclasses.fields(output):
-            yield from output_tensors(getattr(output, field.name), depth + 1)
-    elif hasattr(output, "__dict__") and not isinstance(output, Module):
-        for value in vars(output).values():
-            yield from output_tensors(value, depth + 1)
-
-
-class _GatherOnAccess(dict):
-    """A module's ``_parameters``: reading a sharded parameter as an attribute makes it whole first."""
-
-    def __init__(self, runtime: Stage3Runtime, params: dict) -> None:
-        super().__init__(params)
-        self.runtime = runtime
-
-    def __getitem__(self, name: str) -> Any:
-        param = super().__getitem__(name)
-        if not torch.compiler.is_compiling():  # see [Note: compiled models]
-            self.runtime.on_access(param)
-        return param
+from lightning_zero.sharding.step_state import StepState
 
 
 class Stage3Runtime:
@@ -116,6 +83,8 @@ class Stage3Runtime:
         prefetch_bucket_size: int | None = None,
         param_persistence_threshold: int,
         backward_end: BackwardEnd,
+        step: StepState,
+        reducer: GradReducer | None = None,
         group=None,
         quantize_block: int | None = None,
         node: tuple[int, int, Any] | None = None,
@@ -124,7 +93,9 @@ class Stage3Runtime:
         trainable and frozen parameters); None marks the root. Modules come in registration order (the
         schedule's ``S``). ``quantize_block``: the step's gathers travel as int8 in blocks of that many
         elements (quantize.py's [Note: quantized weight gathers]); other gathers are exact. ``node``: hpZ's
-        (node rank, node size, node group), see [Note: a secondary partition]."""
+        (node rank, node size, node group), see [Note: a secondary partition]. ``step``: the engine's step state
+        (step_state.py), which says whether a step is on and whether it trains. ``reducer``: while training, reduces
+        the units the schedule releases."""
         self.units = list(units)
         self.group = group
         self.quantize_block = quantize_block
@@ -146,13 +117,11 @@ class Stage3Runtime:
         sizes = [sum(u.layout.total_numel for u in group_) for group_ in self.scheduled]
         persistent = {k for k, size in enumerate(sizes) if size <= param_persistence_threshold}
         self.schedule = Schedule(sizes, persistent, max_live_parameters, self, prefetch_bucket_size)
-        self.reducer = None  # set by the strategy once the optimizers are wrapped (fitting only)
+        self.reducer, self.step = reducer, step
         self.backward_end = backward_end
-        backward_end.on_begin.append(self.schedule.begin_backward)
-        backward_end.on_end.insert(0, self._end_backward)  # before the reducer waits for every reduction
-        self.in_step = False
-        self._replays: list[Callable[[], Any]] = []  # this forward-only step's collectives, for shadow_step
-        self._training_step = False  # the step in progress trains (set by begin_step: the same on every rank)
+        backward_end.register(BackwardWork.SCHEDULE, begin=self.schedule.begin_backward, end=self._end_backward)
+        # a forward-only step's collectives while it runs (None outside one), and the last one's, for shadow_step
+        self._replays: list[Callable[[], Any]] | None = None
         self._last_replays: list[Callable[[], Any]] | None = None
         self.peak_gathered_bytes = 0  # largest size of all gathered units together (root, persistent included)
         self._handles = []
@@ -173,21 +142,16 @@ class Stage3Runtime:
         """Lets modules that register sharded parameters gather them on attribute access."""
         for module in model.modules():
             if any(id(p) in self._owner for p in module._parameters.values() if p is not None):
-                module._parameters = _GatherOnAccess(self, module._parameters)
+                module._parameters = GatherOnAccess(self, module._parameters)
 
     def remove_hooks(self, model: Module) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         for module in model.modules():
-            if isinstance(module._parameters, _GatherOnAccess):
+            if isinstance(module._parameters, GatherOnAccess):
                 module._parameters = dict(module._parameters)
-        for callbacks, fn in (
-            (self.backward_end.on_begin, self.schedule.begin_backward),
-            (self.backward_end.on_end, self._end_backward),
-        ):
-            if fn in callbacks:
-                callbacks.remove(fn)
+        self.backward_end.unregister(self.schedule.begin_backward, self._end_backward)
 
     # --- the schedule's executor -------------------------------------------------------------------
     def _start(self, unit: FlatUnit, *, for_step: bool = False) -> None:
@@ -199,10 +163,10 @@ class Stage3Runtime:
         else:
             unit.unshard(async_op=True, group=self.group, quantize_block=self.quantize_block if for_step else None)
             # see [Note: a secondary partition]: decided by the schedule's state, never by this rank's grad mode
-            forward = self._training_step and not self.schedule.in_backward_pass
+            forward = self.step.training and not self.schedule.in_backward_pass
             if for_step and self.node is not None and forward and unit not in self.root:
                 self._keep.add(id(unit))
-        if self.forward_only_step:
+        if self._replays is not None:
             self._replays.append(partial(self._gather_and_free, unit, for_step))
         gathered = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
@@ -246,6 +210,10 @@ class Stage3Runtime:
         for unit in self.scheduled[k]:
             if unit.gathered:
                 self._mark_sharded(unit)
+
+    @property
+    def in_step(self) -> bool:
+        return self.step.in_step
 
     def can_read(self) -> bool:
         return self.in_step and not in_backward()
@@ -333,13 +301,11 @@ class Stage3Runtime:
                 self.reducer.reduce_unit(unit)
 
     # --- step boundaries --------------------------------------------------------------------------
-    def begin_step(self, *, training: bool = True) -> None:
-        """Before a training (``training``) or validation/test/predict step: the root unit is gathered for it."""
-        if self.in_step:  # the last step had no backward (training_step returned None)
-            self.end_step()
-        self.in_step, self._training_step = True, training
-        self._replays = []
-        self.schedule.begin_step(forward_only=not training)
+    def begin_step(self) -> None:
+        """Before a training or validation/test/predict step (the step state says which): the root unit is
+        gathered for it."""
+        self._replays = None if self.step.training else []
+        self.schedule.begin_step(forward_only=not self.step.training)
         for unit in self.root:
             self._start(unit, for_step=True)
         for unit in self.root:
@@ -352,29 +318,29 @@ class Stage3Runtime:
 
     def end_step(self) -> None:
         """After the step's backward (or forward when there is none): everything not persistent is freed."""
-        if self._replays and not self._training_step:
+        if self._replays:  # (a forward-only step that gathered)
             self._last_replays = self._replays
+        self._replays = None
         self.schedule.end_step()
         for unit in self.root:
             self._free(unit)
         self._drop_secondaries()
-        self.in_step = False
 
     def _drop_secondaries(self) -> None:
         self._keep.clear()
         for unit in self.units:
-            unit.secondary = None
+            unit.drop_secondary()
 
     @property
     def forward_only_step(self) -> bool:
         """Inside a validation/test/predict step (the same on every rank)."""
-        return self.in_step and not self._training_step
+        return self.step.evaluating
 
     def agree_on_writers(self, changed: Tensor, problem: str | None) -> list[int | None]:
         """``param_writes.agree``, which a rank that has run out of batches replays in a forward-only step (there it
         writes nothing, and raises as the others do)."""
         forward_only = self.forward_only_step
-        if forward_only:
+        if self._replays is not None:
             self._replays.append(partial(param_writes.agree, torch.zeros_like(changed), None, forward_only=True))
         return param_writes.agree(changed, problem, forward_only=forward_only)
 
@@ -397,7 +363,6 @@ class Stage3Runtime:
                 unit.forget_values()
                 self._mark_sharded(unit)
         self._drop_secondaries()
-        self.in_step = False
 
     @contextmanager
     def gathered_params(self, params: Sequence[Tensor]) -> Iterator[list[FlatUnit]]:

@@ -41,7 +41,7 @@ run around torch's own.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,7 @@ from lightning_zero.sharding.layout import Piece
 from lightning_zero.sharding.offload import use_fused_host_step, wait_for_device
 from lightning_zero.sharding.optimizer_check import shard_held_state
 from lightning_zero.sharding.param_gather import ParamGathers
+from lightning_zero.sharding.param_group_view import HOOKS, ParamGroupView
 from lightning_zero.sharding.topology import Topology
 
 
@@ -72,51 +73,6 @@ class Slot:
     tensor: Tensor | None  # the piece's view into the unit's master partition
 
 
-class ParamGroupView(MutableMapping):
-    """One of the user's param groups as ``ZeroOptimizer.param_groups`` shows it.
-
-    [Note: param group views]
-    It lists the model's own parameters (as the optimizer built in ``configure_optimizers`` had them),
-    so LR schedulers, LearningRateMonitor and fine-tuning callbacks see what they expect, while every
-    other key (lr, weight_decay, ...) is the wrapped optimizer's own group, which steps this rank's
-    pieces: a new lr written here, or by a scheduler bound to the unwrapped optimizer, is the one used.
-    """
-
-    def __init__(self, inner: dict[str, Any], params: list[Parameter]) -> None:
-        self.inner = inner
-        self.params = params
-
-    def __getitem__(self, key: str) -> Any:
-        return self.params if key == "params" else self.inner[key]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key == "params":
-            raise ValueError("a sharded param group's parameters cannot be replaced; use add_param_group")
-        self.inner[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self.inner[key]
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __repr__(self) -> str:
-        return repr({k: (f"<{len(self.params)} parameters>" if k == "params" else v) for k, v in self.items()})
-
-
-_HOOKS = (  # what Optimizer.__init__ makes for its hook registrations (see [Note: an Optimizer to whoever asks])
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
-
-
 class ZeroOptimizer(Optimizer):
     def __init__(
         self,
@@ -128,14 +84,14 @@ class ZeroOptimizer(Optimizer):
         gathers: ParamGathers | None = None,
         fused_step: str = "never",
         topology: Topology,
-        activate: Callable[[list[Parameter]], tuple[dict, dict]] | None = None,
+        activation: Callable[[list[Parameter]], tuple[dict, dict]] | None = None,
     ) -> None:
         """``locate`` maps each trainable parameter to (unit, index in the unit); frozen ones are absent.
         ``fused_step``: see fused_step.py. ``topology``: the shard group, and with hybrid sharding the
-        replicate group of the ranks holding the same partitions (topology.py). ``activate``: the engine's,
-        which gives parameters added by ``add_param_group`` their units."""
+        replicate group of the ranks holding the same partitions (topology.py). ``activation``: gives
+        parameters added by ``add_param_group`` their units (unit_set.py's ``ParamActivation``)."""
         shard_held_state(optimizer.state, locate)  # (Adagrad's, from its __init__: see optimizer_check.py)
-        for hooks in _HOOKS:
+        for hooks in HOOKS:
             setattr(self, hooks, OrderedDict())
         self.optimizer = optimizer
         self.reducer = reducer
@@ -145,7 +101,7 @@ class ZeroOptimizer(Optimizer):
         self.replicate_group = topology.replicate_group
         self.host_replicate_group = topology.host_replicate
         self.world_host_group = topology.host_world  # decisions every rank must share
-        self.activate = activate  # see add_param_group
+        self.activation = activation  # see add_param_group
         # For each group, each original parameter's slot (None when frozen); the numbering of the
         # unsharded optimizer's state dict follows these lists.
         self._slots: list[list[Slot | None]] = []
@@ -164,13 +120,17 @@ class ZeroOptimizer(Optimizer):
         self.last_step_skipped = False
         self.loss_scale = 1.0  # the fp16 loss scale backward used (the precision plugin keeps it current)
 
+    def scaled_by(self, loss_scale: float | Tensor) -> None:
+        """The fp16 loss scale the backward about to run multiplies the loss by (the precision plugin's)."""
+        self.loss_scale = loss_scale
+
     def _adopt(self, inner: dict[str, Any], params: list[Parameter], locate: Mapping, names: Mapping) -> None:
         """Points ``inner`` (a group of the wrapped optimizer) at this rank's pieces of ``params``."""
         slots = []
         for p in params:
             if p in locate:
                 unit, index = locate[p]
-                piece, tensor = unit.piece_of(index)
+                piece, tensor = unit.training.piece_of(index)
                 slots.append(Slot(unit, index, piece, tensor))
             else:
                 slots.append(None)
@@ -188,9 +148,9 @@ class ZeroOptimizer(Optimizer):
         """Adds parameters to train from now on (e.g. a backbone unfrozen by ``BackboneFinetuning``): their
         units get master weights and gradients (collective: every rank adds the same group)."""
         params = list(param_group["params"])
-        if self.activate is None:
+        if self.activation is None:
             raise RuntimeError("parameters can be added once the ZeRO strategy has set the optimizer up")
-        locate, names = self.activate(params)
+        locate, names = self.activation(params)
         self.optimizer.add_param_group({**param_group, "params": [torch.zeros(0)]})  # defaults filled in
         inner = self.optimizer.param_groups[-1]
         self._adopt(inner, params, locate, names)
@@ -219,7 +179,7 @@ class ZeroOptimizer(Optimizer):
             s.unit.params[s.index]
             for slots in self._slots
             for s in slots
-            if s is not None and (s.unit.used_anywhere is None or s.unit.used_anywhere[s.index])
+            if s is not None and (s.unit.training.used_anywhere is None or s.unit.training.used_anywhere[s.index])
         ]
 
     # --- the step ----------------------------------------------------------------------------------
@@ -232,7 +192,7 @@ class ZeroOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:
-            unit.zero_grad()
+            unit.training.zero_grad()
         self._prepared = False
 
     def prepare_grads(
@@ -250,27 +210,26 @@ class ZeroOptimizer(Optimizer):
             return self._found_inf
         if self.gathers is not None:
             self.gathers.wait_all()  # a bucket no forward waited on (its modules did not run) is done
-        stage1_missing = any(u.flat_grad is not None and u.reduced is None for u in self.units)  # no backward reduced
-        if self.reducer.stage1_unreduced or stage1_missing:  # (the same on every rank)
+        if any(u.training.needs_reduction() for u in self.units):  # stage 1 (the same on every rank)
             self.reducer.reduce_pending()
         self._found_inf = False
         if self.replicate_group is not None:
-            self._average_replicas([u.reduced for u in self.units])
+            self._average_replicas([u.training.reduced for u in self.units])
         if self.units:
             # The used flags first, even on a step that will be skipped: the collectives issued here never
             # depend on the overflow flag, whatever a rank found in its own partitions.
-            flags = bytearray().join(u.used for u in self.units)  # the tensor below writes into it
+            flags = bytearray().join(u.training.used for u in self.units)  # the tensor below writes into it
             collectives.all_reduce(
                 torch.frombuffer(flags, dtype=torch.uint8), dist.ReduceOp.MAX, group=self.world_host_group
             )
             if check_finite:
-                overflow = torch.stack([u.nonfinite() for u in self.units]).amax(dim=0)
+                overflow = torch.stack([u.training.nonfinite() for u in self.units]).amax(dim=0)
                 found = collectives.all_reduce(overflow, dist.ReduceOp.MAX, group=self._group_for(overflow))
                 self._found_inf = found if on_device else bool(found.item())
             if self._found_inf is not True:  # (a flag left on the device: gradients attached, step skips on it)
                 start = 0
                 for unit in self.units:
-                    unit.attach_grads(flags[start : start + len(unit.params)])
+                    unit.training.attach_grads(flags[start : start + len(unit.params)])
                     start += len(unit.params)
         self._multiplier = 1.0 / loss_scale
         self._prepared = True
@@ -284,7 +243,10 @@ class ZeroOptimizer(Optimizer):
         rank must call it (as every rank runs the same Lightning hooks).
         """
         if self._prepared:
-            grads, multiplier = [u.step_grad for u in self.units if u.step_grad is not None], self._multiplier
+            grads, multiplier = (
+                [u.training.step_grad for u in self.units if u.training.step_grad is not None],
+                self._multiplier,
+            )
         else:
             grads, multiplier = self._current_grads(), 1.0 / self.loss_scale
         squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else self._device())
@@ -303,11 +265,11 @@ class ZeroOptimizer(Optimizer):
     def _current_grads(self) -> list[Tensor]:
         """This rank's reduced gradient partitions as accumulated so far, without preparing the step
         (with hybrid sharding: copies, averaged over the replicas)."""
-        pending = [u for u in self.units if u.reduced is None]  # stage 1 between micro-batches
+        pending = [u for u in self.units if u.training.reduced is None]  # stage 1 between micro-batches
         reduced = self.reducer.peek_accumulated(pending) if pending else {}
-        grads = [reduced.get(id(u), u.reduced) for u in self.units]
+        grads = [reduced.get(id(u), u.training.reduced) for u in self.units]
         if self.replicate_group is not None and not self._prepared:  # (prepared: summed already)
-            grads = [g.clone() if g is u.reduced else g for g, u in zip(grads, self.units)]
+            grads = [g.clone() if g is u.training.reduced else g for g, u in zip(grads, self.units)]
             self._average_replicas(grads)
         return grads
 
@@ -363,8 +325,8 @@ class ZeroOptimizer(Optimizer):
         if isinstance(multiplier, float) and multiplier == 1.0:
             return
         for unit in self.units:
-            if unit.step_grad is not None and id(unit) not in skip:
-                unit.step_grad.mul_(multiplier)
+            if unit.training.step_grad is not None and id(unit) not in skip:
+                unit.training.step_grad.mul_(multiplier)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         for hook in list(self._optimizer_step_pre_hooks.values()):
@@ -390,13 +352,13 @@ class ZeroOptimizer(Optimizer):
         if found_inf is None or not any(t.grad is not None for t in self.pieces()) or not found_inf.item():
             self.optimizer.step()
         if self.gathers is not None:
-            self.gathers.launch(self.units)
+            self.gathers.launch(self.units, self.reducer.order)
         else:  # stage 3: the shards follow; the units kept gathered (persistent) are gathered again, at once
             for unit in self.units:
                 unit.refresh_shard()
             unshard_together([u for u in self.units if u.gathered], group=self.group)
         for unit in self.units:
-            unit.release_grads()
+            unit.training.release_grads()
         self._prepared = False
         self.last_step_skipped = False
         return loss

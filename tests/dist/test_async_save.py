@@ -25,14 +25,8 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.format import CheckpointError
-from tests.support.helpers import (
-    EquivalenceModule,
-    file_size_limit,
-    full_state,
-    make_trainer,
-    verify_checkpoint,
-    zero_strategy,
-)
+from tests.support.compare import full_state
+from tests.support.helpers import EquivalenceModule, file_size_limit, make_trainer, verify_checkpoint, zero_strategy
 
 STEPS = 4
 

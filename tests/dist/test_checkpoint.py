@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero.checkpoint.format import CheckpointError
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
+from tests.support.compare import relative_error
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 HALF = 5  # optimizer steps per epoch
 

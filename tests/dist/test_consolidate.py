@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.cli.main import main
-from tests.support.helpers import EquivalenceModule, full_state, make_trainer, zero_strategy
+from tests.support.compare import full_state
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 from tests.support.kill_target import Wide, trainer
 
 STEPS = 4

@@ -33,7 +33,8 @@ from torch.utils.data import DataLoader
 from lightning_zero.checkpoint.dcp import read_dcp
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.pretrained import load_pretrained
-from tests.support.helpers import full_state, make_trainer, run_cli, zero_strategy
+from tests.support.compare import full_state
+from tests.support.helpers import make_trainer, run_cli, zero_strategy
 
 SAVED_AT, STEPS = 3, 5
 RTOL, ATOL = 1e-5, 1e-7  # the exactness contract (fp32)

@@ -17,8 +17,9 @@ import torch
 
 from lightning_zero.sharding import collectives
 from tests.support import dynamic_models
+from tests.support.compare import relative_error
 from tests.support.dynamic_models import DynamicModule
-from tests.support.helpers import make_trainer, relative_error, zero_strategy
+from tests.support.helpers import make_trainer, zero_strategy
 
 STEPS = 6
 KINDS = ("branch", "moe", "experts", "skip", "twice", "checkpoint", "reentrant", "container")
@@ -109,7 +110,7 @@ class Diverge(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 4 and trainer.global_rank == 0:
-            trainer.strategy.engine.collective_log.append(("all_reduce", "world", 1, "torch.float32"))
+            trainer.strategy.engine.collective_check.log.append(("all_reduce", "world", 1, "torch.float32"))
 
 
 def _check_worker(rank: int, world: int) -> None:

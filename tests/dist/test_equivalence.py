@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.helpers import EquivalenceModule, full_state, make_trainer, relative_error, zero_strategy
+from tests.support.compare import full_state, relative_error
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 CLIP = 0.3
 STEPS = 20

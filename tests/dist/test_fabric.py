@@ -18,8 +18,9 @@ from lightning.fabric import Fabric
 
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroFabricStrategy, ZeroPrecision
+from tests.support.compare import assert_close, whole_state
 from tests.support.helpers import COLLECTIVE_TIMEOUT_S
-from tests.support.lightning_features import SAMPLES, Features, assert_close, feature_trainer, whole_state
+from tests.support.lightning_features import SAMPLES, Features, feature_trainer
 
 MICRO, ACCUMULATE, STEPS = 4, 2, 6  # global micro-batch of 4 samples, 2 per step: 6 steps use 48 samples
 
@@ -182,7 +183,7 @@ def _script(rank: int, world: int) -> dict:
                 engine.clip_grad_norm_(0.5)
                 engine.step()
         out[stage] = {k: v.float().clone() for k, v in engine.state_dict().items()}
-    log = engine.fabric.strategy.engine.collective_log  # (stage 3, checked before every call of the model)
+    log = engine.fabric.strategy.engine.collective_check.log  # (stage 3, checked before every call of the model)
     if rank == 1:
         log.append(("all_reduce", "world", 1, "torch.float32"))  # as if rank 1 had issued one more
     with pytest.raises(RuntimeError, match="the ranks issued different collectives before call 13 of the model"):

@@ -14,8 +14,8 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroFabricStrategy
+from tests.support.compare import assert_close
 from tests.support.helpers import COLLECTIVE_TIMEOUT_S
-from tests.support.lightning_features import assert_close
 
 MICRO, ACCUMULATE, STEPS, LR = 4, 2, 4, 0.05  # global micro-batches of 4 samples, 2 per step
 SAVED_AT = 2  # steps taken when the checkpoints are saved

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from lightning_zero import LossScaleConfig, ZeroConfig, ZeroPrecision
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.backward_end import BackwardEnd
-from lightning_zero.sharding.build import check_optimizer_params, units_per_param_group, wrap_optimizers
+from lightning_zero.sharding.build import check_optimizer_params, make_reducer, units_per_param_group, wrap_optimizers
+from lightning_zero.sharding.step_state import StepState
 from lightning_zero.sharding.topology import make_topology
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
-from tests.support.helpers import EquivalenceModule, full_state, make_trainer, zero_strategy
+from tests.support.compare import full_state
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 INJECT_AT, STEPS = 3, 6
 
@@ -55,7 +57,7 @@ def _snapshot(trainer, module) -> dict[str, torch.Tensor]:
     state = [v.clone() for s in zero.state.values() for v in s.values()]
     return {
         "params": torch.cat([v.reshape(-1).float() for v in full_state(trainer.strategy).values()]),
-        "master": torch.cat([u.master for u in zero.units]).clone(),
+        "master": torch.cat([u.training.master for u in zero.units]).clone(),
         "state": torch.cat([t.reshape(-1).float() for t in state]),
         "scheduler": torch.tensor(trainer.lr_scheduler_configs[0].scheduler.last_epoch),
     }
@@ -139,16 +141,17 @@ def _clip_worker(rank: int, world: int) -> None:
     topology = make_topology(None, rank=rank, world_size=world, local_world_size=world)
     names = check_optimizer_params(module, [optimizer], rank=rank)
     units = units_per_param_group([optimizer], names, config, rank=rank, world_size=world)
-    (zero,), reducer, _ = wrap_optimizers(
-        [optimizer], units, names, config, world_size=world, backward_end=BackwardEnd(), model=module, topology=topology
+    reducer = make_reducer(
+        units, list(names), config, step=StepState(), backward_end=BackwardEnd(), model=module, topology=topology
     )
+    (zero,) = wrap_optimizers([optimizer], units, names, reducer, config=config, topology=topology)
     scale, max_norm = 2.0**10, 0.05
     x, y = module.data[rank * 8 : rank * 8 + 8]
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.cross_entropy(module.net(x, use_branch=True).float(), y)
     (loss * scale).backward()  # outside the Trainer: the end of backward reduces the last buckets itself
     assert not zero.prepare_grads(check_finite=True, loss_scale=scale)
-    scaled = torch.cat([u.step_grad for u in zero.units]).clone()
+    scaled = torch.cat([u.training.step_grad for u in zero.units]).clone()
     # Reference: the same reduced gradients, unscaled in fp32, clipped by torch over all ranks' pieces.
     holder = torch.zeros(scaled.numel() * world)
     holder.grad = torch.cat(collectives.all_gather_object(scaled)) / scale
@@ -157,7 +160,7 @@ def _clip_worker(rank: int, world: int) -> None:
     assert ref_norm > max_norm, f"the test must clip, norm {ref_norm}"
     norm = zero.clip_grad_norm_(max_norm)
     zero.unscale_()
-    mine = torch.cat([u.step_grad for u in zero.units])
+    mine = torch.cat([u.training.step_grad for u in zero.units])
     n = mine.numel()
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
     torch.testing.assert_close(mine, reference[rank * n : (rank + 1) * n], rtol=1e-6, atol=1e-12)
@@ -175,7 +178,7 @@ class CheckRestored(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         (zero,) = trainer.strategy.optimizers
         assert trainer.strategy.precision_plugin.scaler.state_dict() == self.saved["scaler"]
-        assert torch.equal(torch.cat([u.master for u in zero.units]), self.saved["master"])
+        assert torch.equal(torch.cat([u.training.master for u in zero.units]), self.saved["master"])
 
 
 def _checkpoint_worker(rank: int, world: int, ckpt) -> None:
@@ -187,7 +190,7 @@ def _checkpoint_worker(rank: int, world: int, ckpt) -> None:
     (zero,) = trainer.strategy.optimizers
     saved = {
         "scaler": trainer.strategy.precision_plugin.scaler.state_dict(),
-        "master": torch.cat([u.master for u in zero.units]).clone(),
+        "master": torch.cat([u.training.master for u in zero.units]).clone(),
     }
     assert saved["scaler"]["scale"] != 2.0**16, "the scaler state must have moved for the test to mean anything"
     # The master weights carry more than the fp16 model weights: restoring them must be exact.

@@ -20,7 +20,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.kernels import host
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
+from tests.support.compare import relative_error
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 STEPS, HALF = 6, 3
 
@@ -35,7 +36,7 @@ class FusedRan(pl.Callback):
             == zero.fused._moments[id(u)][0].untyped_storage().data_ptr()
             for u in zero.units
             if id(u) in zero.fused._moments
-            for t in u.piece_tensors
+            for t in u.training.piece_tensors
         )
 
 

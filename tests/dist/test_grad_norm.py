@@ -11,8 +11,9 @@ from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 
 import lightning_zero
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
+from tests.support.compare import relative_error
 from tests.support.dynamic_models import DynamicModule
-from tests.support.helpers import make_trainer, relative_error, zero_strategy
+from tests.support.helpers import make_trainer, zero_strategy
 
 STEPS = 4
 

@@ -13,7 +13,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero.sharding import collectives
-from tests.support.helpers import full_state, make_trainer, relative_error, zero_strategy
+from tests.support.compare import full_state, relative_error
+from tests.support.helpers import make_trainer, zero_strategy
 
 pytest.importorskip("transformers")
 

@@ -13,7 +13,8 @@ import torch
 
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.hugging_face import export_hugging_face
-from tests.support.helpers import full_state, make_trainer, run_cli, zero_strategy
+from tests.support.compare import full_state
+from tests.support.helpers import make_trainer, run_cli, zero_strategy
 
 transformers = pytest.importorskip("transformers")
 

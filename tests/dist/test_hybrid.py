@@ -27,7 +27,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero.checkpoint.format import rank_file, read_metadata
 from lightning_zero.planning.comm_model import step_collectives
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, verify_checkpoint, zero_strategy
+from tests.support.compare import relative_error
+from tests.support.helpers import EquivalenceModule, make_trainer, verify_checkpoint, zero_strategy
 
 STEPS, HALF = 6, 3
 OFFLOAD = {"offload_optimizer": "cpu"}

@@ -27,14 +27,8 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.tuner import Tuner
 
-from tests.support.lightning_features import (
-    STRATEGIES,
-    Features,
-    Recorder,
-    assert_close,
-    feature_trainer,
-    whole_state,
-)
+from tests.support.compare import assert_close, whole_state
+from tests.support.lightning_features import STRATEGIES, Features, Recorder, feature_trainer
 
 
 def _callbacks_run(name: str, world: int, root) -> dict:

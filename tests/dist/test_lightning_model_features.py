@@ -23,15 +23,9 @@ from torch import nn
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.cli.main import main
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
-from tests.support.lightning_features import (
-    STRATEGIES,
-    Features,
-    Recorder,
-    assert_close,
-    feature_trainer,
-    whole_state,
-)
+from tests.support.compare import assert_close, relative_error, whole_state
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
+from tests.support.lightning_features import STRATEGIES, Features, Recorder, feature_trainer
 
 
 class Normed(Features):

@@ -50,7 +50,7 @@ def _worker(rank: int, world: int) -> None:
         if b == 4:  # what the optimizer steps is this rank's part of the flat parameter buffer itself
             for unit in optimizer.units:
                 flat = unit.flat_param.untyped_storage().data_ptr()
-                assert all(t.untyped_storage().data_ptr() == flat for t in unit.piece_tensors)
+                assert all(t.untyped_storage().data_ptr() == flat for t in unit.training.piece_tensors)
         assert mem["gradients"] == (b * padded if stage == 1 else b * padded // world)
         # Adam's moments: 8 bytes per element this rank owns; over all ranks exactly 8 Psi.
         moments = sum(

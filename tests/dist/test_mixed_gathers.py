@@ -9,7 +9,8 @@ import torch
 
 from lightning_zero.planning.memory import SavedBytes
 from lightning_zero.sharding import collectives
-from tests.support.helpers import EquivalenceModule, full_state, make_trainer, zero_strategy
+from tests.support.compare import full_state
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 STEPS = 3
 RUNS = {"bf16": {}, "fp32": {"gather_dtype": "float32"}, "bf16-reduce": {"reduce_dtype": "bfloat16"}}

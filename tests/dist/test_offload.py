@@ -25,7 +25,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.kernels import host
-from tests.support.helpers import EquivalenceModule, make_trainer, relative_error, zero_strategy
+from tests.support.compare import relative_error
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 STEPS = 8
 CLIP = {"norm": 0.3, "value": 0.02}
@@ -55,17 +56,19 @@ class CheckPlacement(pl.Callback):
         strategy = trainer.strategy
         (zero,) = strategy.optimizers
         device_buffers = {_storage(u.flat_param) for u in strategy.engine.units} - {0}  # stage 3: freed units have none
-        device_buffers |= {_storage(u.flat_grad) for u in zero.units if u.flat_grad is not None}
+        device_buffers |= {_storage(u.training.flat_grad) for u in zero.units if u.training.flat_grad is not None}
         device_buffers |= {
             _storage(u.param_shard) for u in zero.units if self.offload_param == "none" and self.stage == 3
         }
         partition = sum(u.layout.partition_numel for u in zero.units)
         for unit in zero.units:
-            assert unit.offload is not None and unit.master.device.type == "cpu"
-            assert _storage(unit.master) not in device_buffers
-            assert all(_storage(t) == _storage(unit.master) for t in unit.piece_tensors)  # the optimizer steps it
-            assert unit.grad_partition.dtype == torch.float32  # stage 1 too: the step's partition, kept
-            assert _storage(unit.grad_partition) not in device_buffers
+            assert unit.offload is not None and unit.training.master.device.type == "cpu"
+            assert _storage(unit.training.master) not in device_buffers
+            assert all(
+                _storage(t) == _storage(unit.training.master) for t in unit.training.piece_tensors
+            )  # the optimizer steps it
+            assert unit.training.grad_partition.dtype == torch.float32  # stage 1 too: the step's partition, kept
+            assert _storage(unit.training.grad_partition) not in device_buffers
         assert all(group["fused"] is True for group in zero.optimizer.param_groups)  # for what the kernel leaves
         stepped = set(zero.fused._moments) if zero.fused is not None else set()  # units the host kernel stepped
         kernel = host.available() and self.fused_step == "auto"
@@ -190,20 +193,20 @@ class StagedCopies(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         for unit in trainer.strategy.optimizers[0].units:
             if unit.param_shard is not None:
-                assert torch.equal(unit.param_shard, unit.master.to(unit.param_dtype))
+                assert torch.equal(unit.param_shard, unit.training.master.to(unit.param_dtype))
                 continue
             for bucket in unit.layout.buckets:
-                assert torch.equal(unit.param_chunk(bucket), unit.master_chunk(bucket).to(unit.param_dtype))
+                assert torch.equal(unit.param_chunk(bucket), unit.training.master_chunk(bucket).to(unit.param_dtype))
         self.checked = True
 
 
 def _fp16_worker(rank: int, world: int, out_dir) -> None:
     from lightning_zero import ZeroPrecision
-    from lightning_zero.sharding.flat_unit import FlatUnit
+    from lightning_zero.sharding.unit_training import UnitTraining
 
     staged = []
-    stage_params = FlatUnit.stage_params
-    FlatUnit.stage_params = lambda unit, written: (staged.append(unit), stage_params(unit, written))[1]
+    stage_params = UnitTraining.stage_params
+    UnitTraining.stage_params = lambda training, written: (staged.append(training), stage_params(training, written))[1]
     for stage, offload_param in ((1, "none"), (2, "none"), (3, "none"), (3, "cpu")):
         results = {}
         for offload in ("cpu", "none"):

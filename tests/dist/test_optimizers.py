@@ -21,8 +21,8 @@ from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroFabricStrategy
 from lightning_zero.sharding.optimizer_check import ELEMENTWISE
+from tests.support.compare import assert_close
 from tests.support.helpers import COLLECTIVE_TIMEOUT_S
-from tests.support.lightning_features import assert_close
 
 STEPS, SAVED_AT, BATCH = 4, 2, 8
 # Each with the options that make it hold all the state it can (momentum, amsgrad, centered, averaging, ...).

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import lightning_zero
 from lightning_zero import ZeroPrecision
 from lightning_zero.sharding import collectives
+from lightning_zero.sharding.backward_end import BackwardWork
 from tests.support.helpers import HOST_READS, EquivalenceModule, make_trainer, zero_strategy
 
 PACKAGE = str(Path(lightning_zero.__file__).parent)
@@ -98,20 +99,16 @@ class Stage1Timing(pl.Callback):
         self.buffers: list[int] = []
 
     def on_train_start(self, trainer, pl_module):
-        reducer = trainer.strategy.engine.reducer
-        finish = reducer.finish_backward
-
-        def wrapped():
+        def count():  # at the end of backward, before the reducer's own work there
             self.inside_backward.append(trainer.strategy.traffic.elements["reduce_scatter"] - self.before)
-            finish()
 
-        reducer.backward_end.on_end[reducer.backward_end.on_end.index(finish)] = wrapped
+        trainer.strategy.engine.backward_end.register(BackwardWork.SCHEDULE, end=count)
 
     def on_before_backward(self, trainer, pl_module, loss):
         self.before = trainer.strategy.traffic.elements["reduce_scatter"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.buffers.append(trainer.strategy.engine.reducer.buffers_allocated)
+        self.buffers.append(trainer.strategy.engine.reducer.pool.allocated)
 
 
 class TwoBackwards(EquivalenceModule):

@@ -32,7 +32,8 @@ import torch
 
 import lightning_zero
 from lightning_zero.sharding import collectives
-from tests.support.helpers import EquivalenceModule, full_state, make_trainer, relative_error, zero_strategy
+from tests.support.compare import full_state, relative_error
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
 
 STEPS = 6
 PENALTY = 1e-3

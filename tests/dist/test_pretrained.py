@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tests.support.helpers import full_state, make_trainer, zero_strategy
+from tests.support.compare import full_state
+from tests.support.helpers import make_trainer, zero_strategy
 
 pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402

@@ -23,7 +23,8 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.layout import build_layout
 from lightning_zero.sharding.quantize import LEVELS
-from tests.support.helpers import EquivalenceModule, TrafficPerStep, full_state, make_trainer, zero_strategy
+from tests.support.compare import full_state
+from tests.support.helpers import EquivalenceModule, TrafficPerStep, make_trainer, zero_strategy
 
 BLOCK, STEPS = 64, 6
 

@@ -12,8 +12,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_zero.sharding import collectives
-from tests.support.helpers import relative_error
-from tests.support.resume_model import ACCUMULATE, SAMPLES, STEPS_PER_EPOCH, ResumeModule, final_state, make_trainer
+from tests.support.compare import final_state, relative_error
+from tests.support.resume_model import ACCUMULATE, SAMPLES, STEPS_PER_EPOCH, ResumeModule, make_trainer
 
 STEPS, CKPT_STEP = 10, 6  # step 6 is half-way through the second epoch (4 steps each)
 

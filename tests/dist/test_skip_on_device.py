@@ -29,7 +29,8 @@ from lightning_zero import LossScaleConfig, ZeroPrecision
 from lightning_zero.front.loss_scaler import HOST_LAG
 from lightning_zero.kernels import host
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
-from tests.support.helpers import HOST_READS, EquivalenceModule, full_state, make_trainer, zero_strategy
+from tests.support.compare import full_state
+from tests.support.helpers import HOST_READS, EquivalenceModule, make_trainer, zero_strategy
 
 INJECT_AT, STEPS = 3, 6  # StepLR's step_size is 7: both runs use the same learning rates, skip or not
 
@@ -52,7 +53,7 @@ class InjectOnRankOne(EquivalenceModule):
 def _training_state(zero: ZeroOptimizer) -> dict[str, torch.Tensor]:
     """This rank's masters and every piece's optimizer state (moments and step count), by piece and key."""
     state = {f"{i}/{k}": v.clone() for i, s in enumerate(zero.state.values()) for k, v in s.items()}
-    return {"master": torch.cat([u.master for u in zero.units]).clone(), **state}
+    return {"master": torch.cat([u.training.master for u in zero.units]).clone(), **state}
 
 
 def _snapshot(trainer) -> dict[str, torch.Tensor]:

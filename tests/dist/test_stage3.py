@@ -16,7 +16,8 @@ from lightning_zero import ZeroPrecision
 from lightning_zero.models.gpt import GPT
 from lightning_zero.planning.memory import formula_bytes
 from lightning_zero.sharding import collectives
-from tests.support.helpers import EquivalenceModule, TrafficPerStep, full_state, make_trainer, zero_strategy
+from tests.support.compare import full_state
+from tests.support.helpers import EquivalenceModule, TrafficPerStep, make_trainer, zero_strategy
 
 ACCUMULATE, STEPS, LAYERS = 2, 3, 4
 

@@ -17,8 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero.resilience.peer_failure import EXIT_CODE
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.unit_index import UnitIndex
+from tests.support.compare import full_state, relative_error
 from tests.support.dynamic_models import DynamicModule
-from tests.support.helpers import full_state, make_trainer, relative_error, zero_strategy
+from tests.support.helpers import make_trainer, zero_strategy
 from tests.support.pool import RankFailure
 
 WIDTH, DEPTH = 1024, 16  # 16 units of 4 MiB: the whole model is 64 MiB, one unit 4 MiB

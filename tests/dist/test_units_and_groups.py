@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tests.support.helpers import make_trainer, relative_error, zero_strategy
+from tests.support.compare import relative_error
+from tests.support.helpers import make_trainer, zero_strategy
 
 STEPS, DIM = 4, 24
 

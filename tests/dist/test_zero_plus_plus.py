@@ -26,15 +26,9 @@ from lightning_zero.sharding import collectives
 from lightning_zero.sharding.quantize import LEVELS
 from lightning_zero.sharding.topology import make_topology
 from tests.dist.test_fp16 import InjectOnRankOne
+from tests.support.compare import full_state, relative_error
 from tests.support.dynamic_models import DynamicModule, Indexed
-from tests.support.helpers import (
-    EquivalenceModule,
-    TrafficPerStep,
-    full_state,
-    make_trainer,
-    relative_error,
-    zero_strategy,
-)
+from tests.support.helpers import EquivalenceModule, TrafficPerStep, make_trainer, zero_strategy
 
 STEPS, WORLD, NODE = 6, 4, 2
 ALL_THREE = {"quantized_gradients": True, "secondary_partition": True, "quantized_weights": True}

@@ -1,6 +1,6 @@
-"""kill -9 inside each phase of the save protocol (save.py's test-only pause hook stops a save at a
-chosen phase; the test kills the process group there): every visible checkpoint is complete and
-intact, the name being replaced (last.ckpt) always holds the old or the new checkpoint, latest()
+"""kill -9 inside each phase of the save protocol (kill_target.py's observer of saves, save.py's [Note: observing a
+save], stops a save at a chosen phase; the test kills the process group there): every visible checkpoint is complete
+and intact, the name being replaced (last.ckpt) always holds the old or the new checkpoint, latest()
 returns the newest, and resuming from it cleans up what the killed save left."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from lightning_zero.checkpoint.format import latest, read_metadata
-from lightning_zero.checkpoint.save import PAUSE_ENV
 from tests.support.helpers import SUPPORT, verify_checkpoint
 from tests.support.kill_target import train
 
@@ -45,9 +44,9 @@ def _visible(dirpath: Path) -> dict[str, int]:
 
 def _kill_at(phase: str, nth: int, dirpath: Path, mode: str) -> None:
     marker = dirpath.parent / f"{phase}.paused"
-    env = {**os.environ, PAUSE_ENV: f"{phase}@{nth}:{marker}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     target = subprocess.Popen(
-        [sys.executable, str(SUPPORT / "kill_target.py"), str(dirpath), *([mode] if mode == "async" else [])],
+        [sys.executable, str(SUPPORT / "kill_target.py"), str(dirpath), mode, f"{phase}@{nth}:{marker}"],
         env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,

@@ -22,9 +22,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from lightning_zero.front.spawn import free_port
+from lightning_zero.launch_local import free_port
 from tests.support import multinode_target
-from tests.support.helpers import SUPPORT, EquivalenceModule, launch_env, make_trainer, relative_error
+from tests.support.compare import relative_error
+from tests.support.environment import launch_env
+from tests.support.helpers import SUPPORT, EquivalenceModule, make_trainer
 
 TARGET = SUPPORT / "multinode_target.py"
 HALF = 3

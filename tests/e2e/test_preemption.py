@@ -33,9 +33,10 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint.format import read_metadata
-from lightning_zero.front.spawn import free_port
+from lightning_zero.launch_local import free_port
 from tests.support import resume_target
-from tests.support.helpers import SUPPORT, launch_env
+from tests.support.environment import launch_env
+from tests.support.helpers import SUPPORT
 
 TARGET = SUPPORT / "resume_target.py"
 STEPS_PER_EPOCH = 4

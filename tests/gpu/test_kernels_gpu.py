@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lightning_zero.kernels import launchers, loader, ops, reference
 from lightning_zero.kernels.adamw import FusedAdamW, check_finite_, fused_adamw_
 from lightning_zero.models.gpt import GPT, GPTConfig
-from tests.support.helpers import check_fused_adamw_under_grad_scaler, check_fused_gpt
+from tests.support.fused_checks import check_fused_adamw_under_grad_scaler, check_fused_gpt
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or loader._cupy() is None, reason="needs a CUDA GPU and CuPy"

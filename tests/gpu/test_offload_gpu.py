@@ -12,7 +12,7 @@ import torch
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.models.data import SyntheticTextDataModule
 from lightning_zero.models.gpt import GPTConfig, GPTModule
-from tests.support.helpers import relative_error
+from tests.support.compare import relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,11 +32,11 @@ class DeviceBytes(pl.Callback):
         (zero,) = strategy.optimizers
         self.allocated = torch.cuda.memory_allocated()
         self.memory = strategy.memory_bytes()
-        self.pooled = sum(b.nbytes for free in strategy.engine.reducer._pool.values() for b in free)
+        self.pooled = strategy.engine.reducer.pool.free_bytes()
         self.fused_units = len(zero.fused._moments) if zero.fused is not None else 0
-        self.on_host = all(u.master.device.type == "cpu" and u.master.is_pinned() for u in zero.units) and all(
-            v.device.type == "cpu" for s in zero.state.values() for v in s.values() if torch.is_tensor(v)
-        )
+        self.on_host = all(
+            u.training.master.device.type == "cpu" and u.training.master.is_pinned() for u in zero.units
+        ) and all(v.device.type == "cpu" for s in zero.state.values() for v in s.values() if torch.is_tensor(v))
 
 
 def _worker(rank: int, world: int, out) -> None:
@@ -138,7 +138,7 @@ def _skip_worker(rank: int, world: int, out) -> None:
         assert (scaler.skipped_steps, scaler.scale) == (1, 2.0**15), on_device
         (zero,) = trainer.strategy.optimizers
         assert len(zero.fused._moments) == len(zero.units) > 0
-        masters[on_device] = torch.cat([u.master for u in zero.units]).cpu()
+        masters[on_device] = torch.cat([u.training.master for u in zero.units]).cpu()
     assert calls["steps"] == 6
     assert torch.equal(masters[True], masters[False]), "skipping on the device trained differently"
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.dist.test_lightning_model_features import Normed
+from tests.support.compare import assert_close, whole_state
 from tests.support.helpers import zero_strategy
-from tests.support.lightning_features import assert_close, whole_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

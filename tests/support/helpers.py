@@ -36,19 +36,6 @@ REPO = SUPPORT.parents[1]
 COLLECTIVE_TIMEOUT_S = 120
 TASK_DEADLINE_S = 900  # a distributed test's whole run on the shared ranks (tests/support/pool.py)
 
-LAUNCHER_VARS = ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK")
-
-
-def launch_env(**extra: str) -> dict[str, str]:
-    """This process's environment without what a launcher or scheduler set (so a test launches its own
-    ranks whatever pytest runs under), the repository importable (the scripts in tests/support import
-    ``tests.support``), one thread per rank, unbuffered output, and ``extra``."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))
-    }
-    path = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
-
 
 # --- models ---------------------------------------------------------------------------------------
 VOCAB, SEQ = 13, 6
@@ -258,32 +245,9 @@ def make_trainer(
     )
 
 
-def full_state(strategy) -> dict[str, torch.Tensor]:
-    """The whole model's state dict as a user asks each strategy for it: the ZeRO strategies'
-    ``full_state_dict()`` (collective), ddp's and one device's ``lightning_module_state_dict()``."""
-    read = getattr(strategy, "full_state_dict", None) or strategy.lightning_module_state_dict
-    return read()
-
-
 def zero_strategy(stage: int, **config) -> lightning_zero.ZeroStrategy:
     config.setdefault("timeout", COLLECTIVE_TIMEOUT_S)
     return lightning_zero.ZeroStrategy(lightning_zero.ZeroConfig(stage=stage, **config))
-
-
-def check_fused_gpt(cfg: dict, batch: int, device: str = "cpu", *, out_tol: float, rtol: float, atol: float) -> None:
-    """GPTConfig(fused=True) against the plain GPT with the same weights: the logits (within ``out_tol``), then
-    every parameter's gradient (``rtol``/``atol``)."""
-    torch.manual_seed(0)
-    plain, fused = GPT(GPTConfig(**cfg)).to(device), GPT(GPTConfig(**cfg, fused=True)).to(device)
-    fused.load_state_dict(plain.state_dict())
-    assert type(fused.blocks[0]).__name__ == "FusedBlock"
-    idx = torch.randint(cfg["vocab_size"], (batch, cfg["block_size"]), device=device)
-    out_plain, out_fused = plain(idx), fused(idx)
-    torch.testing.assert_close(out_fused, out_plain, rtol=out_tol, atol=out_tol)
-    out_plain.square().mean().backward()
-    out_fused.square().mean().backward()
-    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=rtol, atol=atol, msg=name)
 
 
 # --- the CLI, in this process ----------------------------------------------------------------------
@@ -410,43 +374,3 @@ def poison_checkpoint(ckpt: Path, marker: Path) -> None:
 
 # Tensor methods that read a tensor's value on the host (on a GPU each waits for the device)
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def check_fused_adamw_under_grad_scaler(
-    device: str = "cpu", guard=contextlib.nullcontext, unscale_in_step: bool = True
-) -> None:
-    """FusedAdamW and torch.optim.AdamW, each under its own GradScaler, on the same scaled losses; step 2's
-    gradients hold an inf, so both skip it and back their scale off. FusedAdamW's step (inside ``guard``,
-    e.g. a CUDA sync check) must land on torch's parameters, with its step counts on the device, 4 of 5
-    (``unscale_in_step=False``: the scaler unscales and skips itself; the counts stay on the host)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(17, 9), nn.Linear(9, 3)).to(device)
-    twin = nn.Sequential(nn.Linear(17, 9), nn.Linear(9, 3)).to(device)
-    twin.load_state_dict(model.state_dict())
-    mine = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, unscale_in_step=unscale_in_step)
-    theirs = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
-    # the scale changes every step: a step that did not unscale would land elsewhere
-    scalers = [torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=1) for _ in range(2)]
-    for step in range(5):
-        x = torch.randn(5, 17, device=device)
-        runs = ((model, mine, scalers[0], guard), (twin, theirs, scalers[1], contextlib.nullcontext))
-        for net, opt, scaler, context in runs:
-            opt.zero_grad()
-            scaler.scale(net(x).square().mean()).backward()
-            if step == 2:
-                net[0].weight.grad[0, 0] = float("inf")
-            with context():
-                scaler.step(opt)
-                scaler.update()
-    # grown after steps 0, 1, 3 and 4, backed off at step 2
-    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**13, [s.get_scale() for s in scalers]
-    for a, b in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for p in model.parameters():
-        count = mine.state[p]["step"]
-        assert count.device == (p.device if unscale_in_step else torch.device("cpu")), count.device
-        assert count.item() == 4.0, count

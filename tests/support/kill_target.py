@@ -1,10 +1,12 @@
 """Trains on 2 ranks, saving after every step (the newest checkpoint, plus last.ckpt overwritten each
-time), until killed or done (test_checkpoint_kill.py stops a save at a chosen phase and kills it); with a
-second argument "async", the saves finish in the background."""
+time), until killed or done: ``kill_target.py DIR sync|async PHASE@N:MARKER`` (with "async" the saves finish in
+the background) stops the N-th save (or removal) in each rank that reaches PHASE there (save.py's [Note: observing
+a save]), writing MARKER first, for test_checkpoint_kill.py to kill it."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -15,9 +17,28 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.front.spawn import spawn_local_ranks
+from lightning_zero.launch_local import spawn_local_ranks
 
 STEPS = 6
+
+
+class PauseAt:
+    """An observer of saves (``ZeroStrategy(on_save_phase=...)``) that stops this process's ``nth`` arrival at
+    ``phase`` for good, once it has written ``marker``; ``spec``: "<phase>@<nth>:<marker file>"."""
+
+    def __init__(self, spec: str) -> None:
+        where, _, self.marker = spec.partition(":")
+        self.phase, _, nth = where.partition("@")
+        self.nth, self.reached = int(nth or 1), 0
+
+    def __call__(self, phase: str, path: Path) -> None:
+        if phase != self.phase:
+            return
+        self.reached += 1
+        if self.reached == self.nth:
+            Path(self.marker).write_text(phase)
+            while True:
+                time.sleep(1)
 
 
 class Wide(pl.LightningModule):
@@ -39,9 +60,11 @@ class Wide(pl.LightningModule):
         return DataLoader(self.data, batch_size=4)
 
 
-def trainer(world: int, dirpath: str, steps: int, async_save: bool = False) -> pl.Trainer:
+def trainer(world: int, dirpath: str, steps: int, async_save: bool = False, pause: str | None = None) -> pl.Trainer:
+    """``pause``: a ``PauseAt`` spec, watching the saves."""
+    config = ZeroConfig(stage=2, timeout=60, async_save=async_save)
     return pl.Trainer(
-        strategy=ZeroStrategy(ZeroConfig(stage=2, timeout=60, async_save=async_save)),
+        strategy=ZeroStrategy(config, on_save_phase=PauseAt(pause) if pause else None),
         accelerator="cpu",
         devices=world,
         max_steps=steps,
@@ -52,13 +75,22 @@ def trainer(world: int, dirpath: str, steps: int, async_save: bool = False) -> p
     )
 
 
-def train(rank: int, world: int, dirpath: str, steps: int, ckpt: str | None, async_save: bool = False) -> None:
+def train(
+    rank: int,
+    world: int,
+    dirpath: str,
+    steps: int,
+    ckpt: str | None,
+    async_save: bool = False,
+    pause: str | None = None,
+) -> None:
     pl.seed_everything(0)
-    t = trainer(world, dirpath, steps, async_save)
+    t = trainer(world, dirpath, steps, async_save, pause)
     t.fit(Wide(), ckpt_path=ckpt)
     assert t.global_step == steps
 
 
 if __name__ == "__main__":
-    background = sys.argv[2:] == ["async"]
-    spawn_local_ranks(train, 2, str(Path(sys.argv[1])), STEPS, None, background, start_method="fork")  # imports once
+    dirpath, mode, pause = sys.argv[1:]
+    background = mode == "async"
+    spawn_local_ranks(train, 2, str(Path(dirpath)), STEPS, None, background, pause, start_method="fork")  # imports once

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tests.support.helpers import full_state, relative_error, zero_strategy
+from tests.support.helpers import zero_strategy
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 GLOBAL_BATCH = 8
@@ -148,15 +148,3 @@ def feature_trainer(name: str, world: int, root, **kwargs) -> pl.Trainer:
         enable_model_summary=False,
         **kwargs,
     )
-
-
-def whole_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in full_state(trainer.strategy).items()}
-
-
-def assert_close(a, b, what: str, tol: float = 1e-5) -> None:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)}"
-    assert a.numel() > 0, f"{what}: nothing to compare"
-    err = relative_error(a, b)
-    assert err <= tol, f"{what}: differs by {err:.2e} (relative)"

@@ -48,12 +48,11 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from tests.support.environment import child_env
+
 STACK_SIGNAL = signal.SIGUSR2  # a hung rank dumps its stacks on it
 GRACE_S = 5.0  # after a rank failed, how long the others get to report
 RESTORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD)
-
-
-LAUNCHER_VARS = ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK")
 
 
 class RankFailure(AssertionError):
@@ -245,12 +244,7 @@ class RankWorld:
     def run(self, number: int, fn, args: tuple, *, timeout_s: float, deadline_s: float) -> list:
         if not self.processes:
             self._start()
-        environ = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))
-        }
-        task = (number, fn, args, timeout_s, environ)
+        task = (number, fn, args, timeout_s, child_env())
         for conn in self.conns:
             conn.send(task)
         outcomes: dict[int, tuple] = {}  # rank -> (kind: ok, error or died; result or traceback; output)

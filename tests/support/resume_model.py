@@ -84,8 +84,3 @@ def make_trainer(
         callbacks=[*callbacks, *checkpoints],
         **kwargs,
     )
-
-
-def final_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
-    """The whole model after fit (stage 3 gathers it; collective), on the CPU."""
-    return {k: v.detach().clone() for k, v in trainer.strategy.gather_module().state_dict().items()}

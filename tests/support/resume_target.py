@@ -25,7 +25,8 @@ START = time.time()
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
-from tests.support.resume_model import ResumeModule, final_state, make_trainer  # noqa: E402
+from tests.support.compare import final_state  # noqa: E402
+from tests.support.resume_model import ResumeModule, make_trainer  # noqa: E402
 
 
 class Faults(pl.Callback):

@@ -1,7 +1,8 @@
 """Bad input to every `lightning-zero` command, table-driven: configs (YAML values), CLI arguments, DeepSpeed
-JSON, estimate arguments and damaged or crafted checkpoints. Each case answers with exactly one line,
-``lightning-zero <command>: error: ...`` naming the bad value, exit code 2, and writes or deletes nothing
-(the case's directory is compared file by file, contents included) and starts no process group.
+JSON and estimate arguments (damaged or crafted checkpoints: test_bad_input_checkpoints.py). Each case answers
+with exactly one line, ``lightning-zero <command>: error: ...`` naming the bad value, exit code 2, and writes
+or deletes nothing (the case's directory is compared file by file, contents included) and starts no process
+group.
 
 The cases call ``lightning_zero.cli.main.main`` in-process (the console script's start-up costs seconds); a
 few run the real console script to show it answers the same.
@@ -10,49 +11,21 @@ few run the real console script to show it answers the same.
 from __future__ import annotations
 
 import json
-import shutil
-import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
-import torch
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.cli.main import DEBUG_ENV, InputError, ZeroCLI, main
-from tests.support.helpers import Poison, poison_checkpoint, snapshot_files
-
-ROOT = Path(__file__).resolve().parents[2]
-GPT = str(ROOT / "configs" / "gpt.yaml")
-SCRIPT = Path(sys.executable).with_name("lightning-zero")
-COMMANDS = ("fit", "validate", "test", "predict", "estimate", "consolidate")
-
-
-@dataclass
-class Case:
-    name: str
-    args: list[str]  # "{tmp}": the case's directory; "{ckpt}": its copy of the checkpoint
-    message: str  # a distinctive part of the one line
-    files: dict[str, str] = field(default_factory=dict)  # written into {tmp} first
-    damage: Callable[[Path], None] | None = None  # applied to {ckpt}
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def _fit(*args: str) -> list[str]:
-    # a small data set: the cases that get as far as building the data module need not wait for 4096 samples
-    return ["fit", "--config", GPT, "--trainer.default_root_dir={tmp}", "--data.init_args.num_train=64", *args]
+from lightning_zero.cli.main import DEBUG_ENV, InputError, main
+from tests.support.bad_input import GPT, Case, capture_runs, check_case, fit_args
 
 
 def _yaml(name: str, text: str, message: str) -> Case:
-    return Case(f"yaml_{name}", _fit("--config", "{tmp}/bad.yaml"), message, {"bad.yaml": text})
+    return Case(f"yaml_{name}", fit_args("--config", "{tmp}/bad.yaml"), message, {"bad.yaml": text})
 
 
 def _deepspeed(name: str, config: object, message: str) -> Case:
     text = config if isinstance(config, str) else json.dumps(config)
-    return Case(f"deepspeed_{name}", _fit("--deepspeed_config", "{tmp}/ds.json"), message, {"ds.json": text})
+    return Case(f"deepspeed_{name}", fit_args("--deepspeed_config", "{tmp}/ds.json"), message, {"ds.json": text})
 
 
 STAGE_HINT = "(the stage is chosen with --trainer.strategy zero1|zero2|zero3)"
@@ -78,33 +51,37 @@ FIT_CASES = [
     _yaml("unknown_zero_option", "zero:\n  bucket: 3\n", "does not accept option 'zero.bucket'"),
     _yaml("malformed", "trainer: [\n", "Problems parsing config"),
     _yaml("max_steps_negative", "trainer:\n  max_steps: -5\n", "`max_steps` must be a non-negative integer or -1"),
-    Case("yaml_missing_file", _fit("--config", "{tmp}/absent.yaml"), "File does not exist"),
-    Case("cli_zero_stage", _fit("--zero.stage", "4"), f"unrecognized arguments: --zero.stage 4 {STAGE_HINT}"),
+    Case("yaml_missing_file", fit_args("--config", "{tmp}/absent.yaml"), "File does not exist"),
+    Case("cli_zero_stage", fit_args("--zero.stage", "4"), f"unrecognized arguments: --zero.stage 4 {STAGE_HINT}"),
     Case(
-        "cli_strategy_zero4", _fit("--trainer.strategy", "zero4"), "trainer.strategy must be one of zero1, zero2, zero3"
+        "cli_strategy_zero4",
+        fit_args("--trainer.strategy", "zero4"),
+        "trainer.strategy must be one of zero1, zero2, zero3",
     ),
     Case(
-        "cli_strategy_zero", _fit("--trainer.strategy", "zero"), "trainer.strategy must be one of zero1, zero2, zero3"
+        "cli_strategy_zero",
+        fit_args("--trainer.strategy", "zero"),
+        "trainer.strategy must be one of zero1, zero2, zero3",
     ),
     Case(
         "cli_bucket_not_integer",
-        _fit("--zero.reduce_bucket_size", "abc"),
+        fit_args("--zero.reduce_bucket_size", "abc"),
         "\"zero.reduce_bucket_size\": Expected a <class 'int'>. Got value: abc",
     ),
     Case(
         "cli_max_live_parameters_zero",
-        _fit("--zero.max_live_parameters", "0"),
+        fit_args("--zero.max_live_parameters", "0"),
         "zero.max_live_parameters must be an integer > 0 (elements), got 0",
     ),
     Case(
         "cli_gather_dtype",
-        _fit("--zero.gather_dtype", "fp8"),
+        fit_args("--zero.gather_dtype", "fp8"),
         "zero.gather_dtype must be compute or float32, got 'fp8'",
     ),
-    Case("cli_unknown_option", _fit("--nonsense", "3"), "unrecognized arguments: --nonsense 3"),
+    Case("cli_unknown_option", fit_args("--nonsense", "3"), "unrecognized arguments: --nonsense 3"),
     Case(
         "cli_devices_not_a_number",
-        _fit("--trainer.devices", "abc"),
+        fit_args("--trainer.devices", "abc"),
         "`devices` selected with `CPUAccelerator` should be an int > 0",
     ),
     Case(
@@ -124,7 +101,7 @@ FIT_CASES = [
     ),
     Case(
         "deepspeed_missing_file",
-        _fit("--deepspeed_config", "{tmp}/absent.json"),
+        fit_args("--deepspeed_config", "{tmp}/absent.json"),
         "DeepSpeed config {tmp}/absent.json: no such file",
     ),
     _deepspeed(
@@ -253,234 +230,22 @@ ESTIMATE_CASES = [
 ]
 
 
-# --- what is done to copies of a real checkpoint (the stage2_checkpoint fixture) --------------------------------
-def _edit_metadata(edit: Callable[[dict], None]) -> Callable[[Path], None]:
-    def damage(ckpt: Path) -> None:
-        meta = json.loads((ckpt / "metadata.json").read_text())
-        edit(meta)
-        (ckpt / "metadata.json").write_text(json.dumps(meta))
-
-    return damage
-
-
-def _rename_file(old: str, new: str) -> Callable[[dict], None]:
-    return lambda meta: meta["files"].update({new: meta["files"].pop(old)})
-
-
-def _truncate(ckpt: Path) -> None:
-    rank0 = ckpt / "rank-00000.pt"
-    rank0.write_bytes(rank0.read_bytes()[:-100])
-
-
-def _flip_a_byte(ckpt: Path) -> None:
-    data = bytearray((ckpt / "rank-00000.pt").read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    (ckpt / "rank-00000.pt").write_bytes(bytes(data))
-
-
-def _poison(ckpt: Path) -> None:
-    poison_checkpoint(ckpt, ckpt.parent / "marker")
-
-
-def _poisoned_plain_file(ckpt: Path) -> None:
-    """A single-file (plain Lightning) checkpoint with a Poison in its hyper-parameters, in ckpt's place."""
-    shutil.rmtree(ckpt)
-    torch.save({"state_dict": {}, "hyper_parameters": {"poison": Poison(ckpt.parent / "marker")}}, ckpt)
-
-
-def _consolidate(checkpoint: str = "{ckpt}", output: str = "{tmp}/model.pt") -> list[str]:
-    return ["consolidate", checkpoint, output]
-
-
-def _unlink(name: str) -> Callable[[Path], None]:
-    return lambda ckpt: (ckpt / name).unlink()
-
-
-CHECKPOINT_CASES = [
-    Case("consolidate_missing_dir", _consolidate("{tmp}/absent.ckpt"), "{tmp}/absent.ckpt: no such checkpoint"),
-    Case(
-        "consolidate_file_not_dir",
-        _consolidate("{ckpt}/rank-00000.pt"),
-        "rank-00000.pt: not a lightning_zero checkpoint (a directory with metadata.json)",
-    ),
-    Case(
-        "consolidate_no_complete",
-        _consolidate(),
-        "incomplete checkpoint (no COMPLETE marker): its save was interrupted",
-        damage=_unlink("COMPLETE"),
-    ),
-    Case(
-        "consolidate_no_metadata",
-        _consolidate(),
-        "metadata.json: missing from the checkpoint",
-        damage=_unlink("metadata.json"),
-    ),
-    Case(
-        "consolidate_missing_rank_file",
-        _consolidate(),
-        "rank-00000.pt: missing from the checkpoint",
-        damage=_unlink("rank-00000.pt"),
-    ),
-    Case("consolidate_truncated_rank_file", _consolidate(), "rank-00000.pt: truncated or changed: ", damage=_truncate),
-    Case(
-        "consolidate_corrupted_bytes",
-        _consolidate(),
-        "rank-00000.pt: corrupted: its xxh3_128 checksum does not match the metadata",
-        damage=_flip_a_byte,
-    ),
-    Case(
-        "consolidate_metadata_not_json",
-        _consolidate(),
-        "metadata.json: not valid JSON",
-        damage=lambda c: (c / "metadata.json").write_text("{'stage': 2"),
-    ),
-    Case(
-        "consolidate_metadata_version",
-        _consolidate(),
-        "checkpoint format version 99 is not supported",
-        damage=_edit_metadata(lambda m: m.update(version=99)),
-    ),
-    Case(
-        "consolidate_metadata_dotdot_name",
-        _consolidate(),
-        "files must be exactly lightning.pt and rank-00000.pt .. rank-00000.pt (and consolidated.ckpt), got ",
-        damage=_edit_metadata(_rename_file("rank-00000.pt", "../../x")),
-    ),
-    Case(
-        "consolidate_metadata_absolute_path",
-        _consolidate(),
-        "files must be exactly lightning.pt and rank-00000.pt .. rank-00000.pt (and consolidated.ckpt), got ",
-        damage=_edit_metadata(_rename_file("lightning.pt", "/etc/passwd")),
-    ),
-    Case(
-        "consolidate_metadata_huge_world_size",
-        _consolidate(),
-        "world_size must be an integer in [1, 1048576], got '1000000000000'",
-        damage=_edit_metadata(lambda m: m.update(world_size=10**12)),
-    ),
-    Case(
-        "consolidate_metadata_bad_dtype",
-        _consolidate(),
-        "units[0].params[0].dtype must be one of ",
-        damage=_edit_metadata(lambda m: m["units"][0]["params"][0].update(dtype="complex1024")),
-    ),
-    Case("consolidate_poisoned_pickle", _consolidate(), "safe loading refuses", damage=_poison),
-    Case(
-        "consolidate_onto_a_directory",
-        _consolidate(output="{tmp}"),
-        "is a directory; give the path of the file to write",
-    ),
-    Case(
-        "consolidate_into_a_missing_directory",
-        _consolidate(output="{tmp}/absent/model.pt"),
-        "{tmp}/absent: no such directory to write model.pt into",
-    ),
-    Case(
-        "consolidate_unknown_output_format",
-        _consolidate(output="{tmp}/model.txt"),
-        "model.txt: the output must end in .ckpt, .pt, .pth, .bin or .safetensors",
-    ),
-    Case("consolidate_no_output", ["consolidate", "{ckpt}"], "the following arguments are required: output"),
-    Case("fit_ckpt_path_missing", _fit("--ckpt_path", "{tmp}/absent.ckpt"), "{tmp}/absent.ckpt: no such checkpoint"),
-    Case(
-        "fit_ckpt_path_no_complete",
-        _fit("--ckpt_path", "{ckpt}"),
-        "incomplete checkpoint (no COMPLETE marker)",
-        damage=_unlink("COMPLETE"),
-    ),
-    Case(
-        "fit_ckpt_path_truncated",
-        _fit("--ckpt_path", "{ckpt}"),
-        "rank-00000.pt: truncated or changed: ",
-        damage=_truncate,
-    ),
-    Case(
-        "fit_ckpt_path_poisoned_plain_file",  # Lightning's CLI reads its hyper-parameters first
-        _fit("--ckpt_path", "{ckpt}"),
-        "run.ckpt: holds objects that safe loading refuses",
-        damage=_poisoned_plain_file,
-    ),
-    Case(
-        "fit_ckpt_path_crafted_metadata",
-        _fit("--ckpt_path", "{ckpt}"),
-        "world_size must be an integer in [1, 1048576]",
-        damage=_edit_metadata(lambda m: m.update(world_size=10**12)),
-    ),
-]
-
-
-# --- running a case ---------------------------------------------------------------------------------------
 @pytest.fixture
 def ran(monkeypatch) -> list:
     """The CLIs whose subcommand would have run (training, validating, ...): the bad cases must stop before."""
-    calls: list = []
-    monkeypatch.setattr(ZeroCLI, "_run_subcommand", lambda cli, subcommand: calls.append(cli))
-    monkeypatch.setattr(sys, "argv", ["lightning-zero"])  # as the console script without arguments sees it
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
-    return calls
-
-
-def _prepare(case: Case, tmp: Path, checkpoint: Path | None) -> list[str]:
-    for name, text in case.files.items():
-        (tmp / name).write_bytes(text.encode(errors="surrogateescape"))
-    ckpt = tmp / "run.ckpt"
-    if checkpoint is not None:
-        shutil.copytree(checkpoint, ckpt)
-        if case.damage:
-            case.damage(ckpt)
-    return [arg.format(tmp=tmp, ckpt=ckpt) for arg in case.args]
-
-
-def _one_line_error(args: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as info:
-        main(args)
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
-def _check(case: Case, tmp: Path, checkpoint: Path | None, capsys, ran: list) -> None:
-    args = _prepare(case, tmp, checkpoint)
-    before = snapshot_files(tmp)
-    err = _one_line_error(args, capsys)
-    prog = f"lightning-zero {args[0]}" if args[0] in COMMANDS else "lightning-zero"
-    assert err.startswith(f"{prog}: error: "), err
-    assert case.message.format(tmp=tmp) in err, err
-    assert snapshot_files(tmp) == before, "a file was written or deleted"
-    assert ran == [] and not torch.distributed.is_initialized()
+    return capture_runs(monkeypatch)
 
 
 @pytest.mark.parametrize("case", FIT_CASES + ESTIMATE_CASES, ids=str)
 def test_bad_config_argument_or_deepspeed_config(case, tmp_path, capsys, ran):
-    _check(case, tmp_path, None, capsys, ran)
-
-
-@pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=str)
-def test_bad_checkpoint(case, stage2_checkpoint, tmp_path, capsys, ran):
-    _check(case, tmp_path, stage2_checkpoint, capsys, ran)
-    if case.damage in (_poison, _poisoned_plain_file):
-        assert not (tmp_path / "marker").exists(), "unpickling ran the checkpoint's code"
-
-
-def test_poisoned_pickle_names_the_switch(stage2_checkpoint, tmp_path, capsys, ran):
-    """The refusal names weights_only and the consolidate switch; with --trust-pickles the (trusted) pickle
-    is loaded as it is, which here runs its code."""
-    case = next(c for c in CHECKPOINT_CASES if c.damage is _poison)
-    args = _prepare(case, tmp_path, stage2_checkpoint)
-    err = _one_line_error(args, capsys)
-    assert "weights_only" in err and err.endswith("; here: --trust-pickles"), err
-    assert not (tmp_path / "marker").exists()
-    main([*args, "--trust-pickles"])
-    assert (tmp_path / "marker").exists() and (tmp_path / "model.pt").is_file()
-    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'model.pt'}"
+    check_case(case, tmp_path, None, capsys, ran)
 
 
 def test_disabled_fp16_and_bf16_sections_are_accepted(tmp_path, capsys, ran):
     """Loss-scale keys under "fp16": {"enabled": false}, as many shipped configs have, change nothing."""
     fp16 = {"enabled": False, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2}
     (tmp_path / "ds.json").write_text(json.dumps({"fp16": fp16, "bf16": {"enabled": False, "x": 1}}))
-    main([arg.format(tmp=tmp_path) for arg in _fit("--deepspeed_config={tmp}/ds.json")])
+    main([arg.format(tmp=tmp_path) for arg in fit_args("--deepspeed_config={tmp}/ds.json")])
     (cli,) = ran
     assert isinstance(cli.trainer.strategy, ZeroStrategy) and cli.trainer.strategy.config.stage == 2
     assert cli.trainer.precision == "32-true"

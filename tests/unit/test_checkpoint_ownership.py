@@ -20,9 +20,10 @@ from torch import nn
 from lightning_zero.checkpoint.atomic import write_atomically
 from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.format import CheckpointError
-from lightning_zero.checkpoint.save import OURS, remove, save
+from lightning_zero.checkpoint.save import OURS, SaveJob, remove
 from lightning_zero.checkpoint.save import _prepare as prepare
 from lightning_zero.checkpoint.save import _publish as publish
+from lightning_zero.checkpoint.save_state import SaveSpec
 from tests.support.helpers import file_size_limit, verify_checkpoint, world_of_one
 from tests.unit.test_checkpoint_files import _fake_checkpoint
 
@@ -82,8 +83,8 @@ def _save_over_a_size_limit(path: Path, background: BackgroundSaves | None) -> N
     """Saves a model whose weights (in lightning.pt, one 40 kB record) pass a 16 kB file-size limit: the write
     fails inside torch.save, not when the file is flushed."""
     with world_of_one(), file_size_limit(16384):
-        save({"global_step": 0, "epoch": 0}, path, model=nn.Linear(100, 100), units=[], optimizers=[], stage=2,
-             rank=0, world_size=1, background=background)  # fmt: skip
+        spec = SaveSpec(model=nn.Linear(100, 100), units=[], optimizers=[], stage=2, rank=0)
+        SaveJob({"global_step": 0, "epoch": 0}, path, spec, background=background).run()
         if background is not None:
             background.wait()
 

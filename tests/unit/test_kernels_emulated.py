@@ -14,7 +14,7 @@ from lightning_zero.kernels import launchers, reference
 from lightning_zero.kernels.adamw import check_finite_, fused_adamw_
 from tests.support import cuda_emulator
 from tests.support.cuda_emulator import LAUNCHED, wide_loads
-from tests.support.helpers import check_fused_adamw_under_grad_scaler, check_fused_gpt
+from tests.support.fused_checks import check_fused_adamw_under_grad_scaler, check_fused_gpt
 
 pytestmark = pytest.mark.usefixtures("emulated_gpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -12,7 +12,7 @@ import torch
 from lightning_zero.kernels import adamw as fused_adamw_module
 from lightning_zero.kernels import loader, ops, reference
 from lightning_zero.kernels.adamw import FusedAdamW, check_finite_, fused_adamw_
-from tests.support.helpers import check_fused_adamw_under_grad_scaler, check_fused_gpt
+from tests.support.fused_checks import check_fused_adamw_under_grad_scaler, check_fused_gpt
 
 
 def _words(*values):

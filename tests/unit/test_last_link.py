@@ -17,10 +17,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero.checkpoint import save as checkpoint_save
+from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.checkpoint.save import remove
 from lightning_zero.front.trainer_checkpoints import complete_checkpoint
-from tests.support.helpers import make_trainer, verify_checkpoint, world_of_one, zero_strategy
+from tests.support.helpers import COLLECTIVE_TIMEOUT_S, make_trainer, verify_checkpoint, world_of_one
 from tests.unit.test_checkpoint_files import _fake_checkpoint
 
 
@@ -46,16 +46,16 @@ class Tiny(pl.LightningModule):
             self.at_step_2(self.trainer)
 
 
-def test_last_names_a_complete_checkpoint_while_a_background_save_is_written(tmp_path, monkeypatch):
-    publish, held, release = checkpoint_save._publish, [], threading.Event()
+def test_last_names_a_complete_checkpoint_while_a_background_save_is_written(tmp_path):
+    held, release = [], threading.Event()
 
-    def publish_step_2_when_released(partial, path):
+    def publish_step_2_when_released(phase, path):  # (save.py's [Note: observing a save])
+        if phase != "complete":
+            return
         held.append(path.name)
         if len(held) == 2:  # step 2's checkpoint: written, not yet in place
             assert release.wait(60)
-        publish(partial, path)
 
-    monkeypatch.setattr(checkpoint_save, "_publish", publish_step_2_when_released)
     resolved = []
 
     def resolve_last(trainer):
@@ -68,9 +68,9 @@ def test_last_names_a_complete_checkpoint_while_a_background_save_is_written(tmp
         release.set()
 
     every_step = ModelCheckpoint(tmp_path, every_n_train_steps=1, save_top_k=1, save_last="link")
-    trainer = make_trainer(
-        zero_strategy(2, async_save=True), 1, steps=3, accumulate=1, callbacks=[every_step], enable_checkpointing=True
-    )
+    config = ZeroConfig(stage=2, async_save=True, timeout=COLLECTIVE_TIMEOUT_S)
+    strategy = ZeroStrategy(config, on_save_phase=publish_step_2_when_released)
+    trainer = make_trainer(strategy, 1, steps=3, accumulate=1, callbacks=[every_step], enable_checkpointing=True)
     with world_of_one():
         trainer.fit(Tiny(resolve_last))
     assert held == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt"]

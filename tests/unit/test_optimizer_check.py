@@ -87,8 +87,10 @@ def test_held_state_is_cut_into_each_ranks_pieces():
             optimizer.state[p]["sum"] += torch.arange(p.numel()).view(p.shape)
         unit = _unit(whole, rank)
         shard_held_state(optimizer.state, {p: (unit, i) for i, p in enumerate(whole)})
-        assert len(optimizer.state) == len(unit.piece_tensors)  # (the frozen parameter's went)
-        pieces += [(piece, optimizer.state[tensor]) for piece, tensor in zip(unit.pieces, unit.piece_tensors)]
+        assert len(optimizer.state) == len(unit.training.piece_tensors)  # (the frozen parameter's went)
+        pieces += [
+            (piece, optimizer.state[tensor]) for piece, tensor in zip(unit.training.pieces, unit.training.piece_tensors)
+        ]
     for index, p in enumerate(whole):
         mine = sorted((piece.lo, state) for piece, state in pieces if piece.param == index)
         assert torch.equal(torch.cat([s["sum"] for _, s in mine]), 0.5 + torch.arange(p.numel()).float())

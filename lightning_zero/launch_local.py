@@ -1,9 +1,11 @@
 """Run a function on N local ranks over gloo, with Lightning's environment variables set.
 
-For tests and benchmarks: each rank is a process from ``torch.multiprocessing.spawn``; the
-process group is created here, with a timeout, before ``fn`` runs. Because LOCAL_RANK and friends
-are set, a ``Trainer`` built inside ``fn`` joins these processes instead of launching its own, so one
-spawn can run several ``fit`` calls side by side.
+For tests, benchmarks and ``lightning-zero estimate --measure`` (planning/time_model.py): each rank is
+a process from ``torch.multiprocessing.spawn``; the process group is created here, with a timeout,
+before ``fn`` runs. Because LOCAL_RANK and friends are set, a ``Trainer`` built inside ``fn`` joins
+these processes instead of launching its own, so one spawn can run several ``fit`` calls side by side.
+
+A bottom-layer module: it depends on torch alone, so planning/, front/ and cli/ may all use it.
 """
 
 from __future__ import annotations
