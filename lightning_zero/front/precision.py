@@ -74,7 +74,6 @@ class ZeroPrecision(Precision):
         self.scaler = DynamicLossScaler(loss_scale or LossScaleConfig()) if precision == "16-mixed" else None
         self.last_grad_norm: Tensor | None = None
         self._skips_reported = 0  # skip_on_device: skipped steps already printed
-        self._served: list = []  # the Trainer's ZeroOptimizers (serve), which learn the loss scale
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -109,12 +108,9 @@ class ZeroPrecision(Precision):
             return 1.0
         return self.scaler.scale_tensor(device) if self.skip_on_device else self.scaler.scale
 
-    def serve(self, optimizers: list) -> None:
-        """The Trainer's ZeroOptimizers, whose backward this plugin scales (see ``scale_loss``)."""
-        self._served = list(optimizers)
-
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
-        return self.scale_loss(super().pre_backward(tensor, module), self._served)
+        """The Trainer's backward: its strategy's ZeroOptimizers learn the loss scale (see ``scale_loss``)."""
+        return self.scale_loss(super().pre_backward(tensor, module), module.trainer.strategy.optimizers)
 
     def scale_loss(self, tensor: Tensor, optimizers: list) -> Tensor:
         """The loss to run backward on: multiplied by the fp16 loss scale (which ``optimizers`` learn, so that

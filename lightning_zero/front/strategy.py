@@ -168,7 +168,6 @@ class ZeroStrategy(DDPStrategy):
             marks, group = module.automatic_optimization, self.topology.shard_group
             average = partial(attach_average, self._averaging, module, group=group)
             self.optimizers = self.engine.wrap(module, self.optimizers, marks_micro_batches=marks, make_average=average)
-            precision.serve(self.optimizers)
             if precision.skip_on_device:  # schedulers then step as under torch's GradScaler
                 check_skip_on_device(self.optimizers, self.config.fused_step)
             elif precision.scaler is not None:
