@@ -207,6 +207,7 @@ class ZeroEngine:
     def _end_open_step(self, event: str) -> None:
         """Before a step (``event``): the last one ends if its forward gave no backward (training_step returned
         None)."""
+        self.backward_end.forget_raised()
         self.step.ready_for(event)
         if self.step.ends_open_step:
             self.placement.end_step()
@@ -218,6 +219,7 @@ class ZeroEngine:
         self.step.advance(event)
 
     def before_backward(self, loss: torch.Tensor) -> None:
+        self.backward_end.forget_raised()  # (a backward that raised left its reductions half done)
         self.step.advance("before_backward")
         self.backward_end.arm_on(loss)  # the end-of-backward callback belongs to this backward
 
@@ -264,8 +266,7 @@ class ZeroEngine:
         return int(collectives.all_reduce(flag, torch.distributed.ReduceOp.SUM).item())
 
     def settle(self) -> None:
-        """Waits for the post-step parameter all-gathers still running (before anything reads parameters), and keeps
-        a ``.data`` user code replaced (sharding/param_writes.py's [Note: a replaced .data])."""
+        """Before anything reads parameters: pending post-step gathers waited for, replaced ``.data`` kept."""
         settle(self.placement, self.unit_set)
 
     def release_gradients(self) -> None:

@@ -39,18 +39,25 @@ class BackwardEnd:
     def __init__(self) -> None:
         self._begin: dict[BackwardWork, list[Callable[[], None]]] = {work: [] for work in BackwardWork}
         self._end: dict[BackwardWork, list[Callable[[], None]]] = {work: [] for work in BackwardWork}
+        self._raised: dict[BackwardWork, list[Callable[[], None]]] = {work: [] for work in BackwardWork}
         self._armed = False
 
     def register(
-        self, work: BackwardWork, *, begin: Callable[[], None] | None = None, end: Callable[[], None] | None = None
+        self,
+        work: BackwardWork,
+        *,
+        begin: Callable[[], None] | None = None,
+        end: Callable[[], None] | None = None,
+        raised: Callable[[], None] | None = None,
     ) -> None:
-        """``begin`` runs when a backward starts, ``end`` when it ends, in ``BackwardWork``'s order."""
-        for callbacks, fn in ((self._begin, begin), (self._end, end)):
+        """``begin`` runs when a backward starts, ``end`` when it ends, ``raised`` when one that raised before its end
+        is forgotten (``forget_raised``), each in ``BackwardWork``'s order."""
+        for callbacks, fn in ((self._begin, begin), (self._end, end), (self._raised, raised)):
             if fn is not None:
                 callbacks[work].append(fn)
 
     def unregister(self, *callbacks: Callable[[], None]) -> None:
-        for registered in (*self._begin.values(), *self._end.values()):
+        for registered in (*self._begin.values(), *self._end.values(), *self._raised.values()):
             for fn in callbacks:
                 if fn in registered:
                     registered.remove(fn)
@@ -69,6 +76,15 @@ class BackwardEnd:
         for work in BackwardWork:
             for callback in self._begin[work]:
                 callback()
+
+    def forget_raised(self) -> None:
+        """Outside a backward (the front door's next event): if the last one raised before its end (it stayed armed, and
+        the loop went on), its work is told and the next backward arms afresh."""
+        if self._armed and not in_backward():
+            self._armed = False
+            for work in BackwardWork:
+                for callback in self._raised[work]:
+                    callback()
 
     def arm_on(self, loss: Tensor) -> None:
         """Arms at the very start of ``loss``'s backward (in its outer graph task)."""

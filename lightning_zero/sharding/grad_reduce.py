@@ -100,7 +100,8 @@ class GradReducer:
             agreed, host_world = self.world_size == 1, settings.host_world
             self.launch = OrderedLaunch(self._launch, model=model, owned=owned, agreed=agreed, host_world=host_world)
         self.add_units(units, model_position)
-        backward_end.register(BackwardWork.REDUCTION, begin=self._begin_backward, end=self.finish_backward)
+        work = {"begin": self._begin_backward, "end": self.finish_backward, "raised": self.abandon_backward}
+        backward_end.register(BackwardWork.REDUCTION, **work)
 
     @property
     def order(self) -> list[tuple[FlatUnit, Bucket]]:
@@ -125,7 +126,7 @@ class GradReducer:
             handle.remove()
         self._handles = []
         self.launch.remove_hooks()
-        self.backward_end.unregister(self._begin_backward, self.finish_backward)
+        self.backward_end.unregister(self._begin_backward, self.finish_backward, self.abandon_backward)
 
     def defers_reduction(self) -> bool:
         """Stage 1: this backward only accumulates (a micro-batch before the step's last)."""
@@ -288,6 +289,21 @@ class GradReducer:
             slot.end_reduction()
         for unit in self.units:
             unit.training.reductions_done()  # (stage 1: every region was reduced and zeroed)
+
+    def abandon_backward(self) -> None:
+        """A backward raised before its end (every rank alike: the same program ran there): the reduce-scatters it
+        started are waited for and kept, as ddp keeps what a failed backward accumulated until ``zero_grad``; the
+        gradients of buckets it never launched are dropped, and the next backward starts afresh. No collective."""
+        self.launch.abandon()
+        while self._inflight:
+            self._retire_oldest()
+        self._to_host.drain()
+        for slot in self.slots:
+            buffer = slot.take_buffer()
+            if buffer is not None and not slot.full_gradient:  # (stage 1's region stays: zero_grad zeroes it)
+                self.pool.give_back(buffer)
+            slot.end_reduction()
+            slot.end_backward()
 
     # --- stage 1 -------------------------------------------------------------------------------------
     def peek_accumulated(self, units: Sequence[FlatUnit]) -> dict[int, Tensor]:

@@ -87,6 +87,11 @@ class OrderedLaunch:
     def flush(self) -> None:
         pass  # (every bucket launches on its own)
 
+    def abandon(self) -> None:
+        """The backward raised: the next one starts from the first bucket (the agreed order stays)."""
+        self._next = 0
+        self._forward_used.clear()
+
     def end_backward(self, slots: list[BucketSlot]) -> list[BucketSlot]:
         """The backward ended: the launch order from now on (after the first backward, rank 0's)."""
         self._next = 0
@@ -159,6 +164,9 @@ class ScheduledLaunch:
 
     def end_backward(self, slots: list[BucketSlot]) -> list[BucketSlot]:
         return slots
+
+    def abandon(self) -> None:
+        self._coalescing = []  # (released, never launched: the reducer drops their gradients)
 
     def remove_hooks(self) -> None:
         pass

@@ -107,8 +107,8 @@ def trainable_units(
 
 
 def settle(placement: Replicated | Sharded, unit_set: UnitSet) -> None:
-    """Waits for ``placement``'s pending parameter writes and keeps each ``.data`` user code replaced (see
-    ``ZeroEngine.settle``)."""
+    """Waits for ``placement``'s pending post-step gathers (before anything reads parameters) and keeps each ``.data``
+    user code replaced (sharding/param_writes.py's [Note: a replaced .data])."""
     placement.settle()
     for unit in unit_set.units:
         unit.take_replaced()
