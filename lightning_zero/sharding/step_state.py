@@ -9,12 +9,13 @@ step's boundaries the front doors report (engine.py's [Note: the step's boundari
      |  |                              |   end_training_forward(step_ends=True) ends the step: back to IDLE)        |
      |  +------------------------------+-----------------------------------------------------after_backward------+
      +--forward_only-- EVALUATING (a validation/test/predict step, or an evaluation call of Fabric's model)
+     +--before_backward-- LOOSE_BACKWARD --after_backward--> IDLE
 
 A new forward (training or forward-only) in FORWARD_DONE ends the step first: its training_step returned no loss,
 so no backward comes (``ends_open_step``); so does one in FORWARD (the last forward raised, and the loop went on).
 A backward with no forward of this engine's before it (Fabric: a loss made through another model; Lightning: a
 manual_backward outside training_step) is a LOOSE_BACKWARD, outside any step. A backward that raised (the loop went
-on: Fabric skipping a batch that ran out of memory) leaves the step as its forward left it (``check``). Anything
+on: Fabric skipping a batch that ran out of memory) leaves the step as its forward left it (``ready_for``). Anything
 else raises ``IllegalTransition``, naming both phases: a forward or a backward inside a running backward (the
 whole model recomputed by activation checkpointing through the front door), a forward inside a forward-only step,
 a forward's end or a backward's end that never began.
@@ -47,7 +48,6 @@ _TRANSITIONS: dict[str, dict[StepPhase, StepPhase]] = {
     "begin_training_forward": {_P.IDLE: _P.FORWARD, _P.FORWARD_DONE: _P.FORWARD, _P.FORWARD: _P.FORWARD},
     "end_training_forward": {_P.FORWARD: _P.FORWARD_DONE},
     "end_step_in_forward": {_P.FORWARD: _P.IDLE},  # manual optimization: the step's backward ran inside it
-    # a backward inside the step's forward (manual optimization) leaves the phase as it is
     # a backward inside the step's forward (manual optimization) or inside a forward-only step (a manual_backward in
     # validation_step) leaves the phase as it is
     "before_backward": {
