@@ -17,6 +17,7 @@ import torch
 SUPPORTED_STAGES = (1, 2, 3)
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 OFFLOAD_ALLOWED = "none or cpu (nvme offload is not supported)"
+ACTIVATION_CHECKPOINTING = ("none", "units", "selective")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,10 @@ def _offloaded_with_optimizer(offload_param: object, config: ZeroConfig) -> bool
     return offload_param == "none" or (config.stage == 3 and config.offload_optimizer == "cpu")
 
 
+def _with_checkpointing(offload_activations: object, config: ZeroConfig) -> bool:
+    return offload_activations == "none" or config.activation_checkpointing != "none"
+
+
 def _supported_stage(stage: object, _config: object) -> bool:
     return _integer(stage) and stage in SUPPORTED_STAGES
 
@@ -166,6 +171,10 @@ ZERO_ROWS: tuple[Row, ...] = (
     ("offload_param", _offloaded_with_optimizer, "none unless zero.stage is 3 and zero.offload_optimizer is cpu"),
     ("offload_pin_memory", _is_bool, "true or false"),
     ("fused_step", _one_of("auto", "always", "never"), "auto, always or never"),
+    # activations
+    ("activation_checkpointing", _one_of(*ACTIVATION_CHECKPOINTING), "none, units or selective"),
+    ("offload_activations", _one_of("none", "cpu"), "none or cpu"),
+    ("offload_activations", _with_checkpointing, "none unless zero.activation_checkpointing is units or selective"),
     # checkpoints, buffers and debugging
     ("broadcast_buffers", _is_bool, "true or false"),
     ("save_consolidated", _is_bool, "true or false"),
@@ -195,7 +204,7 @@ class ZeroConfig:
     The fields are flat, so that each keeps one name in YAML, on the CLI, in Hydra and in the DeepSpeed
     mapping; they are listed (and declared) by concern: what is sharded (``stage``); communication
     (``reduce_bucket_size`` .. ``timeout``); stage 3 and ZeRO++ (``unit_module_classes`` .. ``node_size``); offload
-    and the step (``offload_optimizer`` .. ``fused_step``); checkpoints, buffers and debugging.
+    and the step (``offload_optimizer`` .. ``fused_step``); activations; checkpoints, buffers and debugging.
 
     Attributes:
         stage: 1 shards the optimizer state (and fp32 master weights); 2 also shards gradients; 3 also
@@ -267,6 +276,14 @@ class ZeroConfig:
             CUDA kernels run and, for offloaded units, the host AdamW kernel (kernels/host.py); "always"
             also for every CPU master (the host kernel, or the CUDA kernels' pure-torch reference without
             a C compiler); "never".
+        activation_checkpointing: the model's blocks (the children of its ``nn.ModuleList``s, or the classes
+            ``unit_module_classes`` names) keep only their inputs for backward and recompute the rest there
+            (torch's non-reentrant checkpoint; see activations/checkpointing.py): "units" recomputes all of each
+            block, "selective" keeps matmul and attention outputs and recomputes the pointwise ops; "none" (default).
+            Equal results, dropout included (the recomputation draws the same masks).
+        offload_activations: "cpu" copies what checkpointed blocks keep (their inputs) to one reused host buffer
+            during the forward, and back one block ahead of backward (ZeRO-R's Pa+cpu, DeepSpeed's
+            ``cpu_checkpointing``; activations/host_offload.py); needs ``activation_checkpointing``. "none" (default).
         broadcast_buffers: as ddp's default: every buffer (BatchNorm's running statistics) is broadcast from
             rank 0 before a step's first training forward and before validation during ``fit``, so every rank
             validates with the same statistics (sharding/buffer_sync.py). False: each rank keeps its own
@@ -317,6 +334,9 @@ class ZeroConfig:
     offload_param: str = "none"
     offload_pin_memory: bool = True
     fused_step: str = "auto"
+    # activations
+    activation_checkpointing: str = "none"
+    offload_activations: str = "none"
     # checkpoints, buffers and debugging
     broadcast_buffers: bool = True
     save_consolidated: bool = False

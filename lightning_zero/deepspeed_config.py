@@ -53,6 +53,14 @@ OFFLOAD_NVME_KEYS = (
     "fast_init",
     "pipeline",
 )
+# activation_checkpointing's keys that change nothing here, and why
+ACTIVATION_NO_EFFECT = {
+    "partition_activations": "with data parallelism alone no rank holds another's activations: nothing to partition",
+    "contiguous_memory_optimization": "offloaded checkpoints always live in one contiguous, reused host buffer",
+    "number_checkpoints": "every block is checkpointed",
+    "synchronize_checkpoint_boundary": "no device synchronization is needed at a checkpoint's boundary",
+    "profile": "Lightning's profilers report",
+}
 COMMUNICATION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # -> ZeroConfig.reduce_dtype
 
 
@@ -208,6 +216,25 @@ def _cpu_offload(key: str, value: Any, reading: _Reading) -> None:
         raise ValueError(f"DeepSpeed config: {key} and zero_optimization.offload_optimizer disagree")
 
 
+def _activation_checkpointing(key: str, section: Any, reading: _Reading) -> None:
+    """The section (Lightning's DeepSpeedStrategy writes it from its ``partition_activations``, ``cpu_checkpointing``,
+    ``contiguous_memory_optimization`` and ``synchronize_checkpoint_boundary`` arguments): where DeepSpeed checkpoints
+    the blocks the model's code passes to its checkpoint function, every block is checkpointed here ("units"), and
+    ``cpu_checkpointing`` offloads what they keep to the host."""
+    if not isinstance(section, dict):
+        raise ValueError(
+            f'DeepSpeed config: {key} must be an object such as {{"cpu_checkpointing": false}}, got {section!r}'
+        )
+    reading.zero["activation_checkpointing"] = "units"
+    for name, value in section.items():
+        if name == "cpu_checkpointing" and value != "auto":
+            reading.zero["offload_activations"] = "cpu" if _true_or_false(f"{key}.{name}", value) else "none"
+        elif name in ACTIVATION_NO_EFFECT:
+            reading.no_effect.append(f"{key}.{name} ({ACTIVATION_NO_EFFECT[name]})")
+        elif name != "cpu_checkpointing":
+            reading.unsupported.append(f"{key}.{name}")
+
+
 # The keys read by a function of their own: DeepSpeed key -> (key, value, the _Reading to add to)
 HANDLED_KEYS = {
     "zero_optimization.offload_optimizer": _offload,
@@ -215,6 +242,7 @@ HANDLED_KEYS = {
     "zero_optimization.mics_shard_size": _mics_shard_size,
     "zero_optimization.zero_hpz_partition_size": _hpz_partition_size,
     "zero_optimization.cpu_offload": _cpu_offload,
+    "activation_checkpointing": _activation_checkpointing,
 }
 
 

@@ -28,6 +28,7 @@ import torch
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
+from lightning_zero.activations.checkpointing import UnitCheckpoints, checkpoint_units
 from lightning_zero.checkpoint.background import background_saves
 from lightning_zero.checkpoint.io import open_checkpoint
 from lightning_zero.checkpoint.restore import Restore
@@ -51,7 +52,7 @@ from lightning_zero.sharding.flat_unit import FlatUnit
 from lightning_zero.sharding.full_state import full_state_dict, needs_masters, parameter_norms
 from lightning_zero.sharding.grad_reduce import GradReducer
 from lightning_zero.sharding.param_gather import ParamGathers
-from lightning_zero.sharding.placement import Join, Replicated, Sharded
+from lightning_zero.sharding.placement import Join, Replicated, Sharded, count_ranks_with_batch
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_start import shard_or_reuse, start_runtime
 from lightning_zero.sharding.step_state import StepState
@@ -85,6 +86,7 @@ class ZeroEngine:
         self.backward_end = BackwardEnd()
         self.buffer_sync: BufferSync | None = None  # while training, with config.broadcast_buffers
         self.average: WeightAverage | None = None  # a weight average kept sharded (sharding/averaging.py)
+        self.activations: UnitCheckpoints | None = None  # while training, with config.activation_checkpointing
         self.collective_check = collectives.SequenceCheck(None)  # with config.check_collectives
         self.sharded_init_peak_bytes = sharded_init_peak_bytes  # stage 3 built sharded (construct.py)
         self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
@@ -156,6 +158,7 @@ class ZeroEngine:
         self.module = module
         self.buffer_sync = BufferSync(module) if self.config.broadcast_buffers else None
         names = check_optimizer_params(module, optimizers, rank=self.rank)
+        self.activations = checkpoint_units(module, self.config, self.device)
         gathers = None
         if self.placement.units_from_optimizers:  # stages 1 and 2: a unit per param group, gathered after a step
             units, gathers, self.reducer = replicated_training(
@@ -205,8 +208,7 @@ class ZeroEngine:
         self.placement.begin_step()
 
     def _end_open_step(self, event: str) -> None:
-        """Before a step (``event``): the last one ends if its forward gave no backward (training_step returned
-        None)."""
+        """Before a step (``event``): the last one ends if its forward gave no backward (training_step gave None)."""
         self.backward_end.forget_raised()
         self.step.ready_for(event)
         if self.step.ends_open_step:
@@ -253,17 +255,13 @@ class ZeroEngine:
         if last is None or isinstance(self.placement, Replicated):
             check()
         else:
-            join = Join(self._count_ranks_with_batch, last, check)
+            join = Join(functools.partial(count_ranks_with_batch, device=self.device), last, check)
         self._end_open_step("begin_forward_only")
         self.step.advance("begin_forward_only")
         try:
             return self.placement.forward_only(step, args, kwargs, join=join)
         finally:
             self.step.advance("end_forward_only")
-
-    def _count_ranks_with_batch(self, has_batch: int) -> int:
-        flag = torch.tensor([has_batch], dtype=torch.int32, device=self.device)
-        return int(collectives.all_reduce(flag, torch.distributed.ReduceOp.SUM).item())
 
     def settle(self) -> None:
         """Before anything reads parameters: pending post-step gathers waited for, replaced ``.data`` kept."""
@@ -301,12 +299,10 @@ class ZeroEngine:
     def gathered_parameters(
         self, targets: Sequence[Module | Parameter], modifier_rank: int | None = None
     ) -> Generator[list[Parameter], None, None]:
-        """The parameters of ``targets`` (modules, with their submodules, or parameters) whole inside the block,
-        outside the steps too, like DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``.
-        Collective: enter it on every rank with the same targets (stage 3 gathers their units, one all-gather
-        each, and frees them after; stages 1 and 2 hold every parameter whole already). Writes made inside are
-        kept: each written tensor's values become every rank's, master weights included, those of the lowest
-        rank that wrote it, or of ``modifier_rank`` when given (sharding/param_writes.py). Yields the parameters."""
+        """The parameters of ``targets`` (modules, with their submodules, or parameters) whole inside the block, outside
+        the steps too (DeepSpeed's ``GatheredParameters``, FSDP's ``summon_full_params``); collective: the same targets
+        on every rank. Writes made inside are kept: each written tensor's values become every rank's (masters included),
+        those of the lowest rank that wrote it or of ``modifier_rank`` (sharding/param_writes.py). Yields them."""
         params = list(dict.fromkeys(p for t in targets for p in (t.parameters() if isinstance(t, Module) else [t])))
         with self.placement.gathered_parameters(self.module, params, modifier_rank):
             yield params
@@ -369,10 +365,12 @@ class ZeroEngine:
             self.background.wait()
 
     def memory_bytes(self) -> dict[str, int]:
-        """This rank's persistent bytes by category, device and ``host_*`` (planning/memory.py's ``engine_bytes``)."""
+        """This rank's persistent bytes by category, device and ``host_*`` (planning/memory.py's ``engine_bytes``; with
+        ``config.offload_activations``, ``host_activations``: the constant host pool)."""
         node_size = self.topology.node_size if self.stage3 is not None and self.stage3.node is not None else None
         offloaded = self.config.offload_optimizer != "none"
-        return engine_bytes(self.units, self.optimizers, self.module, self.average, offloaded, node_size)
+        totals = engine_bytes(self.units, self.optimizers, self.module, self.average, offloaded, node_size)
+        return totals | (self.activations.memory_bytes() if self.activations is not None else {})
 
     # --- the end -----------------------------------------------------------------------------------
     def teardown(self) -> None:
@@ -398,3 +396,5 @@ class ZeroEngine:
         self.step.reset()
         self.buffer_sync = None
         self.average = None
+        if self.activations is not None:
+            self.activations = self.activations.remove()

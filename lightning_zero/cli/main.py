@@ -37,6 +37,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_zero  # noqa: F401  (registers the zero strategies)
+from lightning_zero.activations.checkpointing import checkpointed_blocks
 from lightning_zero.checkpoint.atomic import check_not_a_link
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.dcp_export import export_dcp
@@ -126,6 +127,9 @@ class ZeroCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         with _setup_errors_are_input_errors():  # Lightning's and the modules' own checks of their arguments
             super().instantiate_classes()
+            built = next(self.model.parameters(), None) is not None  # (else built in configure_model, on each rank)
+            if self.zero_config is not None and self.zero_config.activation_checkpointing != "none" and built:
+                checkpointed_blocks(self.model, self.zero_config)
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         if self.zero_config is not None:

@@ -47,6 +47,12 @@ class Join:
     check: Callable[[], None]
 
 
+def count_ranks_with_batch(has_batch: int, *, device: torch.device) -> int:
+    """A ``Join``'s ``count``: how many ranks have a batch (collective)."""
+    flag = torch.tensor([has_batch], dtype=torch.int32, device=device)
+    return int(collectives.all_reduce(flag, torch.distributed.ReduceOp.SUM).item())
+
+
 class Replicated:
     """Every parameter whole on every rank (see [Note: placements])."""
 

@@ -35,6 +35,16 @@ RUNS = [
     ("blocks", "sgd", "value", (3,)),
 ]
 CLIP_VALUE = 0.02
+# The GPT's runs also check activation checkpointing (activations/checkpointing.py): each against the same
+# single-process run without it, so checkpointing, its selective policy and its host offload change nothing.
+GPT_ACTIVATIONS = {  # (world, stage) -> ZeroConfig fields; plain blocks and ToyNet cover every stage without
+    (2, 1): {"activation_checkpointing": "units"},
+    (2, 2): {"activation_checkpointing": "selective", "offload_activations": "cpu"},
+    (2, 3): {"activation_checkpointing": "units", "offload_activations": "cpu"},
+    (4, 1): {"activation_checkpointing": "selective"},
+    (4, 2): {"activation_checkpointing": "units", "offload_activations": "cpu"},
+    (4, 3): {"activation_checkpointing": "selective", "offload_activations": "cpu"},
+}
 # At 4 ranks (on 2 cores, the slowest) the runs whose partitions differ with the world size; optimizer and
 # clipping variants are the same code at any world size and run at 2.
 RUNS_AT_4 = [run for run in RUNS if run[1:3] == ("adamw", "norm")]
@@ -64,6 +74,12 @@ class RanksAgree(pl.Callback):
                 f"rank {r} differs from rank {trainer.global_rank} at step {trainer.global_step}"
             )
         self.checked += 1
+        activations = trainer.strategy.engine.activations  # (checkpointed blocks, and the host pool's bytes)
+        self.checkpointed = (
+            (len(activations.modules), trainer.strategy.memory_bytes().get("host_activations", 0))
+            if activations
+            else (0, 0)
+        )
 
 
 def _trainer(strategy, devices: int, algorithm: str, callbacks=()):
@@ -83,9 +99,16 @@ def _worker(rank: int, world: int, out_dir) -> None:
             config = {"reduce_bucket_size": BUCKET[kind]}
             if kind != "toy":
                 config["param_persistence_threshold"] = 0
+            if kind == "gpt":
+                config.update(GPT_ACTIVATIONS[world, stage])
             trainer = _trainer(zero_strategy(stage, **config), world, algorithm, [agree])
             trainer.fit(module)
             assert agree.checked == STEPS
+            asked = GPT_ACTIVATIONS[world, stage] if kind == "gpt" else {}
+            blocks, host_bytes = agree.checkpointed
+            assert blocks == (module.gpt_config.n_layer if asked else 0) and (host_bytes > 0) == (
+                "offload_activations" in asked
+            )
             # After fit a stage-3 module stays sharded until asked; made whole, it equals the last gathered state.
             state = trainer.strategy.gather_module().state_dict()
             assert all(torch.equal(state[k].float(), v.float()) for k, v in agree.state.items())

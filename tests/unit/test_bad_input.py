@@ -49,6 +49,16 @@ FIT_CASES = [
         "zero.reduce_dtype must be null or one of float32, bfloat16, float16, got 'int8'",
     ),
     _yaml("unknown_zero_option", "zero:\n  bucket: 3\n", "does not accept option 'zero.bucket'"),
+    _yaml(
+        "activation_checkpointing_full",
+        "zero:\n  activation_checkpointing: full\n",
+        "zero.activation_checkpointing must be none, units or selective, got 'full'",
+    ),
+    _yaml(
+        "offload_activations_without_checkpointing",
+        "zero:\n  offload_activations: cpu\n",
+        "zero.offload_activations must be none unless zero.activation_checkpointing is units or selective, got 'cpu'",
+    ),
     _yaml("malformed", "trainer: [\n", "Problems parsing config"),
     _yaml("max_steps_negative", "trainer:\n  max_steps: -5\n", "`max_steps` must be a non-negative integer or -1"),
     Case("yaml_missing_file", fit_args("--config", "{tmp}/absent.yaml"), "File does not exist"),
@@ -84,6 +94,14 @@ FIT_CASES = [
         fit_args("--trainer.devices", "abc"),
         "`devices` selected with `CPUAccelerator` should be an int > 0",
     ),
+    Case(  # (a model built when the CLI makes it; one built in configure_model is refused on every rank alike)
+        "cli_checkpointing_without_blocks",
+        fit_args(
+            "--model", "tests.support.helpers.EquivalenceModule", "--model.kind", "toy",
+            "--zero.activation_checkpointing", "units",
+        ),
+        "zero.activation_checkpointing is 'units', but the model has no blocks to checkpoint (no nn.ModuleList)",
+    ),  # fmt: skip
     Case(
         "cli_unknown_subcommand",
         ["fitt", "--config", GPT],
@@ -112,8 +130,13 @@ FIT_CASES = [
     _deepspeed("not_an_object", [1, 2], "ds.json: must be a JSON object of settings, got a list"),
     _deepspeed(
         "unknown_keys",
-        {"activation_checkpointing": {}, "optimizer": {"type": "Adam"}},
-        "these keys are not supported: activation_checkpointing, optimizer",
+        {"flops_profiler": {}, "optimizer": {"type": "Adam"}},
+        "these keys are not supported: flops_profiler, optimizer",
+    ),
+    _deepspeed(
+        "cpu_checkpointing",
+        {"activation_checkpointing": {"cpu_checkpointing": "yes"}},
+        "DeepSpeed config: activation_checkpointing.cpu_checkpointing must be true or false, got 'yes'",
     ),
     _deepspeed(
         "nvme_offload",

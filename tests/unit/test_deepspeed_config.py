@@ -188,13 +188,13 @@ def test_unsupported_keys_are_listed_in_one_error():
     config = {
         **ZERO3,
         "zero_optimization": {**ZERO3["zero_optimization"], "zero_quantized_nontrainable_weights": True},
-        "activation_checkpointing": {"partition_activations": True},
+        "flops_profiler": {"enabled": True},
         "optimizer": {"type": "Adam"},
     }
     with pytest.raises(ValueError) as info:
         read_deepspeed_config(config)
     assert str(info.value).startswith(
-        "DeepSpeed config: these keys are not supported: activation_checkpointing, optimizer,"
+        "DeepSpeed config: these keys are not supported: flops_profiler, optimizer,"
         " zero_optimization.zero_quantized_nontrainable_weights."
     )
     # unsupported values (NVMe, partial offload) are named in the same error as unsupported keys
@@ -203,11 +203,26 @@ def test_unsupported_keys_are_listed_in_one_error():
     with pytest.raises(ValueError) as info:
         read_deepspeed_config(config)
     assert str(info.value).startswith(
-        "DeepSpeed config: these keys are not supported: activation_checkpointing, optimizer,"
+        "DeepSpeed config: these keys are not supported: flops_profiler, optimizer,"
         " zero_optimization.offload_optimizer.device 'nvme' (NVMe offload is not implemented; use 'cpu' or"
         " 'none'), zero_optimization.offload_param.ratio 0.5 (partial offload; remove it to offload all of it),"
         " zero_optimization.zero_quantized_nontrainable_weights."
     ), str(info.value)
+
+
+def test_the_activation_checkpointing_section_checkpoints_every_block():
+    """DeepSpeed's (and Lightning DeepSpeedStrategy's) names: the section turns checkpointing on, cpu_checkpointing
+    offloads it, the rest is named in the warning with why it changes nothing, an unknown key in the error."""
+    section = {"partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True}
+    with pytest.warns(UserWarning) as record:
+        settings = read_deepspeed_config({**ZERO3, "activation_checkpointing": section})
+    assert (settings.zero.activation_checkpointing, settings.zero.offload_activations) == ("units", "cpu")
+    assert "activation_checkpointing.partition_activations (with data parallelism alone" in str(record[0].message)
+    assert "activation_checkpointing.contiguous_memory_optimization (offloaded" in str(record[0].message)
+    plain = read_deepspeed_config({**ZERO3, "activation_checkpointing": {"cpu_checkpointing": False}}).zero
+    assert (plain.activation_checkpointing, plain.offload_activations) == ("units", "none")
+    with pytest.raises(ValueError, match="not supported: activation_checkpointing.checkpoint_in_cpu"):
+        read_deepspeed_config({**ZERO3, "activation_checkpointing": {"checkpoint_in_cpu": True}})
 
 
 @pytest.mark.parametrize(

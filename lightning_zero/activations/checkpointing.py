@@ -1,0 +1,164 @@
+"""Activation checkpointing of a model's units (``ZeroConfig.activation_checkpointing``).
+
+[Note: checkpointing a unit]
+A unit module (the modules stage 3 gathers one at a time: sharding/stage3_setup.py's ``unit_modules``, at every
+stage) runs its training forward inside torch's non-reentrant checkpoint, entered by a forward pre-hook and left
+by a forward hook, so the model's structure, names and state dict stay the user's (torch's composable
+``checkpoint`` works the same way, but its hooks cannot be removed at teardown). Autograd then keeps only what
+the checkpoint saves: the unit's inputs, and with ``"selective"`` the outputs of the ops the policy keeps; in
+backward, the first saved tensor the unit's backward unpacks re-runs its forward (``module(*args, **kwargs)``:
+the module's other hooks run again, our own are off while it does), with the RNG state of the first forward,
+so dropout draws the same mask. Under stage 3 that recomputation goes through the unit's forward hook, whose
+``Schedule.recompute`` gathers it in backward's order on every rank (stage3_schedule.py), prefetch included:
+nothing else is gathered for it. A forward without gradients (evaluation, ``no_grad``) is not checkpointed.
+
+[Note: the selective policy]
+``"selective"`` keeps the outputs of matrix multiplications and attention and recomputes everything else
+(torchtitan's op-level policy): those ops hold almost all of a transformer layer's FLOPs, so backward re-runs
+only the cheap pointwise ops (norms, activations, dropout, residual adds) while the activations kept are a few
+tensors of ``s*h`` to ``4*s*h`` elements per layer instead of every intermediate. Built on torch's policy API
+(``create_selective_checkpoint_contexts``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _checkpoint_without_reentrant_generator,
+    create_selective_checkpoint_contexts,
+)
+
+from lightning_zero.activations.host_offload import HostActivations
+from lightning_zero.config import ZeroConfig
+from lightning_zero.sharding.stage3_setup import unit_modules
+
+_aten = torch.ops.aten
+# the ops whose outputs "selective" keeps (see [Note: the selective policy])
+KEPT_OPS = frozenset(
+    getattr(_aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+)
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Keeps matmul and attention outputs, recomputes the rest (torch's policy-function signature)."""
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class UnitCheckpoints:
+    """Checkpoints the forward of each of ``modules`` (see [Note: checkpointing a unit]); ``selective``: with the
+    selective policy. ``offload``: where the checkpoint's own saved tensors (the unit's inputs) go (host_offload.py);
+    its saving context is entered before the checkpoint and left after it, so only those go through it."""
+
+    def __init__(
+        self,
+        modules: Sequence[Module],
+        *,
+        selective: bool,
+        offload: HostActivations | None = None,
+    ) -> None:
+        self.modules = list(modules)
+        self._selective = selective
+        self.offload = offload
+        self._recomputing: set[int] = set()  # ids of the modules whose forward re-runs now (hooks off)
+        self._open: dict[int, tuple] = {}  # id(module) -> (its checkpoint, its saving context), pre-hook to hook
+        self._handles = []
+        for module in self.modules:
+            self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+
+    def memory_bytes(self) -> dict[str, int]:
+        """With offload: the host pool's bytes (constant once the longest step has run)."""
+        return {"host_activations": self.offload.pool.capacity} if self.offload is not None else {}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._open.clear()
+
+    def _contexts(self, module: Module) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        forward, recompute = (
+            create_selective_checkpoint_contexts(selective_policy)
+            if self._selective
+            else (contextlib.nullcontext(), contextlib.nullcontext())
+        )
+        return forward, _recomputing(self._recomputing, module, recompute)
+
+    @torch._dynamo.disable
+    def _enter(self, module: Module, args: tuple, kwargs: dict) -> None:
+        if id(module) in self._recomputing or not torch.is_grad_enabled():
+            return
+        checkpoint = _checkpoint_without_reentrant_generator(
+            module, True, partial(self._contexts, module), "default", False, True, *args, **kwargs
+        )
+        scope = contextlib.ExitStack()  # (the saving context stays under the checkpoint's hooks until the forward ends)
+        if self.offload is not None:
+            scope.enter_context(self.offload.saving())
+        next(checkpoint)  # (saves the inputs, then enters the checkpoint's saved-tensor hooks)
+        self._open[id(module)] = (checkpoint, scope)
+
+    @torch._dynamo.disable
+    def _leave(self, module: Module, args: tuple, output: Any) -> None:
+        checkpoint, scope = self._open.pop(id(module), (None, None))
+        if checkpoint is not None:
+            next(checkpoint, None)  # (leaves the checkpoint's hooks; it ends there)
+            scope.close()
+
+
+@contextlib.contextmanager
+def _recomputing(recomputing: set[int], module: Module, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    """While ``module``'s forward re-runs in backward, our hooks leave it alone (no checkpoint inside one)."""
+    recomputing.add(id(module))
+    try:
+        with inner:
+            yield
+    finally:
+        recomputing.discard(id(module))
+
+
+def checkpointed_blocks(model: Module, config: ZeroConfig) -> list[Module]:
+    """The modules ``config.activation_checkpointing`` checkpoints in ``model``: the children of its ``ModuleList``s,
+    or those whose class ``config.unit_module_classes`` names (stage 3's units, without those it picks by size: an
+    embedding or a head, whose recomputation saves nothing). Refuses a model with no blocks, and one whose Hugging Face
+    gradient checkpointing is on (it would be checkpointed twice)."""
+    mode = config.activation_checkpointing
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise ValueError(
+            f"zero.activation_checkpointing is {mode!r} and the model's own (Hugging Face) gradient checkpointing is"
+            " on: choose one (model.gradient_checkpointing_disable(), or zero.activation_checkpointing: none)"
+        )
+    blocks = unit_modules(model, config.unit_module_classes)
+    if not blocks:
+        raise ValueError(
+            f"zero.activation_checkpointing is {mode!r}, but the model has no blocks to checkpoint (no nn.ModuleList):"
+            " name the block classes in zero.unit_module_classes, or set zero.activation_checkpointing: none"
+        )
+    return blocks
+
+
+def checkpoint_units(model: Module, config: ZeroConfig, device: torch.device) -> UnitCheckpoints | None:
+    """``config.activation_checkpointing`` on ``model``'s blocks (``checkpointed_blocks``), with
+    ``config.offload_activations``; None for "none"."""
+    if config.activation_checkpointing == "none":
+        return None
+    blocks = checkpointed_blocks(model, config)
+    offloaded = config.offload_activations == "cpu"
+    offload = HostActivations(device, pin_memory=config.offload_pin_memory) if offloaded else None
+    return UnitCheckpoints(blocks, selective=config.activation_checkpointing == "selective", offload=offload)
