@@ -10,7 +10,9 @@ backward, the first saved tensor the unit's backward unpacks re-runs its forward
 the module's other hooks run again, our own are off while it does), with the RNG state of the first forward,
 so dropout draws the same mask. Under stage 3 that recomputation goes through the unit's forward hook, whose
 ``Schedule.recompute`` gathers it in backward's order on every rank (stage3_schedule.py), prefetch included:
-nothing else is gathered for it. A forward without gradients (evaluation, ``no_grad``) is not checkpointed.
+nothing else is gathered for it. A forward without gradients (evaluation, ``no_grad``) is not checkpointed. A
+checkpointed block gets no key/value cache (a Hugging Face ``Cache`` argument becomes None, ``use_cache`` False), as
+under Hugging Face's own checkpointing: its recomputation would find the cache holding the forward's keys already.
 
 [Note: the selective policy]
 ``"selective"`` keeps the outputs of matrix multiplications and attention and recomputes everything else
@@ -102,9 +104,10 @@ class UnitCheckpoints:
         return forward, _recomputing(self._recomputing, module, recompute)
 
     @torch._dynamo.disable
-    def _enter(self, module: Module, args: tuple, kwargs: dict) -> None:
+    def _enter(self, module: Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if id(module) in self._recomputing or not torch.is_grad_enabled():
-            return
+            return None
+        args, kwargs = _without_cache(args, kwargs)
         checkpoint = _checkpoint_without_reentrant_generator(
             module, True, partial(self._contexts, module), "default", False, True, *args, **kwargs
         )
@@ -113,6 +116,7 @@ class UnitCheckpoints:
             scope.enter_context(self.offload.saving())
         next(checkpoint)  # (saves the inputs, then enters the checkpoint's saved-tensor hooks)
         self._open[id(module)] = (checkpoint, scope)
+        return args, kwargs
 
     @torch._dynamo.disable
     def _leave(self, module: Module, args: tuple, output: Any) -> None:
@@ -120,6 +124,20 @@ class UnitCheckpoints:
         if checkpoint is not None:
             next(checkpoint, None)  # (leaves the checkpoint's hooks; it ends there)
             scope.close()
+
+
+def _is_cache(value: Any) -> bool:
+    """A Hugging Face key/value cache (``transformers.Cache``), by what it does."""
+    return hasattr(value, "get_seq_length") and hasattr(value, "update")
+
+
+def _without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A checkpointed block's arguments with no key/value cache (see [Note: checkpointing a unit])."""
+    args = tuple(None if _is_cache(value) else value for value in args)
+    kwargs = {key: None if _is_cache(value) else value for key, value in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 @contextlib.contextmanager

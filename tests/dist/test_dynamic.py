@@ -37,10 +37,25 @@ def _unit_budget(module: DynamicModule) -> int:
     return 2 * max(sizes) + 64
 
 
+# The models whose blocks the engine's activation checkpointing takes (the others checkpoint themselves): blocks
+# recomputed in backward on the ranks that ran them only, twice, or returning a dataclass, with units really gathered.
+CHECKPOINTED = {
+    "branch": {"activation_checkpointing": "units", "offload_activations": "cpu"},
+    "moe": {"activation_checkpointing": "selective"},
+    "experts": {"activation_checkpointing": "units"},
+    "skip": {"activation_checkpointing": "units", "offload_activations": "cpu"},
+    "twice": {"activation_checkpointing": "selective", "offload_activations": "cpu"},
+    "container": {"activation_checkpointing": "units"},
+}
+
+
 def _configs(module: DynamicModule):
+    tight = {"param_persistence_threshold": 0, "max_live_parameters": _unit_budget(module)}
     yield "zero2", 2, {"reduce_bucket_size": 100}
     yield "zero3", 3, {}
-    yield "zero3-tight", 3, {"param_persistence_threshold": 0, "max_live_parameters": _unit_budget(module)}
+    yield "zero3-tight", 3, tight
+    if module.kind in CHECKPOINTED:
+        yield "zero3-tight-checkpointed", 3, {**tight, **CHECKPOINTED[module.kind]}
 
 
 class SameLaunchOrder(pl.Callback):
@@ -60,14 +75,20 @@ class SameLaunchOrder(pl.Callback):
 
 def _worker(rank: int, world: int, out_dir) -> None:
     for kind in KINDS:
+        forwards = {}
         for name, stage, config in _configs(DynamicModule(kind)):
             pl.seed_everything(0)
             module = DynamicModule(kind, steps=STEPS)
             callbacks = [SameLaunchOrder()]
             trainer = make_trainer(zero_strategy(stage, **config), world, steps=STEPS, clip=CLIP, callbacks=callbacks)
             dynamic_models.trace.clear()
+            runs = []  # block 0's forwards: twice as many with checkpointing (its recomputation in backward)
+            module.net.blocks[0].register_forward_pre_hook(lambda *_: runs.append(torch.is_grad_enabled()))
             with collectives.record() as log:
                 trainer.fit(module)
+            forwards[name] = len(runs)
+            if name == "zero3-tight-checkpointed":
+                assert forwards[name] == 2 * forwards["zero3-tight"], (kind, forwards)
             sequences = collectives.all_gather_object(log)
             problem = collectives.first_divergence(sequences)
             assert problem is None, f"{kind} {name}: {problem}"

@@ -22,20 +22,24 @@ from tests.support.hf_models import HFModule  # noqa: E402
 
 STEPS = 4
 # (family, stage, options)
+UNITS, SELECTIVE = {"activation_checkpointing": "units"}, {"activation_checkpointing": "selective"}
+OFFLOADED = {"offload_activations": "cpu"}
+# (family, stage, options); "zero": ZeroConfig fields, here the engine's activation checkpointing (against the same
+# single-process run without it), where "checkpointing" is Hugging Face's own
 RUNS = [
     ("gpt2", 1, {}),
     ("gpt2", 2, {}),
-    ("gpt2", 2, {"lazy": True}),
+    ("gpt2", 2, {"lazy": True, "zero": SELECTIVE}),
     ("gpt2", 3, {}),
-    ("gpt2", 3, {"lazy": True}),
-    ("llama", 1, {}),
-    ("llama", 2, {}),
+    ("gpt2", 3, {"lazy": True, "zero": {**UNITS, **OFFLOADED}}),
+    ("llama", 1, {"zero": UNITS}),
+    ("llama", 2, {"zero": {**SELECTIVE, **OFFLOADED}}),
     ("llama", 3, {}),
-    ("llama", 3, {"lazy": True}),
+    ("llama", 3, {"lazy": True, "zero": {**UNITS, **OFFLOADED}}),
     ("llama", 3, {"lazy": True, "checkpointing": True}),
     ("gpt2", 2, {"lora": True}),
-    ("gpt2", 3, {"lora": True, "lazy": True}),
-    ("llama", 3, {"lora": True, "lazy": True}),
+    ("gpt2", 3, {"lora": True, "lazy": True, "zero": UNITS}),
+    ("llama", 3, {"lora": True, "lazy": True, "zero": SELECTIVE}),
 ]
 
 
@@ -57,6 +61,8 @@ class Observe(pl.Callback):
             if k in ("exp_avg", "exp_avg_sq")
         )
         self.units = [(u.layout.partition_numel, u.trainable) for u in trainer.strategy.engine.units]
+        activations = trainer.strategy.engine.activations
+        self.checkpointed = len(activations.modules) if activations is not None else 0
 
 
 def _ddp_worker(rank: int, world: int, out_dir) -> None:
@@ -73,11 +79,13 @@ def _ddp_worker(rank: int, world: int, out_dir) -> None:
 def _worker(rank: int, world: int, out_dir) -> None:
     for family, stage, options in RUNS:
         pl.seed_everything(0)
-        module = HFModule(family, steps=STEPS, **options)
+        module = HFModule(family, steps=STEPS, **{k: v for k, v in options.items() if k != "zero"})
         observe = Observe()
         config = {"param_persistence_threshold": 0} if stage == 3 else {"reduce_bucket_size": 3000}
+        config.update(options.get("zero", {}))
         trainer = make_trainer(zero_strategy(stage, **config), world, steps=STEPS, callbacks=[observe])
         trainer.fit(module)
+        assert observe.checkpointed == (2 if "zero" in options else 0)  # (the decoder layers)
         state = trainer.strategy.gather_module().state_dict()
         buffers = {k: v for k, v in module.named_buffers()}
         result = {"state": state, "initial": observe.initial, "buffers": buffers}

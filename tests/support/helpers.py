@@ -129,6 +129,7 @@ class EquivalenceModule(pl.LightningModule):
         optimizer: str = "adamw",
         lazy: bool = False,
         n_layer: int = 2,
+        dropout: float = 0.0,
     ):
         """``lazy``: the GPT is built in ``configure_model`` (so ZeRO-3 builds it on the meta device)."""
         super().__init__()
@@ -138,7 +139,9 @@ class EquivalenceModule(pl.LightningModule):
         if kind == "gpt":
             # No biases: the attention key bias has a zero true gradient, so Adam turns rounding noise
             # into full-size updates and even DDP drifts from a single process there (~1e-4).
-            self.gpt_config = GPTConfig(vocab_size=32, block_size=16, n_layer=n_layer, n_head=2, n_embd=32, bias=False)
+            self.gpt_config = GPTConfig(
+                vocab_size=32, block_size=16, n_layer=n_layer, n_head=2, n_embd=32, bias=False, dropout=dropout
+            )
             self.net = None if lazy else GPT(self.gpt_config)
             tokens = SyntheticLanguage(32, seed=3).sample(n * 17, seed=4)[0].view(n, 17)
             self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])

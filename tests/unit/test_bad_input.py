@@ -97,8 +97,12 @@ FIT_CASES = [
     Case(  # (a model built when the CLI makes it; one built in configure_model is refused on every rank alike)
         "cli_checkpointing_without_blocks",
         fit_args(
-            "--model", "tests.support.helpers.EquivalenceModule", "--model.kind", "toy",
-            "--zero.activation_checkpointing", "units",
+            "--model",
+            "tests.support.helpers.EquivalenceModule",
+            "--model.kind",
+            "toy",
+            "--zero.activation_checkpointing",
+            "units",
         ),
         "zero.activation_checkpointing is 'units', but the model has no blocks to checkpoint (no nn.ModuleList)",
     ),  # fmt: skip

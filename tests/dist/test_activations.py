@@ -1,0 +1,85 @@
+"""The engine's activation checkpointing (activations/) as users combine it, on 2 ranks: dropout, whose masks the
+recomputation must draw again exactly (bitwise equal to the same run without checkpointing, at stages 1-3), and a
+fit whose validation gives the ranks different numbers of batches while experts that some ranks run are checkpointed
+blocks. Exactness against one process at stages 1-3 on 2 and 4 ranks is in test_equivalence (the GPT),
+test_dynamic (a branch one rank takes, experts, a block run twice) and test_hf (Llama, GPT-2, LoRA)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from lightning_zero.sharding import collectives
+from tests.support.dynamic_models import DynamicModule, Indexed
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
+
+STEPS = 3
+MODES = {
+    "none": {},
+    "units": {"activation_checkpointing": "units"},
+    "selective-offloaded": {"activation_checkpointing": "selective", "offload_activations": "cpu"},
+}
+
+
+class DropoutShare(pl.Callback):
+    """The share of the GPT's embedding dropout output that is zero, at each training forward."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.shares = []
+        pl_module.net.drop.register_forward_hook(
+            lambda _m, _a, out: self.shares.append(float((out == 0).float().mean()))
+        )
+
+
+def _dropout_worker(rank: int, world: int, out_dir) -> None:
+    for stage in (1, 2, 3):
+        for name, config in MODES.items():
+            pl.seed_everything(0)
+            module = EquivalenceModule("gpt", steps=STEPS, lazy=stage == 3, dropout=0.2)
+            dropout = DropoutShare()
+            strategy = zero_strategy(stage, param_persistence_threshold=0, reduce_bucket_size=3000, **config)
+            trainer = make_trainer(strategy, world, steps=STEPS, callbacks=[dropout])
+            trainer.fit(module)
+            assert min(dropout.shares) > 0.1, dropout.shares  # (dropout is on: the runs' equality means something)
+            state = trainer.strategy.gather_module().state_dict()
+            torch.save({"state": state, "losses": module.losses}, out_dir / f"{stage}-{name}-{rank}.pt")
+
+
+def test_dropout_is_bitwise_equal_with_checkpointing_at_every_stage(ranks, tmp_path):
+    ranks(_dropout_worker, 2, tmp_path)
+    for stage in (1, 2, 3):
+        for rank in range(2):
+            plain = torch.load(tmp_path / f"{stage}-none-{rank}.pt")
+            for name in MODES:
+                run = torch.load(tmp_path / f"{stage}-{name}-{rank}.pt")
+                assert run["losses"] == plain["losses"], (stage, name, rank)
+                for key, value in plain["state"].items():
+                    assert torch.equal(run["state"][key], value), f"stage {stage} {name} rank {rank}: {key}"
+
+
+def _uneven_validation_worker(rank: int, world: int, out_dir) -> None:
+    """A fit validating twice on an explicit uneven split (3 and 2 batches), the experts checkpointed."""
+    pl.seed_everything(0)
+    module = DynamicModule("experts", steps=4)
+    config = {"param_persistence_threshold": 0, "activation_checkpointing": "units", "offload_activations": "cpu"}
+    mine = Subset(Indexed(module.data, 5), range(rank, 5, world))
+    trainer = make_trainer(zero_strategy(3, **config), world, steps=4, val_check_interval=4, num_sanity_val_steps=0)
+    with collectives.record() as log:
+        trainer.fit(module, val_dataloaders=DataLoader(mine, batch_size=1))
+    problem = collectives.first_divergence(collectives.all_gather_object(log))
+    assert problem is None, problem
+    torch.save(module.evaluated, out_dir / f"uneven-{rank}.pt")
+
+
+def test_uneven_validation_during_a_checkpointed_fit(ranks, tmp_path):
+    ranks(_uneven_validation_worker, 2, tmp_path)
+    pl.seed_everything(0)
+    module = DynamicModule("experts", steps=4)
+    trainer = make_trainer("auto", 1, steps=4, val_check_interval=4, num_sanity_val_steps=0)
+    trainer.fit(module, val_dataloaders=DataLoader(Indexed(module.data, 5), batch_size=1))
+    reference = sorted(module.evaluated)
+    evaluated = sorted(e for r in range(2) for e in torch.load(tmp_path / f"uneven-{r}.pt"))
+    assert [i for i, _ in evaluated] == [i for i, _ in reference] and len(reference) == 10  # (5 samples, twice)
+    for (i, loss), (_, ref) in zip(evaluated, reference):
+        assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (i, loss, ref)
