@@ -39,7 +39,7 @@ class HostPool:
         self._pin = pin_memory
         self._chunks: list[Tensor] = []  # uint8 buffers; all but the first are this step's overflow
         self._used = 0  # bytes taken in the last chunk
-        self._taken = 0  # bytes taken in all chunks since the pool was last empty
+        self._taken = 0  # bytes taken (aligned) in all chunks since the pool was last empty
         self.live = 0  # tensors held
         self.peak_bytes = 0  # most bytes held at once
 
@@ -54,7 +54,7 @@ class HostPool:
             self._chunks.append(self._allocate(max(nbytes, self.capacity)))
             offset = 0
         self._used = offset + nbytes
-        self._taken += nbytes
+        self._taken += -(-nbytes // ALIGNMENT) * ALIGNMENT  # (what one buffer needs for everything taken so far)
         self.peak_bytes = max(self.peak_bytes, self._taken)
         self.live += 1
         return self._chunks[-1][offset : offset + nbytes]
@@ -63,7 +63,7 @@ class HostPool:
         self.live -= 1
         if self.live == 0:
             if len(self._chunks) > 1:  # one buffer of everything the step used, from now on
-                self._chunks = [self._allocate(self.capacity)]
+                self._chunks = [self._allocate(self._taken)]
             self._used = self._taken = 0
 
     def _allocate(self, nbytes: int) -> Tensor:

@@ -9,6 +9,7 @@ import math
 
 from lightning_zero.cli.args import InputError, Parser
 from lightning_zero.config import ZeroConfig
+from lightning_zero.planning.activations import MODES, longest_fitting, mode_name
 from lightning_zero.planning.comm_model import format_traffic
 from lightning_zero.planning.estimate import estimate, format_table, parse_bytes, shape_of_count, smallest_fitting
 from lightning_zero.planning.time_model import CLUSTERS, Hardware, flops_per_token, format_step_times, measure_here
@@ -50,6 +51,8 @@ def estimate_main(args: list[str]) -> None:
     print(format_traffic(shape.psi, parsed.precision, **traffic))
     if capacity is not None:
         _print_fit(parsed.device_memory, table, capacity, parsed.devices)
+    if parsed.seq_len is not None:
+        _print_activations(parsed, table, capacity)
     hardware = _hardware(parsed)
     if hardware is not None:
         _print_step_times(parsed, shape.psi, hardware, world, shard, capacity)
@@ -85,6 +88,12 @@ def _parser() -> Parser:
         "--shard-group-size",
         type=_shard_group_size,
         help='hybrid sharding: shard inside groups of this many ranks ("node": one node), replicate across',
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        help="tokens per sample: with --model (a language model), each activation checkpointing mode's activation"
+        " bytes per rank; with --device-memory also the longest sequence each strategy and mode fits",
     )
     speed = parser.add_argument_group("step time (time_model.py): any of these adds the prediction")
     speed.add_argument("--cluster", choices=sorted(CLUSTERS), help="preset FLOP rate and link bandwidths")
@@ -138,7 +147,7 @@ def _print_fit(device_memory: str, table: dict, capacity: int, per_node: int) ->
     if fitting and table[fitting][0].host_total:
         host = max(r.host_total for r in table[fitting]) * per_node
         verdict += f" (host memory per node: {host / 2**30:.2f} GiB)"
-    print(f"{device_memory} per device ({capacity:,} bytes), activations not counted: {verdict}")
+    print(f"{device_memory} per device ({capacity:,} bytes), activations not counted (--seq-len): {verdict}")
 
 
 def _print_step_times(
@@ -161,6 +170,35 @@ def _print_step_times(
             **links,
         )
     )
+
+
+def _print_activations(parsed: argparse.Namespace, table: dict, capacity: int | None) -> None:
+    """Activation bytes per rank at ``--seq-len`` for each checkpointing mode (planning/activations.py) and, with a
+    device's memory, the longest sequence each strategy fits with each mode (its model states plus activations)."""
+    from lightning_zero.planning.estimate_model import activation_profiler  # (jsonargparse's machinery: only here)
+
+    if not parsed.model:
+        raise InputError("argument --seq-len: needs --model (a config whose model takes token ids [batch, seq])")
+    try:
+        profile, batch = activation_profiler(parsed.model)
+        at = profile(parsed.seq_len)
+    except ValueError as error:
+        raise InputError(f"argument --seq-len: {error}") from error
+    gib = 2**30
+    print(f"activations per rank at {parsed.seq_len} tokens x {batch} samples (zero.activation_checkpointing), GiB:")
+    print(f"{'checkpointing':<20}{'device':>12}{'host':>12}")
+    for mode, offload in MODES:
+        device, host = at.held(mode, offload=offload)
+        print(f"{mode_name(mode, offload):<20}{device / gib:>12.3f}{host / gib:>12.3f}")
+    if capacity is None:
+        return
+    strategies = [name for name in table if "+" not in name]
+    print(f"the longest sequence (tokens per sample) fitting {parsed.device_memory} per device with the model states:")
+    print(f"{'checkpointing':<20}" + "".join(f"{name:>12}" for name in strategies))
+    for mode, offload in MODES:
+        budgets = [capacity - max(r.total for r in table[name]) for name in strategies]
+        longest = [longest_fitting(profile, budget, mode, offload) for budget in budgets]
+        print(f"{mode_name(mode, offload):<20}" + "".join(f"{n:>12,}" if n else f"{'none':>12}" for n in longest))
 
 
 def _hardware(parsed) -> Hardware | None:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from argparse import ArgumentError
+from collections.abc import Callable
 
 import torch
 import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lightning_zero.activations.checkpointing import checkpointed_blocks
 from lightning_zero.config import ZeroConfig, stage_of_strategy
+from lightning_zero.planning.activations import ActivationProfile, profile_activations
 from lightning_zero.planning.estimate import ModelShape, shape_of_module
 
 
@@ -26,10 +31,8 @@ def read_config(path: str) -> dict:
     return raw
 
 
-def shape_of_config(path: str) -> tuple[ModelShape, ZeroConfig]:
-    """Builds the config's ``model`` on the meta device (nothing allocated), runs its ``configure_model``
-    and ``configure_optimizers``, and reads the ``zero`` options the strategy would use. A file that is
-    not such a config raises ValueError (OSError if it cannot be read)."""
+def _build(path: str) -> tuple[dict, LightningModule]:
+    """The config's ``model`` built on the meta device (nothing allocated), its ``configure_model`` run."""
     raw = read_config(path)
     parser = ArgumentParser(exit_on_error=False)  # a bad model section raises: the caller reports it
     parser.add_subclass_arguments(LightningModule, "model")
@@ -40,8 +43,48 @@ def shape_of_config(path: str) -> tuple[ModelShape, ZeroConfig]:
     with torch.device("meta"):
         module = parser.instantiate(model_config).model
         module.configure_model()
+    return raw, module
+
+
+def _zero_config(raw: dict) -> ZeroConfig:
+    stage = stage_of_strategy((raw.get("trainer") or {}).get("strategy")) or 2
+    return ZeroConfig(stage=stage, **(raw.get("zero") or {}))
+
+
+def shape_of_config(path: str) -> tuple[ModelShape, ZeroConfig]:
+    """Builds the config's ``model`` on the meta device, runs its ``configure_model`` and ``configure_optimizers``,
+    and reads the ``zero`` options the strategy would use. A file that is not such a config raises ValueError
+    (OSError if it cannot be read)."""
+    raw, module = _build(path)
     optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
     groups = [g["params"] for opt in optimizers for g in opt.param_groups]
-    stage = stage_of_strategy((raw.get("trainer") or {}).get("strategy")) or 2
-    config = ZeroConfig(stage=stage, **(raw.get("zero") or {}))
+    config = _zero_config(raw)
     return shape_of_module(module, groups, config), config
+
+
+def activation_profiler(path: str) -> tuple[Callable[[int], ActivationProfile], int]:
+    """For a config whose model is a language model (``forward`` takes token ids ``[batch, seq]``): what one
+    micro-batch of the config's ``data.batch_size`` saves at a sequence length (planning/activations.py, on fake CPU
+    tensors: nothing allocated, attention as torch runs it there), for its blocks (``checkpointed_blocks``); and
+    that batch size. Raises ValueError for a model with no blocks or a forward that does not take token ids."""
+    raw, module = _build(path)
+    batch = int(((raw.get("data") or {}).get("init_args") or {}).get("batch_size", 1))
+    config = dataclasses.replace(_zero_config(raw), activation_checkpointing="units")
+    blocks = checkpointed_blocks(module, config)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        module.to_empty(device="cpu")
+    cache: dict[int, ActivationProfile] = {}
+
+    def profile(seq_len: int) -> ActivationProfile:
+        if seq_len not in cache:
+            with fake:
+                tokens = torch.zeros(batch, seq_len, dtype=torch.long)
+                try:
+                    cache[seq_len] = profile_activations(module, blocks, lambda: module(tokens))
+                except Exception as error:  # (any model's own error, reported as the model's)
+                    reason = " ".join(str(error).split())[:200]
+                    raise ValueError(f"the model's forward on token ids [{batch}, {seq_len}]: {reason}") from None
+        return cache[seq_len]
+
+    return profile, batch

@@ -249,6 +249,12 @@ ESTIMATE_CASES = [
         {"c.yaml": "trainer:\n  devices: 2\n"},
     ),
     Case(
+        "estimate_seq_len_without_model",
+        _estimate("--params", "1e6", "--seq-len", "2048"),
+        "argument --seq-len: needs --model (a config whose model takes token ids [batch, seq])",
+    ),
+    Case("estimate_seq_len_zero", _estimate("--params", "1e6", "--seq-len", "0"), "argument --seq-len: must be an"),
+    Case(
         "estimate_model_bad_class",
         _estimate("--model", "{tmp}/c.yaml"),
         "c.yaml: model: ",

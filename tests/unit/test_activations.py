@@ -1,0 +1,143 @@
+"""Activation checkpointing and its host offload in one process (activations/), and the activation estimate
+(planning/activations.py): memory measured with torch's own tracker (``MemTracker``, in bytes) for a GPT at a long
+sequence, the estimate against those measurements, the host pool's reuse, the hooks' removal and the refusals."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from lightning_zero.activations.checkpointing import UnitCheckpoints, checkpoint_units, checkpointed_blocks
+from lightning_zero.activations.host_offload import HostActivations
+from lightning_zero.config import ZeroConfig
+from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.planning.activations import ActivationProfile, longest_fitting, profile_activations
+from tests.support.helpers import run_cli
+
+# 16 blocks at 512 tokens: the blocks' activations dominate, as in a long-sequence run
+LONG = GPTConfig(vocab_size=64, block_size=512, n_layer=16, n_head=4, n_embd=64)
+
+
+def _train(mode: str, offload: bool, steps: int = 2) -> tuple[int, list[torch.Tensor], HostActivations | None]:
+    """Peak activation bytes of the last step: what MemTracker holds at the peak besides parameters and their
+    gradients (made before, so they do not move the peak), saved tensors and backward's temporaries, outside the host
+    pool (counted among them once the step touches its one buffer); and the gradients the step leaves."""
+    torch.manual_seed(0)
+    model = GPT(LONG)
+    pool = HostActivations(torch.device("cpu")) if offload else None
+    if mode != "none":
+        UnitCheckpoints(list(model.blocks), selective=mode == "selective", offload=pool)
+    tokens = torch.randint(64, (1, LONG.block_size), generator=torch.Generator().manual_seed(1))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for step in range(steps):  # (the last step, tracked, finds the pool made: no allocation in it)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker if step == steps - 1 else contextlib.nullcontext():
+            logits = model(tokens)
+            F.cross_entropy(logits.view(-1, 64), tokens.view(-1)).backward()
+        del logits
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    activations = sum(v for k, v in peak.items() if str(k).endswith(("ACT", "TEMP")))
+    activations -= pool.pool.capacity if pool else 0
+    return activations, [p.grad for p in model.parameters()], pool
+
+
+def _profile() -> ActivationProfile:
+    with torch.device("meta"):
+        model = GPT(LONG)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        tokens = torch.zeros(1, LONG.block_size, dtype=torch.long)
+        return profile_activations(model, list(model.blocks), lambda: model(tokens))
+
+
+def test_checkpointing_cuts_activations_offload_moves_them_and_the_estimate_predicts_them():
+    plain, grads, _ = _train("none", False)
+    profile = _profile()
+    measured = {}
+    for mode, offload in (("units", False), ("selective", False), ("units", True)):
+        measured[mode, offload], mode_grads, pool = _train(mode, offload)
+        assert all(torch.equal(a, b) for a, b in zip(mode_grads, grads)), (mode, offload)  # exactly the same
+        if pool is not None:  # one buffer of every block's input, reused: nothing held after the backward
+            assert pool.pool.capacity == 16 * LONG.block_size * LONG.n_embd * 4 and pool.pool.live == 0
+    assert measured["units", False] <= 0.25 * plain, (measured, plain)
+    assert measured["units", True] <= 0.10 * plain, (measured, plain)
+    assert measured["units", True] < measured["selective", False] < plain
+    for (mode, offload), value in [(("none", False), plain), *measured.items()]:
+        predicted = profile.held(mode, offload=offload)[0]
+        assert abs(predicted - value) <= 0.10 * value, (mode, offload, predicted, value)
+
+
+def test_the_host_pool_is_one_buffer_reused_and_grows_only_for_a_longer_step():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=64, n_layer=3, n_head=2, n_embd=16))
+    offload = HostActivations(torch.device("cpu"))
+    UnitCheckpoints(list(model.blocks), selective=False, offload=offload)
+    chunks = []
+    for length in (32, 32, 32, 64, 64):
+        model(torch.zeros(2, length, dtype=torch.long)).sum().backward()
+        assert offload.pool.live == 0  # (every saved input released with the backward)
+        chunks.append([c.data_ptr() for c in offload.pool._chunks])
+    assert chunks[0] == chunks[1] == chunks[2] and len(chunks[0]) == 1  # the first step's buffer, reused
+    assert chunks[3] == chunks[4] and len(chunks[3]) == 1  # a longer step: one larger buffer, reused from then on
+    assert offload.pool.capacity == 3 * 2 * 64 * 16 * 4 and offload.pool.peak_bytes == offload.pool.capacity
+
+
+def test_removed_hooks_leave_the_model_as_it_was():
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    calls = []
+    model.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    checkpoints = checkpoint_units(model, ZeroConfig(activation_checkpointing="units"), torch.device("cpu"))
+    model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    assert len(calls) == 2  # the forward, and its recomputation in backward
+    checkpoints.remove()
+    model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    assert len(calls) == 3 and checkpoint_units(model, ZeroConfig(), torch.device("cpu")) is None
+
+
+def test_a_model_without_blocks_and_hugging_face_checkpointing_are_refused():
+    config = ZeroConfig(activation_checkpointing="selective")
+    with pytest.raises(ValueError, match="'selective', but the model has no blocks to checkpoint"):
+        checkpointed_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)), config)
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1)
+    )  # fmt: skip
+    assert len(checkpointed_blocks(llama, config)) == 2  # (its decoder layers)
+    llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match=r"own \(Hugging Face\) gradient checkpointing is on: choose one"):
+        checkpointed_blocks(llama, config)
+
+
+def test_the_longest_fitting_sequence_is_found_exactly():
+    def linear(seq_len: int) -> ActivationProfile:  # per token: 5 bytes after the blocks; per block 100, input 10
+        return ActivationProfile(0, 5 * seq_len, [100 * seq_len] * 4, [10 * seq_len] * 4, [0] * 4, [0] * 4)
+
+    budget = 1_000_000  # (+ 10 per token: the gradient of a block's input while its backward runs)
+    assert longest_fitting(linear, budget, "none", False) == budget // (5 + 400 + 10)
+    assert longest_fitting(linear, budget, "units", False) == budget // (30 + 100 + 10)  # the last block recomputed
+    assert longest_fitting(linear, budget, "units", True) == budget // (2 * 10 + 90 + 10)  # its input and the next
+    assert longest_fitting(linear, 10, "none", False) == 0
+
+
+def test_estimate_counts_activations_and_names_the_longest_sequence(capsys):
+    code, out, _ = run_cli(
+        capsys, "estimate", "--model", "configs/gpt.yaml", "--seq-len", "2048", "--device-memory", "2GB"
+    )
+    assert code == 0
+    first = out.split("activations per rank at 2048 tokens")[1].split("the longest sequence")[0]
+    rows = {line.split()[0]: line.split()[1:] for line in first.splitlines()[2:] if line.strip()}
+    assert float(rows["units"][0]) < 0.4 * float(rows["none"][0])  # device GiB
+    assert float(rows["units+offload"][1]) > 0 == float(rows["units"][1])  # host GiB: the pool
+    assert "the longest sequence (tokens per sample) fitting 2GB per device" in out
+    longest = out.split("fitting 2GB")[1].splitlines()
+    units = next(line for line in longest if line.startswith("units ")).split()[1:]
+    none = next(line for line in longest if line.startswith("none ")).split()[1:]
+    assert all(int(u.replace(",", "")) >= 2 * int(n.replace(",", "")) for u, n in zip(units, none))  # (4 blocks)
