@@ -154,8 +154,9 @@ def _recomputing(recomputing: set[int], module: Module, inner: contextlib.Abstra
 def checkpointed_blocks(model: Module, config: ZeroConfig) -> list[Module]:
     """The modules ``config.activation_checkpointing`` checkpoints in ``model``: the children of its ``ModuleList``s,
     or those whose class ``config.unit_module_classes`` names (stage 3's units, without those it picks by size: an
-    embedding or a head, whose recomputation saves nothing). Refuses a model with no blocks, and one whose Hugging Face
-    gradient checkpointing is on (it would be checkpointed twice)."""
+    embedding or a head, whose recomputation saves nothing). Refuses a model with no blocks, one whose Hugging Face
+    gradient checkpointing is on (it would be checkpointed twice), and one compiled around its blocks (blocks compiled
+    one by one are checkpointed as they are)."""
     mode = config.activation_checkpointing
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ValueError(
@@ -163,12 +164,25 @@ def checkpointed_blocks(model: Module, config: ZeroConfig) -> list[Module]:
             " on: choose one (model.gradient_checkpointing_disable(), or zero.activation_checkpointing: none)"
         )
     blocks = unit_modules(model, config.unit_module_classes)
+    for compiled in (m for m in model.modules() if _compiled(m)):
+        if any(block in set(compiled.modules()) - {compiled} for block in blocks):
+            raise ValueError(
+                f"zero.activation_checkpointing is {mode!r} and the model is compiled around its blocks (torch.compile"
+                " traces their checkpoints, whose recomputation then runs another graph): compile the blocks one by"
+                " one, as FSDP2 recommends (model.blocks[i] = torch.compile(block)), or set activation_checkpointing:"
+                " none"
+            )
     if not blocks:
         raise ValueError(
             f"zero.activation_checkpointing is {mode!r}, but the model has no blocks to checkpoint (no nn.ModuleList):"
             " name the block classes in zero.unit_module_classes, or set zero.activation_checkpointing: none"
         )
     return blocks
+
+
+def _compiled(module: Module) -> bool:
+    """``torch.compile(module)``'s wrapper, or a module compiled in place (``module.compile()``)."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or module._compiled_call_impl is not None
 
 
 def checkpoint_units(model: Module, config: ZeroConfig, device: torch.device) -> UnitCheckpoints | None:

@@ -1,8 +1,9 @@
 """The engine's activation checkpointing (activations/) as users combine it, on 2 ranks: dropout, whose masks the
-recomputation must draw again exactly (bitwise equal to the same run without checkpointing, at stages 1-3), and a
-fit whose validation gives the ranks different numbers of batches while experts that some ranks run are checkpointed
-blocks. Exactness against one process at stages 1-3 on 2 and 4 ranks is in test_equivalence (the GPT),
-test_dynamic (a branch one rank takes, experts, a block run twice) and test_hf (Llama, GPT-2, LoRA)."""
+recomputation must draw again exactly (bitwise equal to the same run without checkpointing, at stages 1-3, in fp16
+and bf16, with offloaded parameters and optimizer, with ZeRO++'s quantized gathers and reductions), and a fit whose
+validation gives the ranks different numbers of batches while experts that some ranks run are checkpointed blocks.
+Exactness against one process at stages 1-3 on 2 and 4 ranks is in test_equivalence (the GPT), test_dynamic (a
+branch one rank takes, experts, a block run twice) and test_hf (Llama, GPT-2, LoRA)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from lightning_zero import ZeroPrecision
 from lightning_zero.sharding import collectives
 from tests.support.dynamic_models import DynamicModule, Indexed
 from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
@@ -32,30 +34,50 @@ class DropoutShare(pl.Callback):
         )
 
 
+# (stage, precision, ZeroConfig fields): what users combine checkpointing with; each against itself without it
+CASES = [
+    (1, "32-true", {}),
+    (2, "32-true", {}),
+    (3, "32-true", {}),
+    (2, "16-mixed", {}),
+    (3, "bf16-mixed", {}),
+    (3, "32-true", {"offload_optimizer": "cpu", "offload_param": "cpu"}),
+    (3, "32-true", {"quantized_weights": True, "quantized_gradients": True}),
+]
+
+
+def _tag(case: int, name: str, rank: int) -> str:
+    return f"{case}-{name}-{rank}.pt"
+
+
 def _dropout_worker(rank: int, world: int, out_dir) -> None:
-    for stage in (1, 2, 3):
+    for case, (stage, precision, options) in enumerate(CASES):
         for name, config in MODES.items():
             pl.seed_everything(0)
             module = EquivalenceModule("gpt", steps=STEPS, lazy=stage == 3, dropout=0.2)
             dropout = DropoutShare()
-            strategy = zero_strategy(stage, param_persistence_threshold=0, reduce_bucket_size=3000, **config)
-            trainer = make_trainer(strategy, world, steps=STEPS, callbacks=[dropout])
+            config = {"param_persistence_threshold": 0, "reduce_bucket_size": 3000, **options, **config}
+            plugins = [ZeroPrecision(precision)]  # (16-mixed: fp16 with loss scaling, which Lightning's CPU lacks)
+            strategy = zero_strategy(stage, **config)
+            trainer = make_trainer(strategy, world, steps=STEPS, callbacks=[dropout], plugins=plugins)
             trainer.fit(module)
             assert min(dropout.shares) > 0.1, dropout.shares  # (dropout is on: the runs' equality means something)
             state = trainer.strategy.gather_module().state_dict()
-            torch.save({"state": state, "losses": module.losses}, out_dir / f"{stage}-{name}-{rank}.pt")
+            torch.save({"state": state, "losses": module.losses}, out_dir / _tag(case, name, rank))
 
 
-def test_dropout_is_bitwise_equal_with_checkpointing_at_every_stage(ranks, tmp_path):
+def test_checkpointing_is_bitwise_invisible_with_dropout_precisions_offload_and_zero_plus_plus(ranks, tmp_path):
+    """At stages 1-3, in fp16 and bf16, with parameters and optimizer offloaded, with quantized gathers and
+    reductions: every mode trains bitwise as the same run without checkpointing, dropout on."""
     ranks(_dropout_worker, 2, tmp_path)
-    for stage in (1, 2, 3):
+    for case, (stage, precision, options) in enumerate(CASES):
         for rank in range(2):
-            plain = torch.load(tmp_path / f"{stage}-none-{rank}.pt")
+            plain = torch.load(tmp_path / _tag(case, "none", rank))
             for name in MODES:
-                run = torch.load(tmp_path / f"{stage}-{name}-{rank}.pt")
-                assert run["losses"] == plain["losses"], (stage, name, rank)
+                run, where = torch.load(tmp_path / _tag(case, name, rank)), f"{stage} {precision} {options} {name}"
+                assert run["losses"] == plain["losses"], (where, rank)
                 for key, value in plain["state"].items():
-                    assert torch.equal(run["state"][key], value), f"stage {stage} {name} rank {rank}: {key}"
+                    assert torch.equal(run["state"][key], value), f"{where} rank {rank}: {key}"
 
 
 def _uneven_validation_worker(rank: int, world: int, out_dir) -> None:

@@ -116,6 +116,28 @@ def test_a_model_without_blocks_and_hugging_face_checkpointing_are_refused():
         checkpointed_blocks(llama, config)
 
 
+def test_blocks_compiled_one_by_one_are_checkpointed_and_a_model_compiled_around_them_is_refused():
+    def train(mode: str, offload: str = "none") -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.2))
+        for i, block in enumerate(model.blocks):  # (AOTAutograd's graphs save their tensors as compiled ones do)
+            model.blocks[i] = torch.compile(block, backend="aot_eager")
+        config = ZeroConfig(activation_checkpointing=mode, offload_activations=offload)
+        checkpoint_units(model, config, torch.device("cpu"))
+        torch.manual_seed(1)
+        for _ in range(2):
+            model(torch.zeros(2, 16, dtype=torch.long)).square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    plain = train("none")
+    for mode, offload in (("units", "none"), ("selective", "cpu")):
+        assert all(torch.equal(a, b) for a, b in zip(train(mode, offload), plain)), (mode, offload)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    model.compile()
+    with pytest.raises(ValueError, match="compiled around its blocks .* compile the blocks one by one"):
+        checkpointed_blocks(model, ZeroConfig(activation_checkpointing="units"))
+
+
 def test_the_longest_fitting_sequence_is_found_exactly():
     def linear(seq_len: int) -> ActivationProfile:  # per token: 5 bytes after the blocks; per block 100, input 10
         return ActivationProfile(0, 5 * seq_len, [100 * seq_len] * 4, [10 * seq_len] * 4, [0] * 4, [0] * 4)
