@@ -54,13 +54,14 @@ def _train(fabric, model, optimizer, batches, losses: list) -> None:
             optimizer.zero_grad()
 
 
-def _fabric(stage: int, world: int, async_save: bool = False, **kwargs) -> Fabric:
+def _fabric(stage: int, world: int, async_save: bool = False, zero: dict | None = None, **kwargs) -> Fabric:
     config = ZeroConfig(
         stage=stage,
         param_persistence_threshold=0,
         reduce_bucket_size=100,
         timeout=COLLECTIVE_TIMEOUT_S,
         async_save=async_save,
+        **(zero or {}),
     )
     fabric = Fabric(strategy=ZeroFabricStrategy(config), accelerator="cpu", devices=world, **kwargs)
     fabric.launch()
@@ -90,13 +91,17 @@ def _run(stage: int, world: int, root, **kwargs) -> dict:
     scaler = fabric.strategy.precision.scaler
     scale, skipped = (scaler.scale, scaler.skipped_steps) if scaler is not None else (None, None)
 
-    resumed = _fabric(3, world, **kwargs)
+    # the resumed run also checkpoints the backbone's activations (the engine's, through Fabric), offloaded
+    checkpointed = {"activation_checkpointing": "units", "offload_activations": "cpu"}
+    resumed = _fabric(3, world, zero={**checkpointed, "unit_module_classes": ["Sequential"]}, **kwargs)
     model2, optimizer2 = _setup(resumed)
     asked = {"model": model2, "optimizer": optimizer2, "step": 0}
     extra = resumed.load(root / f"fabric-zero{stage}", asked)
     model2.eval()  # (no dropout here: the mode changes nothing, and a model in eval() mode still trains)
     resumed_losses: list[float] = []
     _train(resumed, model2, optimizer2, batches[3 * ACCUMULATE :], resumed_losses)
+    activations = resumed.strategy.engine.activations  # (the backbone, its input in the host pool)
+    assert len(activations.modules) == 1 and activations.memory_bytes()["host_activations"] > 0
     resumed.save(root / f"weights-zero{stage}", {"model": model2})
     with pytest.raises(KeyError, match="the state of 1 optimizers"):  # strict: nothing is silently left out
         resumed.load(root / f"weights-zero{stage}", {"model": model2, "optimizer": optimizer2})
