@@ -60,7 +60,8 @@ def peak_bytes(args, seq: int, mode: str, offload: bool) -> int:
     tracker.track_external(model)
     with tracker:
         step(model, tokens)
-    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    snapshot = tracker.get_tracker_snapshot("peak")
+    peak = next(value for device, value in snapshot.items() if device.type == args.device)
     held = sum(v for k, v in peak.items() if str(k).endswith(("ACT", "TEMP")))
     return held - (pool.pool.capacity if pool is not None and args.device == "cpu" else 0)
 

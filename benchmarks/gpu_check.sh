@@ -30,10 +30,10 @@ run "ZeRO-Offload, the fused ZeRO step and fp16 skips on the device, on CUDA" py
 run "Activation checkpointing: offload to pinned host memory on a side stream" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_activations_gpu.py
 run "sync_batchnorm on CUDA under zero2 and zero3" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sync_batchnorm_gpu.py
 run "Kernel benchmarks" python3 benchmarks/bench_kernels.py $dry --out "$out_dir/kernels_$(date +%F).md"
-if [ -n "$dry" ]; then acts="--device cpu --layers 4 --seq 256 --base 128 --rounds 2"
-else acts="--device cuda --layers 16 --embd 512 --seq 8192 --base 2048 --rounds 5 --trace $out_dir/activation_offload_trace.json"; fi
-run "Activation checkpointing: memory, longest sequence, offload's step time" python3 benchmarks/activations.py $acts \
-  --out "$out_dir/activations_${accelerator}_$(date +%F).md"
+if [ -n "$dry" ]; then acts="--device cpu --layers 4 --seq 256 --base 128 --rounds 2 --out $out_dir/activations_dry_run.md"
+else acts="--device cuda --layers 16 --embd 512 --seq 8192 --base 2048 --rounds 5 --out $out_dir/activations_gpu_$(date +%F).md"
+  acts="$acts --trace $out_dir/activation_offload_trace.json"; fi
+run "Activation checkpointing: memory, longest sequence, offload's step time" python3 benchmarks/activations.py $acts
 run "zero2 training steps" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40
 run "zero2 training steps, fused block" python3 benchmarks/train_step.py --accelerator $accelerator --steps 40 --fused
 run "zero2 fp16: overflowed steps skipped on the host vs on the device" python3 benchmarks/train_step.py \

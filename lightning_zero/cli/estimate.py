@@ -63,7 +63,7 @@ def _parser() -> Parser:
     parser = Parser(
         prog="lightning-zero estimate",
         description="Per-rank bytes of parameters, gradients and optimizer state (Adam) under ddp, zero1, zero2"
-        " and zero3, as the strategies allocate them (padding included; activations not counted).",
+        " and zero3, as the strategies allocate them (padding included; activations with --model and --seq-len).",
     )
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=_parameter_count, help="the number of trainable parameters, e.g. 1.3e9")

@@ -3,8 +3,9 @@
 The layouts are the strategies' own (``layout.py``, ``stage3_setup.py``): padding, bucket bounds, units
 and which rank owns which elements, so a model's numbers equal what ``ZeroStrategy.memory_bytes()``
 reports after set-up, rank by rank. Counted: parameters, gradients, and optimizer state (the fp32
-master and Adam's two moments and step counters). Not counted: activations, and what lives only for
-a moment (buckets in flight, stage 3's gathered units, the fp32 copy of a 16-bit gradient at the step).
+master and Adam's two moments and step counters). Not counted: activations (planning/activations.py counts
+them, ``estimate --seq-len``), and what lives only for a moment (buckets in flight, stage 3's gathered units,
+the fp32 copy of a 16-bit gradient at the step).
 
 DeepSpeed's own estimator charges 18 bytes per sharded parameter in stage 2 (2 Psi + 18 Psi / N): it
 counts an fp32 gradient partition. Here the gradient partition has the parameters' dtype (2 bytes in
