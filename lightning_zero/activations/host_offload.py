@@ -73,8 +73,9 @@ class HostPool:
 class _Held:
     """One saved tensor in the pool, and its copy on the device while backward needs it."""
 
-    def __init__(self, host: Tensor, group: int) -> None:
+    def __init__(self, host: Tensor, group: int, device: torch.device) -> None:
         self.host = host
+        self.device = device  # where it came from, and goes back to
         self.group = group  # the checkpoint (unit forward) that saved it first, in forward order
         self.shared = False  # saved by several units: its device copy stays until it is released
         self.on_device: Tensor | None = None
@@ -102,8 +103,8 @@ class HostActivations:
             yield
 
     def _pack(self, tensor: Tensor) -> Tensor | _Held:
-        if isinstance(tensor, Parameter) or tensor.device != self.device or tensor.numel() == 0:
-            return tensor  # (parameters and other devices' tensors stay where they are)
+        if isinstance(tensor, Parameter) or tensor.device.type != self.device.type or tensor.numel() == 0:
+            return tensor  # (parameters, and tensors of another kind of device, stay where they are)
         seen = self._seen.get(id(tensor))  # (the same tensor object, alive, unchanged since)
         held = seen[1]() if seen is not None and seen[0]() is tensor and seen[2] == tensor._version else None
         if held is not None:
@@ -116,7 +117,7 @@ class HostActivations:
 
     def _copy_out(self, tensor: Tensor) -> _Held:
         buffer = self.pool.take(tensor.numel() * tensor.element_size())
-        held = _Held(buffer.view(tensor.dtype).view(tensor.shape), len(self._groups) - 1)
+        held = _Held(buffer.view(tensor.dtype).view(tensor.shape), len(self._groups) - 1, tensor.device)
         weakref.finalize(held, self.pool.release)
         if self.stream is None:
             held.host.copy_(tensor)
@@ -152,5 +153,5 @@ class HostActivations:
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            held.on_device = held.host.to(self.device, non_blocking=True)
+            held.on_device = held.host.to(held.device, non_blocking=True)
             held.ready = self.stream.record_event()
