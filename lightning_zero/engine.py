@@ -394,7 +394,7 @@ class ZeroEngine:
             self.reducer = None
         self.unit_set.release()
         self.step.reset()
-        self.buffer_sync = None
-        self.average = None
-        if self.activations is not None:
-            self.activations = self.activations.remove()
+        self.buffer_sync = self.average = None
+        if self.activations is not None:  # (its hooks off the model)
+            self.activations.remove()
+        self.activations = None

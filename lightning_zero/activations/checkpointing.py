@@ -25,7 +25,9 @@ tensors of ``s*h`` to ``4*s*h`` elements per layer instead of every intermediate
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import inspect
+import sys
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -46,6 +48,7 @@ _aten = torch.ops.aten
 KEPT_OPS = frozenset(
     getattr(_aten, name).default
     for name in (
+        "_scaled_dot_product_fused_attention_overrideable",
         "mm",
         "addmm",
         "bmm",
@@ -55,7 +58,10 @@ KEPT_OPS = frozenset(
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
     )
+    if hasattr(_aten, name)  # (a build without one of them)
 )
+# the leading parameters of torch's generator, which the hooks pass by position (a private function)
+GENERATOR_PARAMETERS = ("fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -68,21 +74,15 @@ class UnitCheckpoints:
     selective policy. ``offload``: where the checkpoint's own saved tensors (the unit's inputs) go (host_offload.py);
     its saving context is entered before the checkpoint and left after it, so only those go through it."""
 
-    def __init__(
-        self,
-        modules: Sequence[Module],
-        *,
-        selective: bool,
-        offload: HostActivations | None = None,
-    ) -> None:
+    def __init__(self, modules: Sequence[Module], *, selective: bool, offload: HostActivations | None = None) -> None:
         self.modules = list(modules)
         self._selective = selective
         self.offload = offload
         self._recomputing: set[int] = set()  # ids of the modules whose forward re-runs now (hooks off)
         self._open: dict[int, tuple] = {}  # id(module) -> (its checkpoint, its saving context), pre-hook to hook
         self._handles = []
-        for module in self.modules:
-            self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+        for module in self.modules:  # (first: other pre-hooks run inside the checkpoint, and again when it recomputes)
+            self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True))
             self._handles.append(module.register_forward_hook(self._leave, always_call=True))
 
     def memory_bytes(self) -> dict[str, int]:
@@ -101,20 +101,29 @@ class UnitCheckpoints:
             if self._selective
             else (contextlib.nullcontext(), contextlib.nullcontext())
         )
-        return forward, _recomputing(self._recomputing, module, recompute)
+        return forward, _Recomputing(self._recomputing, module, recompute)
 
     @torch._dynamo.disable
     def _enter(self, module: Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if id(module) in self._recomputing or not torch.is_grad_enabled():
             return None
-        args, kwargs = _without_cache(args, kwargs)
+        args, kwargs = _without_cache(module, args, kwargs)
+        # Tensor keyword arguments travel as positional ones: the checkpoint saves (and offloads) those, and finds
+        # the devices whose RNG state it restores among them.
+        names = [key for key, value in kwargs.items() if isinstance(value, torch.Tensor)]
+        rest = {key: value for key, value in kwargs.items() if key not in names}
+        call = partial(_call, module, len(args), names, rest)
         checkpoint = _checkpoint_without_reentrant_generator(
-            module, True, partial(self._contexts, module), "default", False, True, *args, **kwargs
+            call, True, partial(self._contexts, module), "default", False, True, *args, *(kwargs[k] for k in names)
         )
         scope = contextlib.ExitStack()  # (the saving context stays under the checkpoint's hooks until the forward ends)
         if self.offload is not None:
             scope.enter_context(self.offload.saving())
-        next(checkpoint)  # (saves the inputs, then enters the checkpoint's saved-tensor hooks)
+        try:
+            next(checkpoint)  # (saves the inputs, then enters the checkpoint's saved-tensor hooks)
+        except BaseException:
+            scope.close()
+            raise
         self._open[id(module)] = (checkpoint, scope)
         return args, kwargs
 
@@ -122,33 +131,45 @@ class UnitCheckpoints:
     def _leave(self, module: Module, args: tuple, output: Any) -> None:
         checkpoint, scope = self._open.pop(id(module), (None, None))
         if checkpoint is not None:
-            next(checkpoint, None)  # (leaves the checkpoint's hooks; it ends there)
-            scope.close()
+            try:
+                next(checkpoint, None)  # (leaves the checkpoint's hooks; it ends there)
+            finally:
+                scope.close()
 
 
-def _is_cache(value: Any) -> bool:
-    """A Hugging Face key/value cache (``transformers.Cache``), by what it does."""
-    return hasattr(value, "get_seq_length") and hasattr(value, "update")
+def _call(module: Module, positional: int, names: list[str], rest: dict, *tensors: Any) -> Any:
+    """The recomputation: ``module`` called as it was (its hooks run, stage 3's gathering it)."""
+    return module(*tensors[:positional], **rest, **dict(zip(names, tensors[positional:])))
 
 
-def _without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A checkpointed block's arguments with no key/value cache (see [Note: checkpointing a unit])."""
-    args = tuple(None if _is_cache(value) else value for value in args)
-    kwargs = {key: None if _is_cache(value) else value for key, value in kwargs.items()}
+def _without_cache(module: Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A training block's arguments with no Hugging Face key/value cache (see [Note: checkpointing a unit])."""
+    cache = getattr(sys.modules.get("transformers"), "Cache", None)  # (only if the model's library is loaded)
+    if cache is None or not module.training:
+        return args, kwargs
+    args = tuple(None if isinstance(value, cache) else value for value in args)
+    kwargs = {key: None if isinstance(value, cache) else value for key, value in kwargs.items()}
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     return args, kwargs
 
 
-@contextlib.contextmanager
-def _recomputing(recomputing: set[int], module: Module, inner: contextlib.AbstractContextManager) -> Iterator[None]:
-    """While ``module``'s forward re-runs in backward, our hooks leave it alone (no checkpoint inside one)."""
-    recomputing.add(id(module))
-    try:
-        with inner:
-            yield
-    finally:
-        recomputing.discard(id(module))
+class _Recomputing:
+    """While a module's forward re-runs in backward, our hooks leave it alone (no checkpoint inside one). A class,
+    not a generator: a graph kept for a second backward recomputes again, entering it again."""
+
+    def __init__(self, recomputing: set[int], module: Module, inner: contextlib.AbstractContextManager) -> None:
+        self._recomputing, self._id, self._inner = recomputing, id(module), inner
+
+    def __enter__(self) -> None:
+        self._recomputing.add(self._id)
+        self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._inner.__exit__(*exc)
+        finally:
+            self._recomputing.discard(self._id)
 
 
 def checkpointed_blocks(model: Module, config: ZeroConfig) -> list[Module]:
@@ -191,6 +212,12 @@ def checkpoint_units(model: Module, config: ZeroConfig, device: torch.device) ->
     if config.activation_checkpointing == "none":
         return None
     blocks = checkpointed_blocks(model, config)
+    if tuple(inspect.signature(_checkpoint_without_reentrant_generator).parameters)[:6] != GENERATOR_PARAMETERS:
+        raise RuntimeError(
+            f"zero.activation_checkpointing needs torch's non-reentrant checkpoint generator as torch 2.13 has it"
+            f" ({', '.join(GENERATOR_PARAMETERS)}); torch {torch.__version__}'s differs: install torch 2.13, or set"
+            " zero.activation_checkpointing: none"
+        )
     offloaded = config.offload_activations == "cpu"
     offload = HostActivations(device, pin_memory=config.offload_pin_memory) if offloaded else None
     return UnitCheckpoints(blocks, selective=config.activation_checkpointing == "selective", offload=offload)

@@ -12,11 +12,13 @@ into the pool and out of it.
 
 [Note: the host pool]
 ZeRO-R's constant buffers and defragmented memory: saved tensors are laid one after another in one contiguous
-host buffer (each at an aligned offset), and the whole buffer is reused once every tensor saved into it has been
-released (after the backward). A step needing more than the buffer holds gets an extra chunk for the overflow;
-when the pool is next empty its chunks become one buffer of the largest size used, so a training run allocates
-host memory in its first steps only and ``capacity`` bytes stay constant. A tensor saved by several units (an
-attention mask or rotary table passed to every layer) is stored once.
+host buffer (each at an aligned offset), and the buffer is filled again from its start once every tensor saved
+into it has been released (after the backward). A step needing more than the buffer holds gets an extra chunk
+for the overflow (or an emptied one, when a graph kept alive holds the first); when the pool is next empty its
+chunks become one buffer of the most it held at once, so a training run allocates host memory in its first
+steps only and ``capacity`` bytes stay constant. A tensor saved by several units (an attention mask or rotary
+table passed to every layer) is stored once. An input changed in place after it was saved raises at backward,
+as autograd's own check does (which a pack hook turns off).
 """
 
 from __future__ import annotations
@@ -32,39 +34,61 @@ from torch.nn import Parameter
 ALIGNMENT = 64  # bytes: any dtype's alignment, and whole cache lines for the copies
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+class _Chunk:
+    """One host buffer of the pool, filled from its start; reusable once nothing in it is held."""
+
+    def __init__(self, buffer: Tensor) -> None:
+        self.buffer, self.used, self.live = buffer, 0, 0
+
+
 class HostPool:
     """One contiguous host buffer reused every step (see [Note: the host pool])."""
 
     def __init__(self, *, pin_memory: bool) -> None:
         self._pin = pin_memory
-        self._chunks: list[Tensor] = []  # uint8 buffers; all but the first are this step's overflow
-        self._used = 0  # bytes taken in the last chunk
-        self._taken = 0  # bytes taken (aligned) in all chunks since the pool was last empty
+        self._chunks: list[_Chunk] = []  # one, except while a step needs more than it holds
+        self._current: _Chunk | None = None  # the chunk being filled
+        self._held = 0  # bytes held (aligned)
+        self._most = 0  # most bytes held at once since the pool was last empty: the size of one buffer for them
         self.live = 0  # tensors held
-        self.peak_bytes = 0  # most bytes held at once
+        self.peak_bytes = 0  # most bytes held at once, ever
 
     @property
     def capacity(self) -> int:
-        return sum(chunk.numel() for chunk in self._chunks)
+        return sum(chunk.buffer.numel() for chunk in self._chunks)
 
-    def take(self, nbytes: int) -> Tensor:
-        """``nbytes`` of host memory (uint8), held until ``release``."""
-        offset = -(-self._used // ALIGNMENT) * ALIGNMENT
-        if not self._chunks or offset + nbytes > self._chunks[-1].numel():
-            self._chunks.append(self._allocate(max(nbytes, self.capacity)))
-            offset = 0
-        self._used = offset + nbytes
-        self._taken += -(-nbytes // ALIGNMENT) * ALIGNMENT  # (what one buffer needs for everything taken so far)
-        self.peak_bytes = max(self.peak_bytes, self._taken)
+    def take(self, nbytes: int) -> tuple[Tensor, _Chunk]:
+        """``nbytes`` of host memory (uint8) and the chunk it is in, held until ``release(chunk, nbytes)``."""
+        if self.live == 0 and len(self._chunks) > 1:  # one buffer of all the last steps held at once, from now on
+            self._chunks = [_Chunk(self._allocate(self._most))]
+            self._current, self._most = None, 0
+        chunk = self._current
+        offset = _aligned(chunk.used) if chunk is not None else 0
+        if chunk is None or offset + nbytes > chunk.buffer.numel():
+            offset = 0  # an emptied chunk large enough (a step whose graph lingers leaves the others held), or more
+            chunk = next((c for c in self._chunks if c.live == 0 and c.buffer.numel() >= nbytes), None)
+            if chunk is None:
+                chunk = _Chunk(self._allocate(max(nbytes, self.capacity)))
+                self._chunks.append(chunk)
+            self._current = chunk
+        chunk.used = offset + nbytes
+        chunk.live += 1
         self.live += 1
-        return self._chunks[-1][offset : offset + nbytes]
+        self._held += _aligned(nbytes)
+        self._most = max(self._most, self._held)
+        self.peak_bytes = max(self.peak_bytes, self._held)
+        return chunk.buffer[offset : offset + nbytes], chunk
 
-    def release(self) -> None:
+    def release(self, chunk: _Chunk, nbytes: int) -> None:
+        chunk.live -= 1
         self.live -= 1
-        if self.live == 0:
-            if len(self._chunks) > 1:  # one buffer of everything the step used, from now on
-                self._chunks = [self._allocate(self._taken)]
-            self._used = self._taken = 0
+        self._held -= _aligned(nbytes)
+        if chunk.live == 0:
+            chunk.used = 0
 
     def _allocate(self, nbytes: int) -> Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
@@ -73,9 +97,11 @@ class HostPool:
 class _Held:
     """One saved tensor in the pool, and its copy on the device while backward needs it."""
 
-    def __init__(self, host: Tensor, group: int, device: torch.device) -> None:
+    def __init__(self, host: Tensor, group: int, source: Tensor) -> None:
         self.host = host
-        self.device = device  # where it came from, and goes back to
+        self.device = source.device  # where it came from, and goes back to
+        self.source = weakref.ref(source)  # (changed in place after it was saved: an error, as autograd's)
+        self.version = source._version
         self.group = group  # the checkpoint (unit forward) that saved it first, in forward order
         self.shared = False  # saved by several units: its device copy stays until it is released
         self.on_device: Tensor | None = None
@@ -103,8 +129,13 @@ class HostActivations:
             yield
 
     def _pack(self, tensor: Tensor) -> Tensor | _Held:
-        if isinstance(tensor, Parameter) or tensor.device.type != self.device.type or tensor.numel() == 0:
-            return tensor  # (parameters, and tensors of another kind of device, stay where they are)
+        nbytes = tensor.numel() * tensor.element_size()
+        if (
+            isinstance(tensor, Parameter)
+            or tensor.device.type != self.device.type
+            or not 0 < nbytes <= tensor.untyped_storage().nbytes()
+        ):
+            return tensor  # (parameters, other kinds of device and expanded tensors, whole bigger, stay as they are)
         seen = self._seen.get(id(tensor))  # (the same tensor object, alive, unchanged since)
         held = seen[1]() if seen is not None and seen[0]() is tensor and seen[2] == tensor._version else None
         if held is not None:
@@ -116,9 +147,10 @@ class HostActivations:
         return held
 
     def _copy_out(self, tensor: Tensor) -> _Held:
-        buffer = self.pool.take(tensor.numel() * tensor.element_size())
-        held = _Held(buffer.view(tensor.dtype).view(tensor.shape), len(self._groups) - 1, tensor.device)
-        weakref.finalize(held, self.pool.release)
+        nbytes = tensor.numel() * tensor.element_size()
+        buffer, chunk = self.pool.take(nbytes)
+        held = _Held(buffer.view(tensor.dtype).view(tensor.shape), len(self._groups) - 1, tensor)
+        weakref.finalize(held, self.pool.release, chunk, nbytes)
         if self.stream is None:
             held.host.copy_(tensor)
         else:
@@ -131,6 +163,13 @@ class HostActivations:
     def _unpack(self, held: Tensor | _Held) -> Tensor:
         if isinstance(held, Tensor):
             return held
+        source = held.source()
+        if source is not None and source._version != held.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: a"
+                f" block's input kept in host memory (zero.offload_activations) is at version {source._version}, it"
+                f" was saved at version {held.version}"
+            )
         if held.on_device is None:
             self._copy_back(held)
         # the inputs of the unit backward reaches next start coming back (see [Note: offloaded checkpoints])
@@ -151,7 +190,6 @@ class HostActivations:
         if self.stream is None:
             held.on_device = held.host.clone()
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream):  # (after its copy out, on this stream; into memory of this stream's)
             held.on_device = held.host.to(held.device, non_blocking=True)
             held.ready = self.stream.record_event()

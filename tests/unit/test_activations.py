@@ -80,13 +80,18 @@ def test_the_host_pool_is_one_buffer_reused_and_grows_only_for_a_longer_step():
     offload = HostActivations(torch.device("cpu"))
     UnitCheckpoints(list(model.blocks), selective=False, offload=offload)
     chunks = []
-    for length in (32, 32, 32, 64, 64):
+    for length in (32, 32, 32, 64, 64, 64):
         model(torch.zeros(2, length, dtype=torch.long)).sum().backward()
         assert offload.pool.live == 0  # (every saved input released with the backward)
-        chunks.append([c.data_ptr() for c in offload.pool._chunks])
-    assert chunks[0] == chunks[1] == chunks[2] and len(chunks[0]) == 1  # the first step's buffer, reused
-    assert chunks[3] == chunks[4] and len(chunks[3]) == 1  # a longer step: one larger buffer, reused from then on
-    assert offload.pool.capacity == 3 * 2 * 64 * 16 * 4 and offload.pool.peak_bytes == offload.pool.capacity
+        chunks.append([c.buffer.data_ptr() for c in offload.pool._chunks])
+    assert chunks[1] == chunks[2] and len(chunks[1]) == 1  # the first step's three inputs in one buffer, reused
+    assert chunks[4] == chunks[5] and len(chunks[4]) == 1  # a longer step: one larger buffer, reused from then on
+    assert offload.pool.capacity == 3 * 2 * 64 * 16 * 4 == offload.pool.peak_bytes
+    kept = model(torch.zeros(2, 64, dtype=torch.long))  # a graph kept alive (never backpropagated)
+    for _ in range(4):  # the next steps reuse one chunk, not a new one each
+        model(torch.zeros(2, 64, dtype=torch.long)).sum().backward()
+    assert offload.pool.capacity <= 3 * offload.pool.peak_bytes and offload.pool.live == 3
+    del kept
 
 
 def test_removed_hooks_leave_the_model_as_it_was():
@@ -136,6 +141,89 @@ def test_blocks_compiled_one_by_one_are_checkpointed_and_a_model_compiled_around
     model.compile()
     with pytest.raises(ValueError, match="compiled around its blocks .* compile the blocks one by one"):
         checkpointed_blocks(model, ZeroConfig(activation_checkpointing="units"))
+
+
+class KeywordBlocks(torch.nn.Module):
+    """Blocks called with keyword arguments only, with dropout, and a hook before ours that changes their input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.Tanh()) for _ in range(3)
+        )
+        self.blocks[1].register_forward_pre_hook(lambda module, args, kwargs: (args, {"input": 2 * kwargs["input"]}),
+                                                 with_kwargs=True)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(input=x)
+        return x
+
+
+def _keyword_grads(mode: str, offload: str, backwards: int = 1) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = KeywordBlocks()
+    checkpoints = checkpoint_units(model, ZeroConfig(activation_checkpointing=mode, offload_activations=offload),
+                                   torch.device("cpu"))  # fmt: skip
+    torch.manual_seed(1)
+    loss = model(torch.randn(4, 8)).square().sum()
+    for k in range(backwards):  # (a graph kept for a second backward recomputes again)
+        loss.backward(retain_graph=k < backwards - 1)
+    if offload == "cpu":
+        assert checkpoints.offload.pool.peak_bytes == 3 * 4 * 8 * 4  # (the keyword inputs, offloaded)
+    return [p.grad for p in model.parameters()]
+
+
+def test_keyword_inputs_earlier_hooks_and_a_second_backward_are_checkpointed_exactly():
+    plain = _keyword_grads("none", "none")
+    for mode, offload in (("units", "none"), ("units", "cpu"), ("selective", "none")):
+        assert all(torch.equal(a, b) for a, b in zip(_keyword_grads(mode, offload), plain)), (mode, offload)
+    twice = _keyword_grads("none", "none", backwards=2)
+    assert all(torch.equal(a, b) for a, b in zip(_keyword_grads("units", "cpu", backwards=2), twice))
+
+
+def test_an_offloaded_input_changed_in_place_raises_as_autograd_does():
+    model = KeywordBlocks()
+    checkpoint_units(
+        model, ZeroConfig(activation_checkpointing="units", offload_activations="cpu"), torch.device("cpu")
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 1.0
+    out = model.blocks[0](input=h)
+    h.add_(1.0)  # (the block's saved input, changed)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: a block's input kept in host memory"):
+        out.sum().backward()
+
+
+def test_only_a_hugging_face_cache_is_dropped():
+    class Notebook:  # has get_seq_length and update, and is not a transformers Cache
+        def get_seq_length(self) -> int:
+            return 0
+
+        def update(self, *args) -> None:
+            pass
+
+    transformers = pytest.importorskip("transformers")
+    seen = []
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def forward(self, x, notebook=None, past_key_values=None, use_cache=False):
+            seen.append((notebook, past_key_values, use_cache))
+            return self.linear(x)
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([Block()])
+    checkpoint_units(model, ZeroConfig(activation_checkpointing="units"), torch.device("cpu"))
+    notebook, cache = Notebook(), transformers.DynamicCache()
+    model.blocks[0](torch.ones(1, 2), notebook=notebook, past_key_values=cache, use_cache=True).sum().backward()
+    assert seen[0] == (notebook, None, False) and seen[1] == seen[0]  # (the forward, and its recomputation)
+    model.eval()  # (not training: a cache is the caller's)
+    model.blocks[0](torch.ones(1, 2), notebook=notebook, past_key_values=cache, use_cache=True)
+    assert seen[2] == (notebook, cache, True)
 
 
 def test_the_longest_fitting_sequence_is_found_exactly():
