@@ -218,25 +218,22 @@ def _cpu_offload(key: str, value: Any, reading: _Reading) -> None:
 
 def _activation_checkpointing(key: str, section: Any, reading: _Reading) -> None:
     """The section (Lightning's DeepSpeedStrategy writes it, all false by default, from its ``partition_activations``,
-    ``cpu_checkpointing``, ``contiguous_memory_optimization`` and ``synchronize_checkpoint_boundary`` arguments).
-    DeepSpeed checkpoints the blocks the model's code hands its checkpoint function, with these settings; here a
-    section that turns any of them on checkpoints every block ("units"), and ``cpu_checkpointing`` offloads what
-    they keep. An all-false section changes nothing (named in the warning)."""
+    ``cpu_checkpointing``, ``contiguous_memory_optimization`` and ``synchronize_checkpoint_boundary`` arguments)
+    configures the checkpoint function a DeepSpeed model's code calls; it turns nothing on by itself. Here the
+    engine checkpoints the blocks when ``zero.activation_checkpointing`` says so, and ``cpu_checkpointing: true``,
+    the one setting with an effect, asks for that with the checkpoints offloaded ("units" unless set otherwise)."""
     if not isinstance(section, dict):
-        raise ValueError(
-            f'DeepSpeed config: {key} must be an object such as {{"cpu_checkpointing": true}}, got {section!r}'
-        )
-    asked = [name for name, value in section.items() if value not in (False, None, "auto", 0)]
-    if asked:
-        reading.zero["activation_checkpointing"] = "units"
-    else:
-        reading.no_effect.append(f"{key} (every setting false: no activation checkpointing)")
+        example = '{"cpu_checkpointing": true}'
+        raise ValueError(f"DeepSpeed config: {key} must be an object such as {example}, got {section!r}")
     for name, value in section.items():
         if name == "cpu_checkpointing" and value != "auto":
-            reading.zero["offload_activations"] = "cpu" if _true_or_false(f"{key}.{name}", value) else "none"
-        elif name in ACTIVATION_NO_EFFECT and asked:
+            if _true_or_false(f"{key}.{name}", value):
+                reading.zero.update(activation_checkpointing="units", offload_activations="cpu")
+            else:
+                reading.no_effect.append(f"{key}.{name} (false: nothing is offloaded)")
+        elif name in ACTIVATION_NO_EFFECT:
             reading.no_effect.append(f"{key}.{name} ({ACTIVATION_NO_EFFECT[name]})")
-        elif name not in ACTIVATION_NO_EFFECT and name != "cpu_checkpointing":
+        elif name != "cpu_checkpointing":
             reading.unsupported.append(f"{key}.{name}")
 
 

@@ -7,12 +7,13 @@ by a forward hook, so the model's structure, names and state dict stay the user'
 ``checkpoint`` works the same way, but its hooks cannot be removed at teardown). Autograd then keeps only what
 the checkpoint saves: the unit's inputs, and with ``"selective"`` the outputs of the ops the policy keeps; in
 backward, the first saved tensor the unit's backward unpacks re-runs its forward (``module(*args, **kwargs)``:
-the module's other hooks run again, our own are off while it does), with the RNG state of the first forward,
-so dropout draws the same mask. Under stage 3 that recomputation goes through the unit's forward hook, whose
-``Schedule.recompute`` gathers it in backward's order on every rank (stage3_schedule.py), prefetch included:
-nothing else is gathered for it. A forward without gradients (evaluation, ``no_grad``) is not checkpointed. A
-checkpointed block gets no key/value cache (a Hugging Face ``Cache`` argument becomes None, ``use_cache`` False), as
-under Hugging Face's own checkpointing: its recomputation would find the cache holding the forward's keys already.
+its other pre-hooks run again, ours are off while it does; torch stops it once backward has what it needs), with
+the RNG state of the first forward, so dropout draws the same mask. Under stage 3 that recomputation goes through
+the unit's forward hook, whose ``Schedule.recompute`` gathers it in backward's order on every rank
+(stage3_schedule.py), prefetch included: nothing else is gathered for it. A forward without gradients
+(evaluation, ``no_grad``) is not checkpointed. A checkpointed block gets no key/value cache in training (a
+``transformers.Cache`` argument becomes None, ``use_cache`` False), as under Hugging Face's own checkpointing: its
+recomputation would find the cache holding the forward's keys already.
 
 [Note: the selective policy]
 ``"selective"`` keeps the outputs of matrix multiplications and attention and recomputes everything else

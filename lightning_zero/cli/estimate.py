@@ -7,6 +7,8 @@ import argparse
 import dataclasses
 import math
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
 from lightning_zero.cli.args import InputError, Parser
 from lightning_zero.config import ZeroConfig
 from lightning_zero.planning.activations import MODES, longest_fitting, mode_name
@@ -45,14 +47,15 @@ def estimate_main(args: list[str]) -> None:
         shape, config = shape_of_count(parsed.params), ZeroConfig()
     else:
         shape, config = _shape_of_model(parsed.model)
+    activations = _activation_profile(parsed) if parsed.seq_len is not None else None  # (bad input: before output)
     table = estimate(shape, shard, parsed.precision, config, offload=parsed.offload == "cpu")
     _print_memory(parsed, shape.psi, table, world, shard, capacity)
     traffic = {"world": world, "per_node": parsed.devices, "shard_size": shard, "micro_batches": parsed.micro_batches}
     print(format_traffic(shape.psi, parsed.precision, **traffic))
     if capacity is not None:
-        _print_fit(parsed.device_memory, table, capacity, parsed.devices)
-    if parsed.seq_len is not None:
-        _print_activations(parsed, table, capacity)
+        _print_fit(parsed.device_memory, table, capacity, parsed.devices, activations is not None)
+    if activations is not None:
+        _print_activations(parsed, *activations, table, capacity)
     hardware = _hardware(parsed)
     if hardware is not None:
         _print_step_times(parsed, shape.psi, hardware, world, shard, capacity)
@@ -140,14 +143,16 @@ def _print_memory(
         )
 
 
-def _print_fit(device_memory: str, table: dict, capacity: int, per_node: int) -> None:
-    """The smallest configuration that fits ``capacity`` bytes per device (with its host memory per node)."""
+def _print_fit(device_memory: str, table: dict, capacity: int, per_node: int, activations: bool) -> None:
+    """The smallest configuration whose model states fit ``capacity`` bytes per device (with its host memory per
+    node); ``activations``: they follow, counted."""
     fitting = smallest_fitting(table, capacity)
     verdict = f"the smallest configuration that fits: {fitting}" if fitting else "none fits: add devices or nodes"
     if fitting and table[fitting][0].host_total:
         host = max(r.host_total for r in table[fitting]) * per_node
         verdict += f" (host memory per node: {host / 2**30:.2f} GiB)"
-    print(f"{device_memory} per device ({capacity:,} bytes), activations not counted (--seq-len): {verdict}")
+    counted = "activations below" if activations else "activations not counted (--seq-len)"
+    print(f"{device_memory} per device ({capacity:,} bytes), model states only, {counted}: {verdict}")
 
 
 def _print_step_times(
@@ -172,19 +177,24 @@ def _print_step_times(
     )
 
 
-def _print_activations(parsed: argparse.Namespace, table: dict, capacity: int | None) -> None:
-    """Activation bytes per rank at ``--seq-len`` for each checkpointing mode (planning/activations.py) and, with a
-    device's memory, the longest sequence each strategy fits with each mode (its model states plus activations)."""
+def _activation_profile(parsed: argparse.Namespace) -> tuple:
+    """What one micro-batch of ``--model`` saves, as a function of the sequence length, and its batch size."""
     from lightning_zero.planning.estimate_model import activation_profiler  # (jsonargparse's machinery: only here)
 
     if not parsed.model:
         raise InputError("argument --seq-len: needs --model (a config whose model takes token ids [batch, seq])")
     try:
         profile, batch = activation_profiler(parsed.model)
-        at = profile(parsed.seq_len)
+        profile(parsed.seq_len)
     except ValueError as error:
         raise InputError(f"argument --seq-len: {error}") from error
-    gib = 2**30
+    return profile, batch
+
+
+def _print_activations(parsed: argparse.Namespace, profile, batch: int, table: dict, capacity: int | None) -> None:
+    """Activation bytes per rank at ``--seq-len`` for each checkpointing mode (planning/activations.py) and, with a
+    device's memory, the longest sequence each strategy fits with each mode (its model states plus activations)."""
+    at, gib = profile(parsed.seq_len), 2**30
     print(f"activations per rank at {parsed.seq_len} tokens x {batch} samples (zero.activation_checkpointing), GiB:")
     print(f"{'checkpointing':<20}{'device':>12}{'host':>12}")
     for mode, offload in MODES:
@@ -193,7 +203,8 @@ def _print_activations(parsed: argparse.Namespace, table: dict, capacity: int | 
     if capacity is None:
         return
     strategies = [name for name in table if "+" not in name]
-    print(f"the longest sequence (tokens per sample) fitting {parsed.device_memory} per device with the model states:")
+    print(f"the longest sequence (tokens per sample) fitting {parsed.device_memory} per device with the model states")
+    print("(counted as the model computes, whatever the length of a learned position table):")
     print(f"{'checkpointing':<20}" + "".join(f"{name:>12}" for name in strategies))
     for mode, offload in MODES:
         budgets = [capacity - max(r.total for r in table[name]) for name in strategies]
@@ -262,5 +273,6 @@ def _shape_of_model(path: str):
         return shape_of_config(path)
     except OSError as error:
         raise InputError(f"argument --model: {path}: {error.strerror or error}") from error
-    except (ValueError, TypeError) as error:  # not a config, or its model or zero options are refused
+    except (ValueError, TypeError, MisconfigurationException) as error:  # not a config, or its model, its
+        # optimizers or its zero options are refused
         raise InputError(f"argument --model: {error}") from error

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import logging
 from argparse import ArgumentError
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import yaml
@@ -13,10 +14,10 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_zero.activations.checkpointing import checkpointed_blocks
 from lightning_zero.config import ZeroConfig, stage_of_strategy
 from lightning_zero.planning.activations import ActivationProfile, profile_activations
 from lightning_zero.planning.estimate import ModelShape, shape_of_module
+from lightning_zero.sharding.stage3_setup import unit_modules
 
 
 def read_config(path: str) -> dict:
@@ -62,15 +63,28 @@ def shape_of_config(path: str) -> tuple[ModelShape, ZeroConfig]:
     return shape_of_module(module, groups, config), config
 
 
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """``logger`` says nothing inside (fake tensors log a model's own error before it is raised and reported)."""
+    log = logging.getLogger(logger)
+    level, log.level = log.level, logging.CRITICAL
+    try:
+        yield
+    finally:
+        log.level = level
+
+
 def activation_profiler(path: str) -> tuple[Callable[[int], ActivationProfile], int]:
     """For a config whose model is a language model (``forward`` takes token ids ``[batch, seq]``): what one
     micro-batch of the config's ``data.batch_size`` saves at a sequence length (planning/activations.py, on fake CPU
-    tensors: nothing allocated, attention as torch runs it there), for its blocks (``checkpointed_blocks``); and
-    that batch size. Raises ValueError for a model with no blocks or a forward that does not take token ids."""
+    tensors: nothing allocated, attention as torch runs it there), for the blocks checkpointing would take
+    (``checkpointed_blocks``); and that batch size. Raises ValueError for a model with no blocks or a forward that
+    does not take token ids."""
     raw, module = _build(path)
     batch = int(((raw.get("data") or {}).get("init_args") or {}).get("batch_size", 1))
-    config = dataclasses.replace(_zero_config(raw), activation_checkpointing="units")
-    blocks = checkpointed_blocks(module, config)
+    blocks = unit_modules(module, _zero_config(raw).unit_module_classes)
+    if not blocks:
+        raise ValueError("the model has no blocks to count activations by (no nn.ModuleList; zero.unit_module_classes)")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         module.to_empty(device="cpu")
@@ -78,7 +92,7 @@ def activation_profiler(path: str) -> tuple[Callable[[int], ActivationProfile], 
 
     def profile(seq_len: int) -> ActivationProfile:
         if seq_len not in cache:
-            with fake:
+            with fake, _quiet("torch._subclasses.fake_tensor"):
                 tokens = torch.zeros(batch, seq_len, dtype=torch.long)
                 try:
                     cache[seq_len] = profile_activations(module, blocks, lambda: module(tokens))

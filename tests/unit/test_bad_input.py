@@ -255,6 +255,12 @@ ESTIMATE_CASES = [
     ),
     Case("estimate_seq_len_zero", _estimate("--params", "1e6", "--seq-len", "0"), "argument --seq-len: must be an"),
     Case(
+        "estimate_seq_len_model_without_blocks",
+        _estimate("--model", "{tmp}/c.yaml", "--seq-len", "64"),
+        "argument --seq-len: the model has no blocks to count activations by (no nn.ModuleList",
+        {"c.yaml": "model:\n  class_path: tests.support.helpers.EquivalenceModule\n  init_args:\n    kind: toy\n"},
+    ),
+    Case(
         "estimate_model_bad_class",
         _estimate("--model", "{tmp}/c.yaml"),
         "c.yaml: model: ",

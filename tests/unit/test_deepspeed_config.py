@@ -210,23 +210,22 @@ def test_unsupported_keys_are_listed_in_one_error():
     ), str(info.value)
 
 
-def test_the_activation_checkpointing_section_checkpoints_every_block():
-    """DeepSpeed's (and Lightning DeepSpeedStrategy's) names: a section that asks for anything turns checkpointing on,
-    cpu_checkpointing offloads it, the rest is named in the warning with why it changes nothing, an unknown key in the
-    error; Lightning's all-false default changes nothing."""
+def test_the_activation_checkpointing_section_maps_cpu_checkpointing_and_names_the_rest():
+    """DeepSpeed's (and Lightning DeepSpeedStrategy's) names: the section configures the checkpoint function the
+    model's code calls and turns nothing on by itself; cpu_checkpointing asks for offloaded checkpoints (units), the
+    rest is named in the warning with why it changes nothing, an unknown key in the error."""
     section = {"partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True}
     with pytest.warns(UserWarning) as record:
         settings = read_deepspeed_config({**ZERO3, "activation_checkpointing": section})
     assert (settings.zero.activation_checkpointing, settings.zero.offload_activations) == ("units", "cpu")
     assert "activation_checkpointing.partition_activations (with data parallelism alone" in str(record[0].message)
     assert "activation_checkpointing.contiguous_memory_optimization (offloaded" in str(record[0].message)
-    on = read_deepspeed_config({**ZERO3, "activation_checkpointing": {"partition_activations": True}}).zero
-    assert (on.activation_checkpointing, on.offload_activations) == ("units", "none")
     lightning_default = dict.fromkeys(("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                                        "synchronize_checkpoint_boundary"), False)  # fmt: skip
-    with pytest.warns(UserWarning, match="activation_checkpointing .every setting false: no activation checkpointing"):
-        off = read_deepspeed_config({**ZERO3, "activation_checkpointing": lightning_default}).zero
-    assert (off.activation_checkpointing, off.offload_activations) == ("none", "none")
+    for alone in ({"partition_activations": True}, lightning_default):
+        with pytest.warns(UserWarning, match="activation_checkpointing.partition_activations"):
+            zero = read_deepspeed_config({**ZERO3, "activation_checkpointing": alone}).zero
+        assert (zero.activation_checkpointing, zero.offload_activations) == ("none", "none")
     with pytest.raises(ValueError, match="not supported: activation_checkpointing.checkpoint_in_cpu"):
         read_deepspeed_config({**ZERO3, "activation_checkpointing": {"checkpoint_in_cpu": True}})
 
