@@ -347,8 +347,9 @@ def unsafe_pickle_error(path: Path, error: pickle.UnpicklingError) -> UnsafePick
     reason = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
     reason = reason.partition(". Please use")[0]
     return UnsafePickleError(
-        f"{path}: holds objects that safe loading refuses ({reason[:200]}); load it with weights_only=False"
-        " (trainer.fit(..., weights_only=False)) only if you trust where it came from"
+        f"{path}: holds objects that safe loading refuses ({reason[:200]}); only if you trust where it came from:"
+        " load it with weights_only=False (fabric.load(..., weights_only=False); the Trainer does not pass"
+        " trainer.fit's weights_only on to this strategy: torch.serialization.add_safe_globals([the classes named]))"
     )
 
 

@@ -115,10 +115,11 @@ class ZeroCLI(LightningCLI):
             super()._parse_ckpt_path()
         except pickle.UnpicklingError as error:  # (Lightning loads it with weights_only=True whatever we say)
             ckpt_path = Path(self.config[self.config.subcommand].get("ckpt_path"))
-            refused = str(unsafe_pickle_error(ckpt_path, error)).partition("; load it with")[0]
+            refused = str(unsafe_pickle_error(ckpt_path, error)).partition("; only if you trust")[0]
             raise InputError(
                 f"{refused}; Lightning's CLI reads a checkpoint file's hyper-parameters safely, whatever"
-                " --weights_only says: resume from Python, trainer.fit(..., weights_only=False), if you trust it"
+                " --weights_only says: resume from Python, with torch.serialization.add_safe_globals([the classes"
+                " named]), if you trust it"
             ) from error
         except (RuntimeError, EOFError) as error:
             ckpt_path = self.config[self.config.subcommand].get("ckpt_path")

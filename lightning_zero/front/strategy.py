@@ -304,7 +304,8 @@ class ZeroStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint directory (saved at any world size and stage), a plain Lightning checkpoint file
         (from ``ddp`` or one device) or a torch.distributed.checkpoint directory (FSDP2's); pickled state is
-        loaded with ``weights_only=True`` unless ``trainer.fit(..., weights_only=False)`` says the file is trusted."""
+        loaded with ``weights_only=True`` (the module's own hyper-parameter dataclasses allowed) unless Lightning says
+        it is trusted (it passes no ``trainer.fit(weights_only=...)`` to a strategy that restores after set-up)."""
         module, trusted = self.lightning_module, weights_only is False
         return self.checkpoints.open(
             self.engine, checkpoint_path, module=module, optimizers=self.optimizers, trusted=trusted

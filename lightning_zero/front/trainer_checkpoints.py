@@ -26,12 +26,14 @@ it (``complete_checkpoint``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
@@ -132,7 +134,8 @@ class TrainerCheckpoints:
         rank, world_size = engine.rank, engine.topology.shard_size * engine.topology.replicas  # (Lightning's)
         engine.finish_saves()
         path = complete_checkpoint(path)
-        self.restore = engine.load(path, module=module, optimizers=zero_optimizers(optimizers), trusted=trusted)
+        with torch.serialization.safe_globals(hyperparameter_types(module)):
+            self.restore = engine.load(path, module=module, optimizers=zero_optimizers(optimizers), trusted=trusted)
         lightning = self.restore.lightning
         saved = lightning.pop(rng.KEY, None)
         if fitting and saved is not None:  # (a directory of ours: see the Note)
@@ -187,3 +190,12 @@ class TrainerCheckpoints:
         self.restore = self.pending_rng = None
         self.before_validation = []
         self.step_ended = self.validating = False
+
+
+def hyperparameter_types(module: pl.LightningModule) -> list[type]:
+    """The dataclasses among ``module``'s own hyper-parameters (a ``GPTConfig``), which its checkpoints hold: safe
+    loading may rebuild those, and only those, since this module builds them itself. (Lightning does not hand
+    ``trainer.fit``'s ``weights_only`` to a strategy that restores after set-up, so without this a module whose
+    hyper-parameters are a dataclass could not resume safely from the Trainer at all.)"""
+    values = module.hparams.values() if hasattr(module, "hparams") else ()
+    return list(dict.fromkeys(type(v) for v in values if dataclasses.is_dataclass(v) and not isinstance(v, type)))

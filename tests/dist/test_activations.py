@@ -12,6 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from lightning_zero import ZeroPrecision
+from lightning_zero.models.data import SyntheticTextDataModule
+from lightning_zero.models.gpt import GPTConfig, GPTModule
 from lightning_zero.sharding import collectives
 from tests.support.dynamic_models import DynamicModule, Indexed
 from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
@@ -105,3 +107,30 @@ def test_uneven_validation_during_a_checkpointed_fit(ranks, tmp_path):
     assert [i for i, _ in evaluated] == [i for i, _ in reference] and len(reference) == 10  # (5 samples, twice)
     for (i, loss), (_, ref) in zip(evaluated, reference):
         assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (i, loss, ref)
+
+
+def _gpt_fit(world: int, steps: int, root, checkpointing: str, ckpt_path=None) -> dict:
+    pl.seed_everything(0)
+    module = GPTModule(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.1))
+    data = SyntheticTextDataModule(block_size=16, batch_size=4, num_train=16, num_val=8, seed=0)
+    config = {"activation_checkpointing": checkpointing, "param_persistence_threshold": 0}
+    config["offload_activations"] = "cpu" if checkpointing != "none" else "none"
+    trainer = make_trainer(zero_strategy(3, **config), world, steps=steps, accumulate=1, default_root_dir=root)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    if ckpt_path is None:
+        trainer.save_checkpoint(root / f"step{steps}.ckpt")
+    return trainer.strategy.gather_module().state_dict()
+
+
+def _resume_worker(rank: int, world: int, root) -> None:
+    """The main job's GPTModule (a GPTConfig among its hyper-parameters, which safe loading rebuilds), saved with
+    offloaded activation checkpoints, resumed by the Trainer with and without them: the same training."""
+    _gpt_fit(world, 4, root, "units")
+    resumed = {mode: _gpt_fit(world, 8, root, mode, ckpt_path=root / "step4.ckpt") for mode in ("units", "none")}
+    assert list(resumed["units"]) == list(resumed["none"])
+    for name, value in resumed["none"].items():
+        assert torch.equal(value, resumed["units"][name]), name
+
+
+def test_a_checkpointed_gpt_resumes_from_the_trainer(ranks, tmp_path):
+    ranks(_resume_worker, 2, tmp_path)
