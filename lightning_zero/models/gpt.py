@@ -17,19 +17,23 @@ from torch import Tensor
 
 from lightning_zero.models.blocks import Block, CausalSelfAttention, GPTConfig
 from lightning_zero.models.fused_block import FusedBlock
+from lightning_zero.sequence.parallel import SequenceParallel
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "GPTConfig", "GPTModule"]  # (the parts: models/blocks.py)
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, sequence: SequenceParallel | None = None) -> None:
+        """``sequence``: each rank of a sequence-parallel group runs its slice of the sequence, with global
+        positions and attention across the group (sequence/parallel.py); its input is that slice."""
         super().__init__()
-        self.cfg = cfg
+        if sequence is not None and cfg.fused:
+            raise ValueError("model.fused blocks do not take sequence parallelism: set model.fused: false")
+        self.cfg, self.sequence = cfg, sequence
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        block = FusedBlock if cfg.fused else Block
-        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(FusedBlock(cfg) if cfg.fused else Block(cfg, sequence) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
@@ -57,7 +61,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         B, T = idx.shape
-        pos = torch.arange(T, device=idx.device)
+        if self.sequence is not None:  # (this rank's slice of a sequence-parallel group's sequence)
+            pos = self.sequence.positions(T, idx.device)
+        else:
+            pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)

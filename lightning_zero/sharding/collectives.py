@@ -78,7 +78,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-ROLES = ("shard", "replicate", "node", "cross")  # the roles topology.py gives its groups (their group_desc)
+ROLES = ("shard", "replicate", "node", "cross", "sequence")  # the roles given to groups (their group_desc)
 
 
 def group_role(group) -> str:
@@ -265,6 +265,14 @@ def all_gather(output: Tensor, input: Tensor, *, async_op: bool, group=None) -> 
         mine.copy_(input)
     works = [dist.broadcast(chunk, src=peer, group=group, async_op=True) for chunk, peer in zip(chunks, peers)]
     return _finish(works, None, async_op)
+
+
+def all_to_all(output: Tensor, input: Tensor, *, group=None) -> Tensor:
+    """Chunk r of ``input`` (split evenly along dim 0) goes to rank r of ``group``; chunk r of ``output`` comes
+    from rank r (gloo has it too, on the CPU). Synchronous: its result is used at once (sequence/ulysses.py)."""
+    _note("all_to_all", input, input.numel(), group)
+    dist.all_to_all_single(output, input, group=group)
+    return output
 
 
 def all_reduce(tensor: Tensor, op: dist.ReduceOp, *, group=None) -> Tensor:

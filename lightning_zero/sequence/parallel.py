@@ -1,0 +1,61 @@
+"""Sequence parallelism as a model and its data use it: the groups, a rank's slice, its positions, its attention.
+
+[Note: sequence-parallel groups]
+``sequence_parallel(K)`` splits the world into groups of K consecutive ranks. The ranks of a group hold the same
+samples and each the slice of their sequence at its place in the group (``split``: positions ``r*S/K`` to
+``(r+1)*S/K``, ``positions`` their global indices), and attention runs across the group (``attention``: Ulysses,
+ulysses.py). The N/K groups are the data-parallel replicas: a sampler gives replica ``data_rank`` of
+``data_size`` its samples. ZeRO shards the model states over all N ranks as before, the sequence-parallel ranks
+included (as DeepSpeed does): to it they are data-parallel ranks, and averaging their gradients over N is exact
+when each rank's loss is the mean over its slice and the slices are equally long, since the N/K replicas' means
+of K equal slices are the replicas' whole-sequence means. So a sequence length K does not divide is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_zero.sequence.ulysses import ulysses_attention
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """This rank's place: slice ``rank`` of ``size`` in its sequence-parallel ``group``, in data-parallel replica
+    ``data_rank`` of ``data_size`` (see [Note: sequence-parallel groups])."""
+
+    group: Any
+    rank: int
+    size: int
+    data_rank: int
+    data_size: int
+
+    def split(self, tensor: Tensor, dim: int = 1) -> Tensor:
+        """This rank's slice of ``tensor``'s sequence dimension ``dim``."""
+        length = tensor.shape[dim]
+        if length % self.size:
+            raise ValueError(f"a sequence of {length} tokens does not split into sequence_parallel_size {self.size}")
+        return tensor.narrow(dim, self.rank * (length // self.size), length // self.size)
+
+    def positions(self, length: int, device: torch.device | None = None) -> Tensor:
+        """The global positions of this rank's slice of ``length`` tokens."""
+        return torch.arange(self.rank * length, (self.rank + 1) * length, device=device)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, attention: Callable[..., Tensor], **kwargs: Any) -> Tensor:
+        """``attention`` over the group's whole sequence for this rank's slices ``[B, heads, S/K, D]``."""
+        return ulysses_attention(q, k, v, attention, group=self.group, **kwargs)
+
+
+def sequence_parallel(size: int, *, timeout: Any = None) -> SequenceParallel:
+    """The groups of ``size`` consecutive ranks (collective: every rank calls it, after the process group exists)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or world % size:
+        raise ValueError(f"sequence_parallel_size must be an integer >= 1 that divides the {world} ranks, got {size!r}")
+    groups = [list(range(start, start + size)) for start in range(0, world, size)]
+    group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, group_desc="sequence")
+    return SequenceParallel(group, rank % size, size, rank // size, world // size)

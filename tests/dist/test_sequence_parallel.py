@@ -1,0 +1,139 @@
+"""Sequence parallelism (sequence/): Ulysses attention on 2 and 4 ranks, each holding a slice of the sequence (the
+output slice and the gradients of its q, k and v slices equal those of attention over the whole sequence in one
+process, causal and not, with grouped-query attention whose key/value heads are split or repeated; head counts that
+do not split are refused in one line), and the GPT trained sequence-parallel under ZeRO at stages 1-3, SP=2 on 2
+ranks and 2 replicas x SP=2 on 4, with activation checkpointing at stage 3, against one process."""
+
+from __future__ import annotations
+
+import functools
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_zero.models.gpt import GPT
+from lightning_zero.sequence.parallel import sequence_parallel
+from lightning_zero.sequence.ulysses import check_heads, ulysses_attention
+from lightning_zero.sharding import collectives
+from tests.support.compare import relative_error
+from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
+
+B, S, D = 2, 16, 8
+# (query heads, key/value heads): plain, GQA split (K divides 2 at K=2), GQA repeated (K=4 a multiple of 2)
+HEADS = [(4, 4), (8, 2)]
+
+
+def _inputs(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    q = torch.randn(B, heads, S, D, generator=g)
+    k, v = (torch.randn(B, kv_heads, S, D, generator=g) for _ in range(2))
+    weight = torch.randn(B, heads, S, D, generator=g)  # (a loss that weighs every output element differently)
+    return q, k, v, weight
+
+
+def _attention(q, k, v, **kwargs):
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **kwargs)
+
+
+def _whole(heads: int, kv_heads: int, causal: bool) -> dict[str, torch.Tensor]:
+    q, k, v, weight = (t.requires_grad_(i < 3) for i, t in enumerate(_inputs(heads, kv_heads)))
+    out = _attention(q, k, v, is_causal=causal)
+    (out * weight).sum().backward()
+    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+
+
+def _worker(rank: int, world: int) -> dict:
+    results = {}
+    part = slice(rank * S // world, (rank + 1) * S // world)
+    for heads, kv_heads in HEADS:
+        for causal in (False, True):
+            q, k, v, weight = (
+                t[:, :, part].clone().requires_grad_(i < 3) for i, t in enumerate(_inputs(heads, kv_heads))
+            )
+            with collectives.record() as log:
+                out = ulysses_attention(q, k, v, _attention, is_causal=causal)
+                (out * weight).sum().backward()
+            assert [entry[0] for entry in log] == ["all_to_all"] * 8  # q, k, v, out; and their backward
+            results[heads, kv_heads, causal] = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_attention_equals_attention_over_the_whole_sequence(ranks, world):
+    results = ranks(_worker, world)
+    for (heads, kv_heads, causal), _ in results[0].items():
+        whole = _whole(heads, kv_heads, causal)
+        for rank, result in enumerate(results):
+            part = slice(rank * S // world, (rank + 1) * S // world)
+            for name, value in result[heads, kv_heads, causal].items():
+                err = relative_error(value, whole[name][:, :, part])
+                assert err <= 1e-6, f"{heads}/{kv_heads} heads, causal {causal}, rank {rank}: {name} off by {err:.1e}"
+
+
+def test_heads_the_sequence_parallel_size_cannot_split_are_refused():
+    with pytest.raises(ValueError, match="sequence_parallel_size 4 must divide the attention heads, 6"):
+        check_heads(6, 6, 4)
+    with pytest.raises(ValueError, match="must divide the key/value heads, 3, or be a multiple of them"):
+        check_heads(12, 3, 2)
+    check_heads(8, 2, 4)  # (a multiple of them: each key/value head repeated)
+    check_heads(8, 4, 2)
+
+
+STEPS = 6
+
+
+class SequenceGPT(EquivalenceModule):
+    """The equivalence GPT, each sample's sequence split over the ``size`` ranks of a sequence-parallel group; the
+    groups are the data-parallel replicas (rank r of a replica takes tokens r*S/K to (r+1)*S/K of its samples)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__("gpt", steps=STEPS, lazy=True)
+        self.size = size
+
+    def configure_model(self):
+        if self.net is None:
+            self.sequence = sequence_parallel(self.size)
+            self.net = GPT(self.gpt_config, sequence=self.sequence)
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step([self.sequence.split(t) for t in batch], batch_idx)
+
+    def train_dataloader(self):
+        replicas, replica = self.sequence.data_size, self.sequence.data_rank
+        sampler = DistributedSampler(self.data, num_replicas=replicas, rank=replica, shuffle=False)
+        return DataLoader(self.data, batch_size=self.global_batch // replicas, sampler=sampler)
+
+
+CONFIGS = {1: {}, 2: {}, 3: {"activation_checkpointing": "units", "param_persistence_threshold": 0}}
+
+
+def _train_worker(rank: int, world: int, size: int) -> dict:
+    out = {}
+    for stage, config in CONFIGS.items():
+        pl.seed_everything(0)
+        module = SequenceGPT(size)
+        make_trainer(zero_strategy(stage, reduce_bucket_size=3000, **config), world, steps=STEPS).fit(module)
+        out[stage] = {"state": module.trainer.strategy.gather_module().state_dict(), "norms": module.grad_norms}
+    return out
+
+
+@functools.cache
+def _reference():
+    pl.seed_everything(0)
+    module = EquivalenceModule("gpt", steps=STEPS)
+    make_trainer("auto", 1, steps=STEPS).fit(module)
+    return {k: v.clone() for k, v in module.state_dict().items()}, module.grad_norms
+
+
+@pytest.mark.parametrize("world,size", [(2, 2), (4, 2)])
+def test_the_gpt_trained_sequence_parallel_equals_one_process(ranks, world, size):
+    reference, norms = _reference()
+    for rank, result in enumerate(ranks(_train_worker, world, size)):
+        for stage, run in result.items():
+            assert relative_error(torch.tensor(run["norms"]), torch.tensor(norms)) <= 1e-5, (stage, rank)
+            for name, value in reference.items():
+                err = relative_error(run["state"][name], value)
+                assert err <= 1e-5, f"world {world} SP {size} stage {stage} rank {rank}: {name} off by {err:.1e}"
