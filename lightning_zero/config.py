@@ -175,6 +175,7 @@ ZERO_ROWS: tuple[Row, ...] = (
     ("activation_checkpointing", _one_of(*ACTIVATION_CHECKPOINTING), "none, units or selective"),
     ("offload_activations", _one_of("none", "cpu"), "none or cpu"),
     ("offload_activations", _with_checkpointing, "none unless zero.activation_checkpointing is units or selective"),
+    ("sequence_parallel_size", _integer_in(1), "an integer >= 1 that divides the world size"),
     # checkpoints, buffers and debugging
     ("broadcast_buffers", _is_bool, "true or false"),
     ("save_consolidated", _is_bool, "true or false"),
@@ -236,14 +237,12 @@ class ZeroConfig:
         unit_module_classes: stage 3: class names of the modules that become units (gathered and freed
             as a whole). Empty: every child of an ``nn.ModuleList`` (transformer blocks), then, outside
             those, the smallest modules holding at least ``unit_min_params`` parameters.
-        unit_min_params: stage 3, with no ``unit_module_classes``: the size from which a module outside
-            every ModuleList becomes a unit of its own (an ``nn.Sequential`` of large layers, a large
-            embedding); 0 turns that off.
+        unit_min_params: stage 3, with no ``unit_module_classes``: the size from which a module outside every
+            ModuleList becomes a unit of its own (an ``nn.Sequential`` of large layers, a large embedding); 0: off.
         max_live_parameters: stage 3: prefetching never holds more than this many elements of gathered
             units at once (the unit about to run is gathered regardless).
-        prefetch_bucket_size: stage 3: prefetching gathers units ahead of the one running until they
-            hold this many elements (the last may cross it; DeepSpeed's ``stage3_prefetch_bucket_size``);
-            0 turns prefetch off.
+        prefetch_bucket_size: stage 3: prefetching gathers units ahead of the one running until they hold this many
+            elements (the last may cross it; DeepSpeed's ``stage3_prefetch_bucket_size``); 0 turns prefetch off.
         param_persistence_threshold: stage 3: units of at most this many elements stay gathered.
         gather_dtype: stage 3 with ``bf16-mixed``: "compute" (default) keeps parameter shards in bf16 and
             gathers units in bf16 from the fp32 master (half the bytes, and autocast keeps no second
@@ -263,8 +262,7 @@ class ZeroConfig:
             ``zero_quantized_gradients``); see sharding/quantize.py.
         quantized_gradient_bits: 8 (default) or 4: the bits of each gradient value crossing nodes with
             ``quantized_gradients`` (4: half the bytes, 16x the rounding step: see the README for when it holds).
-        node_size: ranks per node for ZeRO++'s two levels (null: the launcher's ranks per node); must divide
-            the world size.
+        node_size: ranks per node for ZeRO++'s two levels (null: the launcher's ranks per node); divides the world.
         offload_optimizer: "cpu" keeps each rank's fp32 master partition, optimizer state and reduced
             gradient partition in host memory and runs the optimizer step there (ZeRO-Offload; see
             sharding/offload.py); "none" (default) keeps them on the device. Stages 1, 2 and 3.
@@ -280,10 +278,11 @@ class ZeroConfig:
             ``unit_module_classes`` names) keep only their inputs for backward and recompute the rest there
             (torch's non-reentrant checkpoint; see activations/checkpointing.py): "units" recomputes all of each
             block, "selective" keeps matmul and attention outputs and recomputes the pointwise ops; "none" (default).
-            Equal results, dropout included (the recomputation draws the same masks).
         offload_activations: "cpu" copies what checkpointed blocks keep (their inputs) to one reused host buffer
             during the forward, and back one block ahead of backward (ZeRO-R's Pa+cpu, DeepSpeed's
             ``cpu_checkpointing``; activations/host_offload.py); needs ``activation_checkpointing``. "none" (default).
+        sequence_parallel_size: groups of this many consecutive ranks hold slices of the same samples along their
+            sequence, attention across them (Ulysses: the model takes ``strategy.sequence_parallel``); 1: off.
         broadcast_buffers: as ddp's default: every buffer (BatchNorm's running statistics) is broadcast from
             rank 0 before a step's first training forward and before validation during ``fit``, so every rank
             validates with the same statistics (sharding/buffer_sync.py). False: each rank keeps its own
@@ -337,6 +336,7 @@ class ZeroConfig:
     # activations
     activation_checkpointing: str = "none"
     offload_activations: str = "none"
+    sequence_parallel_size: int = 1
     # checkpoints, buffers and debugging
     broadcast_buffers: bool = True
     save_consolidated: bool = False

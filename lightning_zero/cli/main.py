@@ -105,6 +105,7 @@ class ZeroCLI(LightningCLI):
                 _apply_deepspeed(config, config.deepspeed_config, tuple(config.deepspeed_ignore))
             stage = stage_of_strategy(config.trainer.strategy)
             self.zero_config = None if stage is None else ZeroConfig(stage=stage, **dict(config.zero))
+            _check_sequence_parallel(self.zero_config, config.trainer)
             if stage is not None and config.get("ckpt_path"):
                 _check_checkpoint(str(config.ckpt_path))
 
@@ -136,6 +137,18 @@ class ZeroCLI(LightningCLI):
         if self.zero_config is not None:
             kwargs["strategy"] = ZeroStrategy(self.zero_config)
         return super().instantiate_trainer(**kwargs)
+
+
+def _check_sequence_parallel(zero: ZeroConfig | None, trainer: dict) -> None:
+    """``zero.sequence_parallel_size`` divides the world of the Trainer's devices and nodes, where both are numbers."""
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if zero is None or not isinstance(devices, int) or not isinstance(nodes, int):
+        return
+    if (devices * nodes) % zero.sequence_parallel_size:
+        raise ValueError(
+            f"zero.sequence_parallel_size must divide the {devices * nodes} ranks (trainer.devices x"
+            f" trainer.num_nodes), got {zero.sequence_parallel_size}"
+        )
 
 
 def _check_checkpoint(ckpt_path: str) -> None:

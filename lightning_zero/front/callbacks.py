@@ -141,7 +141,8 @@ class ZeroMetrics(ThroughputMonitor):
         stage = pl.trainer.states.RunningStage.TRAINING
         seconds = self._throughputs[stage]._time[-1] if self._throughputs[stage]._time else 0.0
         if seconds:
-            world = trainer.world_size
+            # data-parallel replicas: the ranks of a sequence-parallel group share their samples
+            world = getattr(trainer.strategy, "distributed_sampler_kwargs", {}).get("num_replicas", trainer.world_size)
             mfu = f", MFU {100 * self.last['device/mfu']:.1f}% (last steps)" if "device/mfu" in self.last else ""
             console.print(
                 f"throughput: {self._lengths[stage] * world / seconds:,.0f} tokens/s,"

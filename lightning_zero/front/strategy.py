@@ -42,6 +42,7 @@ from lightning_zero.front.trainer_checkpoints import TrainerCheckpoints
 from lightning_zero.resilience.elastic import start_process_group
 from lightning_zero.resilience.peer_failure import exit_if_peer_failed
 from lightning_zero.resilience.preemption import end_on_signal_outside_training, ensure_preemption_callback
+from lightning_zero.sequence.parallel import SequenceParallel, groups_for
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.stage3_setup import ShardedModule
@@ -49,14 +50,12 @@ from lightning_zero.sharding.topology import Topology, topology_for
 
 
 class ZeroStrategy(DDPStrategy):
-    """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
-    sharded across ranks.
+    """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded.
 
     Args:
         config: the typed configuration; ``ZeroConfig()`` by default.
         stage: shortcut that overrides ``config.stage``.
-        start_method: how Lightning starts the processes: "popen" (re-run the script, like ``ddp``) or
-            "spawn" (like ``ddp_spawn``, for notebooks and tests).
+        start_method: how Lightning starts the processes: "popen" (re-runs the script, as ddp) or "spawn" (tests).
         on_save_phase: ``on_save_phase(phase, path)`` at each point a checkpoint's save or removal reaches
             (checkpoint/save.py's [Note: observing a save]): to watch saves (the kill tests stop one there).
         The others are Lightning's ``DDPStrategy``'s (the timeout is ``config.timeout``; ddp's own options,
@@ -92,6 +91,7 @@ class ZeroStrategy(DDPStrategy):
         )
         self.engine: ZeroEngine | None = None  # made with the process group (setup_environment), one per run
         self.topology = Topology(shard_rank=0, shard_size=1)  # likewise
+        self.sequence_parallel: SequenceParallel | None = None  # likewise: config.sequence_parallel_size's groups
         self.checkpoints = TrainerCheckpoints(on_phase=on_save_phase)
         self.traffic = collectives.Traffic()  # what this strategy's collectives covered while it was set up
         self._construction: ShardedConstruction | None = None  # stage 3, from configure_model to set-up
@@ -100,8 +100,7 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def from_deepspeed_config(cls, source: Any, *, ignore: tuple[str, ...] = ()) -> ZeroStrategy:
-        """The strategy a DeepSpeed JSON config (path or dict) describes, its fp16 loss scaling included (the
-        Trainer arguments it also sets: ``trainer_kwargs_from_deepspeed``)."""
+        """The strategy a DeepSpeed JSON config (path or dict) describes, its fp16 loss scaling included."""
         return deepspeed.strategy(cls, source, ignore=ignore)
 
     @classmethod
@@ -133,6 +132,7 @@ class ZeroStrategy(DDPStrategy):
         if self.lightning_module is not None:  # before the callbacks' setup, in which they would copy the model
             self._averaging = shard_averaging_callbacks(self.lightning_module.trainer.callbacks)  # averaging.py
         self.topology = topology_for(self.topology, self.config, self.global_rank, self.world_size, self.num_processes)
+        self.sequence_parallel = groups_for(self.sequence_parallel, self.config, timeout=self._timeout)
         # what building the model sharded took stays readable in later runs (fit, then test)
         built = self.engine.sharded_init_peak_bytes if self.engine is not None else None
         self.engine = ZeroEngine(
@@ -261,6 +261,10 @@ class ZeroStrategy(DDPStrategy):
         super().on_predict_start()
         end_on_signal_outside_training(self.lightning_module.trainer)
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:  # (the ranks of a sequence-parallel group: one replica)
+        return self.sequence_parallel.sampler_kwargs() if self.sequence_parallel else super().distributed_sampler_kwargs
+
     # --- checkpoints (trainer_checkpoints.py) ------------------------------------------------------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -270,29 +274,26 @@ class ZeroStrategy(DDPStrategy):
         return {}  # sharded: each rank writes its own part in save_checkpoint; nothing is gathered
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """What Lightning's checkpoint holds of the model: the state dict by reference, nothing gathered or
-        copied (each rank's shards are written by ``save_checkpoint``). Under stage 3 each sharded parameter is
-        in it as itself: its values can be read inside a step, else use ``full_state_dict()``."""
+        """What Lightning's checkpoint holds of the model: the state dict by reference, nothing gathered or copied
+        (``save_checkpoint`` writes each rank's shards; stage 3's sharded parameters are in it as themselves)."""
         module = self.lightning_module
         return self.engine.checkpoint_state_dict(module) if self.engine is not None else module.state_dict()
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """The whole state dict on every rank, on the CPU, in fp32 where training is mixed (the masters; see
-        sharding/full_state.py), gathered one unit at a time. Collective: call it on every rank."""
+        """The whole state dict on every rank, on the CPU, in fp32 (the masters), one unit at a time. Collective."""
         return self.engine.full_state_dict(self.lightning_module)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Writes the checkpoint as a directory: each rank its own shards (collective; see checkpoint/format.py)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
-        module, world_size = self.lightning_module, self.world_size
+        module, optimizers, world_size = self.lightning_module, self.optimizers, self.world_size
         self.checkpoints.save(
-            self.engine, checkpoint, filepath, module=module, optimizers=self.optimizers, world_size=world_size
+            self.engine, checkpoint, filepath, module=module, optimizers=optimizers, world_size=world_size
         )
 
     def finish_saves(self) -> None:
-        """Waits for a checkpoint save finishing in the background (``ZeroConfig(async_save=True)``); raises
-        its error. Collective only in what the save itself still has to agree on."""
+        """Waits for a save finishing in the background (``ZeroConfig(async_save=True)``); raises its error."""
         if self.engine is not None:
             self.engine.finish_saves()
 
@@ -359,8 +360,7 @@ class ZeroStrategy(DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        """Releases hooks; a stage-3 module stays sharded where it is (nothing is gathered, even after an
-        error): ``full_state_dict()`` or ``gather_module()`` make it whole when asked."""
+        """Releases hooks; a stage-3 module stays sharded where it is, nothing gathered, even after an error."""
         module = self.lightning_module
         failed = None
         try:

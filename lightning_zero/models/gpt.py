@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_zero.models.blocks import Block, CausalSelfAttention, GPTConfig
 from lightning_zero.models.fused_block import FusedBlock
 from lightning_zero.sequence.parallel import SequenceParallel
+from lightning_zero.sequence.ulysses import check_heads
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "GPTConfig", "GPTModule"]  # (the parts: models/blocks.py)
 
@@ -29,6 +30,8 @@ class GPT(nn.Module):
         super().__init__()
         if sequence is not None and cfg.fused:
             raise ValueError("model.fused blocks do not take sequence parallelism: set model.fused: false")
+        if sequence is not None:
+            check_heads(cfg.n_head, cfg.n_head, sequence.size)
         self.cfg, self.sequence = cfg, sequence
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -97,9 +100,11 @@ class GPTModule(pl.LightningModule):
         self.gpt: GPT | None = None
 
     def configure_model(self) -> None:
-        """Builds the GPT here, so that ZeRO-3 can build it on the meta device and initialize it sharded."""
+        """Builds the GPT here, so that ZeRO-3 can build it on the meta device and initialize it sharded; with
+        ``ZeroConfig(sequence_parallel_size=K)`` each rank runs its slice of every sample's sequence."""
         if self.gpt is None:
-            self.gpt = GPT(self.cfg)
+            strategy = self._trainer.strategy if self._trainer is not None else None
+            self.gpt = GPT(self.cfg, sequence=getattr(strategy, "sequence_parallel", None))
 
     def init_module(self, module: nn.Module, generator: torch.Generator) -> None:
         self.gpt.init_module(module, generator)
@@ -109,6 +114,8 @@ class GPTModule(pl.LightningModule):
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
+        if self.gpt.sequence is not None:  # this rank's slice of the samples' tokens: the loss is its mean
+            x, y = (self.gpt.sequence.split(t) for t in (x, y))
         logits = self(x)
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
 

@@ -13,6 +13,7 @@ of K equal slices are the replicas' whole-sequence means. So a sequence length K
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.config import ZeroConfig
 from lightning_zero.sequence.ulysses import ulysses_attention
 
 
@@ -34,13 +36,18 @@ class SequenceParallel:
     size: int
     data_rank: int
     data_size: int
+    world: Any = None  # a weak reference to the default process group the groups were made on
+
+    def sampler_kwargs(self) -> dict[str, int]:
+        """A distributed sampler's: the ranks of a group read the same samples (its replica's)."""
+        return {"num_replicas": self.data_size, "rank": self.data_rank}
 
     def split(self, tensor: Tensor, dim: int = 1) -> Tensor:
         """This rank's slice of ``tensor``'s sequence dimension ``dim``."""
         length = tensor.shape[dim]
         if length % self.size:
             raise ValueError(f"a sequence of {length} tokens does not split into sequence_parallel_size {self.size}")
-        return tensor.narrow(dim, self.rank * (length // self.size), length // self.size)
+        return tensor.narrow(dim, self.rank * (length // self.size), length // self.size).contiguous()
 
     def positions(self, length: int, device: torch.device | None = None) -> Tensor:
         """The global positions of this rank's slice of ``length`` tokens."""
@@ -58,4 +65,16 @@ def sequence_parallel(size: int, *, timeout: Any = None) -> SequenceParallel:
         raise ValueError(f"sequence_parallel_size must be an integer >= 1 that divides the {world} ranks, got {size!r}")
     groups = [list(range(start, start + size)) for start in range(0, world, size)]
     group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, group_desc="sequence")
-    return SequenceParallel(group, rank % size, size, rank // size, world // size)
+    default = weakref.ref(dist.distributed_c10d._get_default_group())
+    return SequenceParallel(group, rank % size, size, rank // size, world // size, default)
+
+
+def groups_for(made: SequenceParallel | None, config: ZeroConfig, *, timeout: Any = None) -> SequenceParallel | None:
+    """``config.sequence_parallel_size``'s groups: ``made`` if it was made on the current default process group
+    (fit, then test), else new ones (collective); None for a size of 1."""
+    size = config.sequence_parallel_size
+    if size == 1:
+        return None
+    if made is not None and made.world() is dist.distributed_c10d._get_default_group():
+        return made
+    return sequence_parallel(size, timeout=timeout)

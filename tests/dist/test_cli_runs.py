@@ -35,8 +35,9 @@ def _fit(rank: int, world: int, root) -> dict[str, str]:
             args.append(f"--deepspeed_config={root / 'ds_config.json'}")
         if name == "zero3pp":  # the 2 ranks as 2 nodes of 1
             args.append("--zero.node_size=1")
-        if name == "zero3":  # (the engine's activation checkpointing, from the command line)
+        if name == "zero3":  # (the engine's activation checkpointing, and the GPT sequence-parallel over both ranks)
             args += ["--zero.activation_checkpointing=selective", "--zero.offload_activations=cpu"]
+            args += ["--zero.sequence_parallel_size=2"]
         out = io.StringIO()
         logged = logging.StreamHandler(out)  # Lightning's rank_zero_info lines
         logging.getLogger("lightning.pytorch").addHandler(logged)
@@ -66,6 +67,7 @@ def test_composed_configs_and_a_deepspeed_config(ranks, tmp_path):
     assert "applied the DeepSpeed config" in printed["deepspeed"]
     saved = (tmp_path / "zero3" / "config.yaml").read_text()
     assert "activation_checkpointing: selective" in saved and "offload_activations: cpu" in saved
+    assert "sequence_parallel_size: 2" in saved
     saved = (tmp_path / "deepspeed" / "config.yaml").read_text()
     for line in ("accumulate_grad_batches: 2", "gradient_clip_val: 0.5", "batch_size: 4", "strategy: zero3"):
         assert line in saved, line

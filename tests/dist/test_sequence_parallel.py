@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero.models.gpt import GPT
-from lightning_zero.sequence.parallel import sequence_parallel
 from lightning_zero.sequence.ulysses import check_heads, ulysses_attention
 from lightning_zero.sharding import collectives
 from tests.support.compare import relative_error
@@ -89,22 +88,20 @@ class SequenceGPT(EquivalenceModule):
     """The equivalence GPT, each sample's sequence split over the ``size`` ranks of a sequence-parallel group; the
     groups are the data-parallel replicas (rank r of a replica takes tokens r*S/K to (r+1)*S/K of its samples)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self) -> None:
         super().__init__("gpt", steps=STEPS, lazy=True)
-        self.size = size
 
     def configure_model(self):
-        if self.net is None:
-            self.sequence = sequence_parallel(self.size)
+        if self.net is None:  # (ZeroConfig(sequence_parallel_size=K)'s groups)
+            self.sequence = self.trainer.strategy.sequence_parallel
             self.net = GPT(self.gpt_config, sequence=self.sequence)
 
     def training_step(self, batch, batch_idx):
         return super().training_step([self.sequence.split(t) for t in batch], batch_idx)
 
-    def train_dataloader(self):
-        replicas, replica = self.sequence.data_size, self.sequence.data_rank
-        sampler = DistributedSampler(self.data, num_replicas=replicas, rank=replica, shuffle=False)
-        return DataLoader(self.data, batch_size=self.global_batch // replicas, sampler=sampler)
+    def train_dataloader(self):  # (the strategy's sampler arguments, as Lightning's own sampler takes them)
+        sampler = DistributedSampler(self.data, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
+        return DataLoader(self.data, batch_size=self.global_batch // sampler.num_replicas, sampler=sampler)
 
 
 CONFIGS = {1: {}, 2: {}, 3: {"activation_checkpointing": "units", "param_persistence_threshold": 0}}
@@ -114,8 +111,10 @@ def _train_worker(rank: int, world: int, size: int) -> dict:
     out = {}
     for stage, config in CONFIGS.items():
         pl.seed_everything(0)
-        module = SequenceGPT(size)
-        make_trainer(zero_strategy(stage, reduce_bucket_size=3000, **config), world, steps=STEPS).fit(module)
+        module = SequenceGPT()
+        strategy = zero_strategy(stage, reduce_bucket_size=3000, sequence_parallel_size=size, **config)
+        make_trainer(strategy, world, steps=STEPS).fit(module)
+        assert module.sequence.size == size and module.sequence.data_size == world // size
         out[stage] = {"state": module.trainer.strategy.gather_module().state_dict(), "norms": module.grad_norms}
     return out
 

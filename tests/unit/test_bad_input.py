@@ -54,6 +54,11 @@ FIT_CASES = [
         "zero:\n  activation_checkpointing: full\n",
         "zero.activation_checkpointing must be none, units or selective, got 'full'",
     ),
+    Case(
+        "cli_sequence_parallel_size",
+        fit_args("--zero.sequence_parallel_size", "3"),
+        "zero.sequence_parallel_size must divide the 2 ranks (trainer.devices x trainer.num_nodes), got 3",
+    ),
     _yaml(
         "offload_activations_without_checkpointing",
         "zero:\n  offload_activations: cpu\n",
