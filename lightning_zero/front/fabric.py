@@ -49,6 +49,7 @@ from lightning_zero.engine import ZeroEngine
 from lightning_zero.front.precision import ZeroPrecision, as_zero_precision, check_skip_on_device, stage3_param_dtype
 from lightning_zero.front.prepare import check_not_shared, config_for, construction_of, place_module
 from lightning_zero.resilience.elastic import start_process_group
+from lightning_zero.sequence.parallel import SequenceParallel, groups_for
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.stage3_setup import ShardedModule
 from lightning_zero.sharding.topology import Topology, topology_for
@@ -132,6 +133,7 @@ class ZeroFabricStrategy(DDPStrategy):
         )
         self._backward_sync_control = _NoSync()
         self.topology = Topology(shard_rank=0, shard_size=1)
+        self.sequence_parallel: SequenceParallel | None = None  # config.sequence_parallel_size's groups (set-up)
         self.engine: ZeroEngine | None = None  # the first model's (see [Note: several models])
         self.engines: list[ZeroEngine] = []  # one per set-up, in order (a failed one's too: torn down at the end)
         self.models: list[ZeroModule] = []  # the models set up, each with its engine
@@ -164,7 +166,12 @@ class ZeroFabricStrategy(DDPStrategy):
         if self.precision.device is None:
             self.precision.device = self.root_device.type
         self.topology = topology_for(self.topology, self.config, self.global_rank, self.world_size, self.num_processes)
+        self.sequence_parallel = groups_for(self.sequence_parallel, self.config, timeout=self._timeout)
         self.engine = self._new_engine()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:  # (fabric.setup_dataloaders: one replica per group)
+        return self.sequence_parallel.sampler_kwargs() if self.sequence_parallel else super().distributed_sampler_kwargs
 
     def _new_engine(self) -> ZeroEngine:
         return ZeroEngine(self.config, self.topology, self.root_device, rank=self.global_rank)

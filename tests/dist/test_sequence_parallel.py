@@ -2,7 +2,8 @@
 output slice and the gradients of its q, k and v slices equal those of attention over the whole sequence in one
 process, causal and not, with grouped-query attention whose key/value heads are split or repeated; head counts that
 do not split are refused in one line), and the GPT trained sequence-parallel under ZeRO at stages 1-3, SP=2 on 2
-ranks and 2 replicas x SP=2 on 4, with activation checkpointing at stage 3, against one process."""
+ranks and 2 replicas x SP=2 on 4, with activation checkpointing at stage 3, and in a Fabric loop, against one
+process."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_zero import ZeroConfig, ZeroFabricStrategy
 from lightning_zero.models.gpt import GPT
 from lightning_zero.sequence.ulysses import check_heads, ulysses_attention
 from lightning_zero.sharding import collectives
@@ -136,3 +139,45 @@ def test_the_gpt_trained_sequence_parallel_equals_one_process(ranks, world, size
             for name, value in reference.items():
                 err = relative_error(run["state"][name], value)
                 assert err <= 1e-5, f"world {world} SP {size} stage {stage} rank {rank}: {name} off by {err:.1e}"
+
+
+def _fabric_loop(fabric, model, optimizer, data, sequence) -> list[float]:
+    losses = []
+    for x, y in data:
+        if sequence is not None:
+            x, y = sequence.split(x), sequence.split(y)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        fabric.backward(loss) if fabric is not None else loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _fabric_worker(rank: int, world: int) -> dict:
+    """Fabric's door: the strategy's groups and sampler arguments, the same loop as one process's."""
+    config = ZeroConfig(stage=3, sequence_parallel_size=world, param_persistence_threshold=0, timeout=120)
+    fabric = Fabric(strategy=ZeroFabricStrategy(config), accelerator="cpu", devices=world)
+    fabric.launch()
+    pl.seed_everything(0)
+    module = EquivalenceModule("gpt", steps=STEPS)
+    sequence = fabric.strategy.sequence_parallel
+    model = GPT(module.gpt_config, sequence=sequence)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sampler = DistributedSampler(module.data, shuffle=False, **fabric.strategy.distributed_sampler_kwargs)
+    losses = _fabric_loop(fabric, model, optimizer, DataLoader(module.data, batch_size=8, sampler=sampler), sequence)
+    return {"losses": losses, "state": fabric.strategy.get_module_state_dict(model)}
+
+
+def test_fabric_trains_sequence_parallel_as_one_process(ranks):
+    pl.seed_everything(0)
+    module = EquivalenceModule("gpt", steps=STEPS)
+    model = GPT(module.gpt_config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = _fabric_loop(None, model, optimizer, DataLoader(module.data, batch_size=8), None)
+    results = ranks(_fabric_worker, 2)
+    halves = torch.tensor([r["losses"] for r in results]).mean(0)  # (each rank's loss: the mean over its half)
+    assert relative_error(halves, torch.tensor(losses)) <= 1e-5
+    for rank, result in enumerate(results):
+        for name, value in model.state_dict().items():
+            assert relative_error(result["state"][name], value) <= 1e-5, (rank, name)
