@@ -24,6 +24,7 @@ from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sequence.ulysses import ulysses_attention
+from lightning_zero.sharding import collectives
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,13 @@ def groups_for(made: SequenceParallel | None, config: ZeroConfig, *, timeout: An
     if made is not None and made.world() is dist.distributed_c10d._get_default_group():
         return made
     return sequence_parallel(size, timeout=timeout)
+
+
+def token_mean(losses: Tensor, kept: Tensor, *, world_size: int, group: Any = None) -> Tensor:
+    """The mean of ``losses`` over the tokens ``kept`` marks on every rank of ``group`` (the global batch's real
+    tokens: padding and masked targets left out), as each rank's loss: ``world_size * sum(kept losses) / count``,
+    so that averaging the ranks' gradients (as ZeRO does) gives that mean's, and averaging the ranks' values (a
+    logged ``sync_dist`` mean) gives the mean itself. A rank's slices hold different numbers of real tokens; the mean
+    of per-rank means would weigh them wrongly. Collective: every rank calls it once per micro-batch."""
+    count = collectives.all_reduce(kept.sum().to(losses.dtype), dist.ReduceOp.SUM, group=group)
+    return losses.masked_fill(~kept, 0).sum() * world_size / count

@@ -49,12 +49,16 @@ CHECKPOINTED = {
 }
 
 
-def _configs(module: DynamicModule):
+# On 4 ranks (the slowest on 2 cores) the checkpointed runs of the models whose ranks run different blocks
+CHECKPOINTED_AT_4 = ("branch", "experts")
+
+
+def _configs(module: DynamicModule, world: int = 2):
     tight = {"param_persistence_threshold": 0, "max_live_parameters": _unit_budget(module)}
     yield "zero2", 2, {"reduce_bucket_size": 100}
     yield "zero3", 3, {}
     yield "zero3-tight", 3, tight
-    if module.kind in CHECKPOINTED:
+    if module.kind in CHECKPOINTED and (world == 2 or module.kind in CHECKPOINTED_AT_4):
         yield "zero3-tight-checkpointed", 3, {**tight, **CHECKPOINTED[module.kind]}
 
 
@@ -76,7 +80,7 @@ class SameLaunchOrder(pl.Callback):
 def _worker(rank: int, world: int, out_dir) -> None:
     for kind in KINDS:
         forwards = {}
-        for name, stage, config in _configs(DynamicModule(kind)):
+        for name, stage, config in _configs(DynamicModule(kind), world):
             pl.seed_everything(0)
             module = DynamicModule(kind, steps=STEPS)
             callbacks = [SameLaunchOrder()]
@@ -113,7 +117,7 @@ def test_dynamic_models_match_single_process_with_one_collective_schedule(ranks,
     ranks(_worker, world, tmp_path)
     for kind in KINDS:
         reference = _reference(kind)
-        for name, _, _ in _configs(DynamicModule(kind)):
+        for name, _, _ in _configs(DynamicModule(kind), world):
             results = [torch.load(tmp_path / f"{kind}-{name}-{r}.pt") for r in range(world)]
             assert results[0]["collectives"] > 0
             if kind in ("branch", "moe", "experts", "skip"):

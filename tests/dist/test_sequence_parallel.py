@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import ZeroConfig, ZeroFabricStrategy
 from lightning_zero.models.gpt import GPT
+from lightning_zero.sequence.parallel import token_mean
 from lightning_zero.sequence.ulysses import check_heads, ulysses_attention
 from lightning_zero.sharding import collectives
 from tests.support.compare import relative_error
@@ -181,3 +182,56 @@ def test_fabric_trains_sequence_parallel_as_one_process(ranks):
     for rank, result in enumerate(results):
         for name, value in model.state_dict().items():
             assert relative_error(result["state"][name], value) <= 1e-5, (rank, name)
+
+
+def _masked(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Targets left out (-100) in the first 5 positions of the samples whose first token is even: the ranks'
+    slices, and the replicas, hold different numbers of real tokens."""
+    y = y.clone()
+    y[x[:, 0] % 2 == 0, :5] = -100
+    return y
+
+
+class MaskedGPT(EquivalenceModule):
+    """One process: the mean over the real tokens (cross_entropy's ignore_index)."""
+
+    def __init__(self) -> None:
+        super().__init__("gpt", steps=STEPS)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step((x, _masked(x, y)), batch_idx)
+
+
+class MaskedSequenceGPT(SequenceGPT):
+    """Sequence-parallel: each rank's losses over its slice, normalized by the real tokens of every rank."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x, y = (self.sequence.split(t) for t in (x, _masked(x, y)))
+        losses = F.cross_entropy(self.net(x).flatten(0, 1).float(), y.flatten(), reduction="none")
+        loss = token_mean(losses, y.flatten() != -100, world_size=self.trainer.world_size)
+        self.losses.append(float(loss))
+        return loss
+
+
+def _masked_worker(rank: int, world: int) -> dict:
+    pl.seed_everything(0)
+    module = MaskedSequenceGPT()
+    strategy = zero_strategy(2, reduce_bucket_size=3000, sequence_parallel_size=2)
+    make_trainer(strategy, world, steps=STEPS).fit(module)
+    return {"state": module.trainer.strategy.gather_module().state_dict(), "losses": module.losses}
+
+
+def test_a_loss_over_the_real_tokens_of_uneven_slices_equals_one_process(ranks):
+    """2 replicas x SP=2: both the slices and the replicas hold different numbers of real tokens."""
+    world = 4
+    pl.seed_everything(0)
+    reference = MaskedGPT()
+    make_trainer("auto", 1, steps=STEPS).fit(reference)
+    results = ranks(_masked_worker, world)
+    logged = torch.tensor([r["losses"] for r in results]).mean(0)  # (a sync_dist mean of the ranks' values)
+    assert relative_error(logged, torch.tensor(reference.losses)) <= 1e-5
+    for rank, result in enumerate(results):
+        for name, value in reference.state_dict().items():
+            assert relative_error(result["state"][name], value) <= 1e-5, (world, rank, name)
