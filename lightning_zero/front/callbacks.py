@@ -68,14 +68,23 @@ class StepProgressBar(RichProgressBar):
 class ZeroMetrics(ThroughputMonitor):
     def __init__(self, peak_flops: float | None = None, window_size: int = 50) -> None:
         """``peak_flops``: the device's peak FLOP/s for MFU where Lightning does not know it (CPUs)."""
-        super().__init__(batch_size_fn=_samples, length_fn=_tokens, window_size=window_size)
+        super().__init__(batch_size_fn=self._samples, length_fn=self._tokens, window_size=window_size)
+        self.share = 1  # the ranks sharing each sample (a sequence-parallel group): each counts its part
         self.peak_flops = peak_flops
         self.last: dict[str, float] = {}
         self.memory: list[dict[str, int]] = []
         self.first_loss: float | None = None
 
+    def _samples(self, batch: Any) -> float:
+        return _samples(batch) / self.share
+
+    def _tokens(self, batch: Any) -> float:
+        return _tokens(batch) / self.share
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        sequence = getattr(trainer.strategy, "sequence_parallel", None)
+        self.share = sequence.size if sequence is not None else 1
         if self.peak_flops:
             self.available_flops = int(self.peak_flops)
             for throughput in self._throughputs.values():
@@ -141,8 +150,7 @@ class ZeroMetrics(ThroughputMonitor):
         stage = pl.trainer.states.RunningStage.TRAINING
         seconds = self._throughputs[stage]._time[-1] if self._throughputs[stage]._time else 0.0
         if seconds:
-            # data-parallel replicas: the ranks of a sequence-parallel group share their samples
-            world = getattr(trainer.strategy, "distributed_sampler_kwargs", {}).get("num_replicas", trainer.world_size)
+            world = trainer.world_size  # (each rank counted its part of the samples: see share)
             mfu = f", MFU {100 * self.last['device/mfu']:.1f}% (last steps)" if "device/mfu" in self.last else ""
             console.print(
                 f"throughput: {self._lengths[stage] * world / seconds:,.0f} tokens/s,"

@@ -4,12 +4,14 @@ them; models/fused_block.py computes the same block with fused ops)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_zero.sequence.parallel import SequenceParallel
+if TYPE_CHECKING:  # (annotations only: the plain model imports no distributed machinery)
+    from lightning_zero.sequence.parallel import SequenceParallel
 
 
 @dataclass(kw_only=True)

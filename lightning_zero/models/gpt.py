@@ -65,6 +65,8 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         B, T = idx.shape
         if self.sequence is not None:  # (this rank's slice of a sequence-parallel group's sequence)
+            if T * self.sequence.size > self.cfg.block_size:  # (every rank alike, before any all-to-all)
+                raise ValueError(f"a sequence of {T * self.sequence.size} tokens is longer than model.block_size")
             pos = self.sequence.positions(T, idx.device)
         else:
             pos = torch.arange(T, device=idx.device)
@@ -120,9 +122,10 @@ class GPTModule(pl.LightningModule):
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        self.flops_per_batch = batch[0].numel() * self.gpt.flops_per_token()  # read by ThroughputMonitor (MFU)
+        share = self.gpt.sequence.size if self.gpt.sequence is not None else 1  # (a slice of each sample here)
+        self.flops_per_batch = batch[0].numel() // share * self.gpt.flops_per_token()  # read by ThroughputMonitor
         loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=share > 1)  # (the mean over the slices)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

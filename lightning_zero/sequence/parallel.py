@@ -44,14 +44,15 @@ class SequenceParallel:
         return {"num_replicas": self.data_size, "rank": self.data_rank}
 
     def split(self, tensor: Tensor, dim: int = 1) -> Tensor:
-        """This rank's slice of ``tensor``'s sequence dimension ``dim``."""
+        """This rank's slice of ``tensor``'s sequence dimension ``dim`` (pad sequences to a multiple of the size:
+        a group that cannot split its batch raises there alone, and the others wait for it)."""
         length = tensor.shape[dim]
         if length % self.size:
             raise ValueError(f"a sequence of {length} tokens does not split into sequence_parallel_size {self.size}")
         return tensor.narrow(dim, self.rank * (length // self.size), length // self.size).contiguous()
 
     def positions(self, length: int, device: torch.device | None = None) -> Tensor:
-        """The global positions of this rank's slice of ``length`` tokens."""
+        """The global positions of this rank's slice, ``length`` tokens long (the slice's length, not the whole's)."""
         return torch.arange(self.rank * length, (self.rank + 1) * length, device=device)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, attention: Callable[..., Tensor], **kwargs: Any) -> Tensor:
@@ -76,7 +77,7 @@ def groups_for(made: SequenceParallel | None, config: ZeroConfig, *, timeout: An
     size = config.sequence_parallel_size
     if size == 1:
         return None
-    if made is not None and made.world() is dist.distributed_c10d._get_default_group():
+    if made is not None and made.world is not None and made.world() is dist.distributed_c10d._get_default_group():
         return made
     return sequence_parallel(size, timeout=timeout)
 

@@ -4,8 +4,9 @@
 The K ranks of a sequence-parallel group hold different slices, S/K positions each in rank order, of the same
 samples. Attention needs every position, so around it one all-to-all turns q, k and v from sequence-sharded
 ``[B, H, S/K, D]`` into head-sharded ``[B, H/K, S, D]`` (each rank: every position of H/K heads), attention runs
-unchanged on them (any implementation, causal masks, dropout, fused kernels: it sees whole sequences), and a
-second all-to-all turns its output back. An all-to-all's backward is the opposite all-to-all, so gradients are
+unchanged on them (any implementation, causal masks, fused kernels: it sees whole sequences), and a second
+all-to-all turns its output back. Dropout draws from each rank's generator, seeded alike across the group, so
+the ranks' head blocks (and, outside attention, their slices) get the same masks: exact only with it off. An all-to-all's backward is the opposite all-to-all, so gradients are
 exact. Per layer each rank sends 4 tensors of ``B*H*S*D/K`` elements, (K-1)/K of them to other ranks: constant in
 K, unlike ring attention's. Grouped-query attention (fewer key/value heads, H_kv) splits k and v likewise when K
 divides H_kv; when H_kv divides K, each key/value head is repeated K/H_kv times first, so rank j receives the one
