@@ -5,13 +5,13 @@ The K ranks of a sequence-parallel group hold different slices, S/K positions ea
 samples. Attention needs every position, so around it one all-to-all turns q, k and v from sequence-sharded
 ``[B, H, S/K, D]`` into head-sharded ``[B, H/K, S, D]`` (each rank: every position of H/K heads), attention runs
 unchanged on them (any implementation, causal masks, fused kernels: it sees whole sequences), and a second
-all-to-all turns its output back. Dropout draws from each rank's generator, seeded alike across the group, so
-the ranks' head blocks (and, outside attention, their slices) get the same masks: exact only with it off. An all-to-all's backward is the opposite all-to-all, so gradients are
-exact. Per layer each rank sends 4 tensors of ``B*H*S*D/K`` elements, (K-1)/K of them to other ranks: constant in
-K, unlike ring attention's. Grouped-query attention (fewer key/value heads, H_kv) splits k and v likewise when K
-divides H_kv; when H_kv divides K, each key/value head is repeated K/H_kv times first, so rank j receives the one
-its query heads read (query head h reads key/value head ``h // (H / H_kv)``). Anything else is refused with one
-line, as is H not divisible by K.
+all-to-all turns its output back. An all-to-all's backward is the opposite all-to-all, so gradients are exact.
+Dropout draws from each rank's generator, seeded alike across the group, so the ranks' head blocks (and, outside
+attention, their slices) get the same masks: exact only with it off. Per layer each rank sends 4 tensors of
+``B*H*S*D/K`` elements, (K-1)/K of them to other ranks: constant in K, unlike ring attention's. Grouped-query
+attention (fewer key/value heads, H_kv) splits k and v likewise when K divides H_kv; when H_kv divides K, each
+key/value head is repeated K/H_kv times first, so rank j receives the one its query heads read (query head h
+reads key/value head ``h // (H / H_kv)``). Anything else is refused with one line, as is H not divisible by K.
 """
 
 from __future__ import annotations
@@ -46,26 +46,18 @@ def _heads_to_sequence(y: Tensor, k: int, group) -> Tensor:
     return received.transpose(0, 1).reshape(b, k * h, s // k, d)
 
 
-class _SequenceToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One layout's exchange (``to_heads``: sequence-sharded to head-sharded); its backward is the other one's."""
+
     @staticmethod
-    def forward(ctx: Any, x: Tensor, k: int, group: Any) -> Tensor:
-        ctx.k, ctx.group = k, group
-        return _sequence_to_heads(x, k, group)
+    def forward(ctx: Any, x: Tensor, k: int, group: Any, to_heads: bool) -> Tensor:
+        ctx.k, ctx.group, ctx.to_heads = k, group, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, k, group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
-        return _heads_to_sequence(grad.contiguous(), ctx.k, ctx.group), None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: Tensor, k: int, group: Any) -> Tensor:
-        ctx.k, ctx.group = k, group
-        return _heads_to_sequence(y, k, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple:
-        return _sequence_to_heads(grad.contiguous(), ctx.k, ctx.group), None, None
+        undo = _heads_to_sequence if ctx.to_heads else _sequence_to_heads
+        return undo(grad.contiguous(), ctx.k, ctx.group), None, None, None
 
 
 def check_heads(heads: int, kv_heads: int, k: int) -> None:
@@ -90,5 +82,5 @@ def ulysses_attention(
         return attention(q, k, v, **kwargs)
     if k.shape[1] < size:  # each rank gets one key/value head: the one its query heads read
         k, v = (t.repeat_interleave(size // t.shape[1], dim=1) for t in (k, v))
-    q, k, v = (_SequenceToHeads.apply(t.contiguous(), size, group) for t in (q, k, v))
-    return _HeadsToSequence.apply(attention(q, k, v, **kwargs).contiguous(), size, group)
+    q, k, v = (_AllToAll.apply(t.contiguous(), size, group, True) for t in (q, k, v))
+    return _AllToAll.apply(attention(q, k, v, **kwargs).contiguous(), size, group, False)
