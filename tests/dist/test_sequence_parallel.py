@@ -7,6 +7,7 @@ process."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import lightning.pytorch as pl
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import ZeroConfig, ZeroFabricStrategy
 from lightning_zero.models.gpt import GPT
-from lightning_zero.sequence.parallel import token_mean
+from lightning_zero.sequence.parallel import sequence_parallel, token_mean
 from lightning_zero.sequence.ulysses import check_heads, ulysses_attention
 from lightning_zero.sharding import collectives
 from tests.support.compare import relative_error
@@ -235,3 +236,19 @@ def test_a_loss_over_the_real_tokens_of_uneven_slices_equals_one_process(ranks):
     for rank, result in enumerate(results):
         for name, value in reference.state_dict().items():
             assert relative_error(result["state"][name], value) <= 1e-5, (world, rank, name)
+
+
+def _lengths_worker(rank: int, world: int) -> None:
+    """Two groups whose samples have other lengths: ZeroConfig.check_collectives compares the world's collectives,
+    a group's all-to-alls only inside the group (no false alarm)."""
+    sequence = sequence_parallel(2)
+    with contextlib.ExitStack() as stack:
+        check = collectives.SequenceCheck(stack)
+        length = 8 * (sequence.data_rank + 1)  # 8 tokens a sample in one group, 16 in the other
+        q, k, v = (torch.randn(1, 2, length // 2, 4) for _ in range(3))
+        ulysses_attention(q, k, v, F.scaled_dot_product_attention, group=sequence.group)
+        check.check("after attention")
+
+
+def test_groups_running_other_lengths_pass_the_collective_check(ranks):
+    ranks(_lengths_worker, 4)
