@@ -19,8 +19,8 @@ from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.planning.activations import ActivationProfile, longest_fitting, profile_activations
 from tests.support.helpers import run_cli
 
-# 16 blocks at 512 tokens: the blocks' activations dominate, as in a long-sequence run
-LONG = GPTConfig(vocab_size=64, block_size=512, n_layer=16, n_head=4, n_embd=64)
+# 16 blocks at 256 tokens: the blocks' activations dominate, as in a long-sequence run
+LONG = GPTConfig(vocab_size=64, block_size=256, n_layer=16, n_head=4, n_embd=64)
 
 
 def _train(mode: str, offload: bool, steps: int = 2) -> tuple[int, list[torch.Tensor], HostActivations | None]:
