@@ -155,6 +155,7 @@ MAPPED_KEYS = {
     "zero_optimization.zero_quantized_weights": ("zero", "quantized_weights", _true_or_false),
     "zero_optimization.zero_quantized_gradients": ("zero", "quantized_gradients", _true_or_false),
     "communication_data_type": ("zero", "reduce_dtype", _communication_dtype),
+    "sequence_parallel_size": ("zero", "sequence_parallel_size", _integer),  # (DeepSpeed's Ulysses and ALST)
     "fp16.loss_scale": ("loss_scale", "static_loss_scale", _float),
     "fp16.initial_scale_power": ("loss_scale", "initial_scale_power", _integer),
     "fp16.loss_scale_window": ("loss_scale", "scale_window", _integer),

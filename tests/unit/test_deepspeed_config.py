@@ -210,6 +210,12 @@ def test_unsupported_keys_are_listed_in_one_error():
     ), str(info.value)
 
 
+def test_sequence_parallel_size_is_mapped():
+    assert read_deepspeed_config({**ZERO3, "sequence_parallel_size": 2}).zero.sequence_parallel_size == 2
+    with pytest.raises(ValueError, match="zero.sequence_parallel_size must be an integer >= 1 that divides the world"):
+        read_deepspeed_config({**ZERO3, "sequence_parallel_size": 0})
+
+
 def test_the_activation_checkpointing_section_maps_cpu_checkpointing_and_names_the_rest():
     """DeepSpeed's (and Lightning DeepSpeedStrategy's) names: the section configures the checkpoint function the
     model's code calls and turns nothing on by itself; cpu_checkpointing asks for offloaded checkpoints (units), the
