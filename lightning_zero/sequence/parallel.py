@@ -87,6 +87,8 @@ def token_mean(losses: Tensor, kept: Tensor, *, world_size: int, group: Any = No
     tokens: padding and masked targets left out), as each rank's loss: ``world_size * sum(kept losses) / count``,
     so that averaging the ranks' gradients (as ZeRO does) gives that mean's, and averaging the ranks' values (a
     logged ``sync_dist`` mean) gives the mean itself. A rank's slices hold different numbers of real tokens; the mean
-    of per-rank means would weigh them wrongly. Collective: every rank calls it once per micro-batch."""
+    of per-rank means would weigh them wrongly. Collective: every rank calls it once per micro-batch (so not in an
+    evaluation step whose ranks hold different numbers of batches: a rank that ran out replays only the engine's own
+    collectives, as with ``self.log(sync_dist=True)`` under ddp)."""
     count = collectives.all_reduce(kept.sum().to(losses.dtype), dist.ReduceOp.SUM, group=group)
     return losses.masked_fill(~kept, 0).sum() * world_size / count
