@@ -15,7 +15,7 @@ from lightning_zero.front.fabric import ZeroFabricStrategy
 from lightning_zero.front.gathered import gathered_parameters, parameter_norms
 from lightning_zero.front.grad_norms import grad_norm
 from lightning_zero.front.precision import ZeroPrecision
-from lightning_zero.front.script import ScriptEngine, initialize
+from lightning_zero.front.script import ScriptEngine, Session, init_distributed, initialize
 from lightning_zero.front.strategy import ZeroStrategy
 from lightning_zero.resilience.preemption import Preempted, PreemptionCheckpoint
 from lightning_zero.resilience.resumable_data import ResumableSampler, resumable_loader
@@ -26,6 +26,7 @@ __all__ = [
     "PreemptionCheckpoint",
     "ResumableSampler",
     "ScriptEngine",
+    "Session",
     "ZeroConfig",
     "ZeroFabricStrategy",
     "ZeroPrecision",
@@ -34,6 +35,7 @@ __all__ = [
     "export_hugging_face",
     "gathered_parameters",
     "grad_norm",
+    "init_distributed",
     "initialize",
     "load_pretrained",
     "parameter_norms",

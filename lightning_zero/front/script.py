@@ -10,6 +10,14 @@
     engine.save("ckpt", step=step)           # collective; engine.load("ckpt") -> {"step": ...}
     engine.close()                           # every rank done: the process group goes
 
+A model that needs the process group to be built (sequence parallelism: ``ZeroConfig(sequence_parallel_size=K)``,
+the GPT built with its groups) starts it first, as ``deepspeed.init_distributed`` does:
+
+    session = lightning_zero.init_distributed(ZeroConfig(stage=3, sequence_parallel_size=2))
+    model = GPT(cfg, sequence=session.sequence_parallel)
+    sampler = DistributedSampler(data, **session.sampler_kwargs)   # the ranks of a group read the same samples
+    engine = session.initialize(model, torch.optim.AdamW(model.parameters()))
+
 Under the hood it is Fabric with ``ZeroFabricStrategy`` (fabric.py), set up from torchrun's environment:
 the process group, the device of this local rank, and the same sharded checkpoints as the Trainer's.
 """
@@ -30,6 +38,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.front.fabric import ZeroFabricStrategy
+from lightning_zero.sequence.parallel import SequenceParallel
 
 
 class ScriptEngine:
@@ -90,6 +99,43 @@ class ScriptEngine:
         return self.fabric.load(Path(path), {"model": self.module, "optimizer": self.optimizer})
 
 
+class Session:
+    """The process group this script's ranks share (``init_distributed``), before the model is sharded."""
+
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+
+    @property
+    def sequence_parallel(self) -> SequenceParallel | None:
+        """This rank's sequence-parallel group (``ZeroConfig.sequence_parallel_size``), or None."""
+        return self.fabric.strategy.sequence_parallel
+
+    @property
+    def sampler_kwargs(self) -> dict[str, int]:
+        """A ``DistributedSampler``'s ``num_replicas`` and ``rank``: the data-parallel replicas (every rank of a
+        sequence-parallel group reads its replica's samples)."""
+        return self.fabric.strategy.distributed_sampler_kwargs
+
+    def initialize(self, model: Module, optimizer: Optimizer) -> ScriptEngine:
+        """Shards ``model`` and ``optimizer`` (collective: every rank calls it)."""
+        module, optimizer = self.fabric.setup(model, optimizer)
+        return ScriptEngine(self.fabric, module, optimizer)
+
+
+def init_distributed(
+    config: ZeroConfig | None = None, *, precision: str = "32-true", accelerator: str = "auto"
+) -> Session:
+    """Joins the ranks torchrun started (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``; one process alone without
+    them) under ``config`` (``ZeroConfig()``, stage 2, by default) in ``precision`` ("32-true", "bf16-mixed" or
+    "16-mixed"): the process group and ``config``'s groups, before the model is built. Collective."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))  # (one node without it)
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", str(local))) // local)
+    strategy = ZeroFabricStrategy(config if config is not None else ZeroConfig())
+    fabric = Fabric(strategy=strategy, accelerator=accelerator, devices=local, num_nodes=nodes, precision=precision)
+    fabric.launch()
+    return Session(fabric)
+
+
 def initialize(
     model: Module,
     optimizer: Optimizer,
@@ -98,13 +144,6 @@ def initialize(
     precision: str = "32-true",
     accelerator: str = "auto",
 ) -> ScriptEngine:
-    """Shards ``model`` and ``optimizer`` over the ranks torchrun started (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``; one process alone without them) under ``config`` (``ZeroConfig()``, stage 2, by
-    default) in ``precision`` ("32-true", "bf16-mixed" or "16-mixed"). Collective: every rank calls it."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))  # (one node without it)
-    nodes = max(1, int(os.environ.get("WORLD_SIZE", str(local))) // local)
-    strategy = ZeroFabricStrategy(config if config is not None else ZeroConfig())
-    fabric = Fabric(strategy=strategy, accelerator=accelerator, devices=local, num_nodes=nodes, precision=precision)
-    fabric.launch()
-    module, optimizer = fabric.setup(model, optimizer)
-    return ScriptEngine(fabric, module, optimizer)
+    """Shards ``model`` and ``optimizer`` over the ranks torchrun started under ``config`` in ``precision`` (see
+    ``init_distributed``): ``init_distributed(...).initialize(model, optimizer)``. Collective."""
+    return init_distributed(config, precision=precision, accelerator=accelerator).initialize(model, optimizer)

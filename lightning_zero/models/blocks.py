@@ -10,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_zero.activations.tiled import tiled_cross_entropy, tiled_mlp
+
 if TYPE_CHECKING:  # (annotations only: the plain model imports no distributed machinery)
     from lightning_zero.sequence.parallel import SequenceParallel
 
@@ -24,16 +26,20 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2; False is a bit faster and better
     fused: bool = False  # blocks computed with lightning_zero's fused kernels (models/fused_block.py)
+    mlp_tiles: int = 1  # the MLP run over this many sequence tiles (activations/tiled.py; for long sequences)
+    loss_tiles: int = 1  # the loss likewise: the [batch, seq, vocab] logits never whole
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_tiles", "loss_tiles"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{key} must be an integer >= 1, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.fused and self.mlp_tiles > 1:
+            raise ValueError("model.mlp_tiles needs model.fused: false (the fused block computes its MLP whole)")
 
 
 class CausalSelfAttention(nn.Module):
@@ -72,7 +78,18 @@ class Block(nn.Module):
             nn.Dropout(cfg.dropout),
         )
         self.mlp[2].residual_projection = True
+        self.mlp_tiles = cfg.mlp_tiles
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        return x + tiled_mlp(self.mlp, self.ln_2(x), self.mlp_tiles)
+
+
+class Head(nn.Linear):
+    """The output head: the logits, or given ``target`` the summed cross-entropy over ``tiles`` sequence tiles
+    (activations/tiled.py). The loss is computed in this module's call, so that ZeRO-3 holds its weight whole."""
+
+    def forward(self, x: Tensor, target: Tensor | None = None, tiles: int = 1) -> Tensor:
+        if target is None:
+            return super().forward(x)
+        return tiled_cross_entropy(x, self.weight, target, tiles)

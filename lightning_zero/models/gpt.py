@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_zero.models.blocks import Block, CausalSelfAttention, GPTConfig
+from lightning_zero.models.blocks import Block, CausalSelfAttention, GPTConfig, Head
 from lightning_zero.models.fused_block import FusedBlock
 from lightning_zero.sequence.parallel import SequenceParallel
 from lightning_zero.sequence.ulysses import check_heads
@@ -38,7 +38,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(FusedBlock(cfg) if cfg.fused else Block(cfg, sequence) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = Head(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
         if not self.wte.weight.is_meta:  # on the meta device the ZeRO-3 strategy initializes, shard by shard
             self.init_weights(torch.Generator(self.wte.weight.device).manual_seed(torch.initial_seed()))
@@ -62,7 +62,9 @@ class GPT(nn.Module):
         if isinstance(module, nn.LayerNorm):
             module.reset_parameters()
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        """The logits ``[B, T, vocab]``; given ``targets`` ``[B, T]``, the mean cross-entropy over them instead (over
+        ``model.loss_tiles`` sequence tiles, the targets not -100)."""
         B, T = idx.shape
         if self.sequence is not None:  # (this rank's slice of a sequence-parallel group's sequence)
             if T * self.sequence.size > self.cfg.block_size:  # (every rank alike, before any all-to-all)
@@ -73,7 +75,12 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        if targets is None:
+            return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        if self.cfg.loss_tiles == 1:
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return self.lm_head(self.ln_f(x), targets, self.cfg.loss_tiles) / (targets != -100).sum()
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -100,29 +107,30 @@ class GPTModule(pl.LightningModule):
         self.save_hyperparameters()
         self.cfg = model if model is not None else GPTConfig()
         self.gpt: GPT | None = None
+        self.sequence: SequenceParallel | None = None  # (read here, not from ``self.gpt``, which a loop may wrap)
 
     def configure_model(self) -> None:
         """Builds the GPT here, so that ZeRO-3 can build it on the meta device and initialize it sharded; with
         ``ZeroConfig(sequence_parallel_size=K)`` each rank runs its slice of every sample's sequence."""
         if self.gpt is None:
             strategy = self._trainer.strategy if self._trainer is not None else None
-            self.gpt = GPT(self.cfg, sequence=getattr(strategy, "sequence_parallel", None))
+            self.sequence = getattr(strategy, "sequence_parallel", None)
+            self.gpt = GPT(self.cfg, sequence=self.sequence)
 
     def init_module(self, module: nn.Module, generator: torch.Generator) -> None:
         self.gpt.init_module(module, generator)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        return self.gpt(idx)
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        return self.gpt(idx, targets)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
-        if self.gpt.sequence is not None:  # this rank's slice of the samples' tokens: the loss is its mean
-            x, y = (self.gpt.sequence.split(t) for t in (x, y))
-        logits = self(x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
+        if self.sequence is not None:  # this rank's slice of the samples' tokens: the loss is its mean
+            x, y = (self.sequence.split(t) for t in (x, y))
+        return self(x, y)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        share = self.gpt.sequence.size if self.gpt.sequence is not None else 1  # (a slice of each sample here)
+        share = self.sequence.size if self.sequence is not None else 1  # (a slice of each sample here)
         self.flops_per_batch = batch[0].numel() // share * self.gpt.flops_per_token()  # read by ThroughputMonitor
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=share > 1)  # (the mean over the slices)

@@ -8,6 +8,7 @@ and with a loss over real tokens only, against one process."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import lightning.pytorch as pl
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, DistributedSampler
 
+import lightning_zero
 from lightning_zero import ZeroConfig, ZeroFabricStrategy
 from lightning_zero.models.gpt import GPT
 from lightning_zero.sequence.parallel import sequence_parallel, token_mean
@@ -91,10 +93,12 @@ STEPS = 6
 
 class SequenceGPT(EquivalenceModule):
     """The equivalence GPT, each sample's sequence split over the ``size`` ranks of a sequence-parallel group; the
-    groups are the data-parallel replicas (rank r of a replica takes tokens r*S/K to (r+1)*S/K of its samples)."""
+    groups are the data-parallel replicas (rank r of a replica takes tokens r*S/K to (r+1)*S/K of its samples);
+    with ``tiles``, its MLP and loss computed over that many tiles of each slice (activations/tiled.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tiles: int = 1) -> None:
         super().__init__("gpt", steps=STEPS, lazy=True)
+        self.gpt_config = dataclasses.replace(self.gpt_config, mlp_tiles=tiles, loss_tiles=tiles)
 
     def configure_model(self):
         if self.net is None:  # (ZeroConfig(sequence_parallel_size=K)'s groups)
@@ -102,7 +106,9 @@ class SequenceGPT(EquivalenceModule):
             self.net = GPT(self.gpt_config, sequence=self.sequence)
 
     def training_step(self, batch, batch_idx):
-        return super().training_step([self.sequence.split(t) for t in batch], batch_idx)
+        x, y = (self.sequence.split(t) for t in batch)
+        self.losses.append(float(loss := self.net(x, y)))  # (the GPT's own loss, tiled or not)
+        return loss
 
     def train_dataloader(self):  # (the strategy's sampler arguments, as Lightning's own sampler takes them)
         sampler = DistributedSampler(self.data, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
@@ -113,11 +119,12 @@ CONFIGS = {1: {}, 2: {}, 3: {"activation_checkpointing": "units", "param_persist
 
 
 def _train_worker(rank: int, world: int, size: int) -> dict:
-    """Stages 1-3 with 2 replicas x SP=2 on 4 ranks; on 2 ranks (one replica) stage 3."""
+    """Stages 1-3 with 2 replicas x SP=2 on 4 ranks; on 2 ranks (one replica) stage 3; stage 3 with the MLP and the
+    loss in 2 tiles of each slice (checkpointed), against the untiled run of one process."""
     out = {}
     for stage, config in CONFIGS.items() if world == 4 else [(3, CONFIGS[3])]:
         pl.seed_everything(0)
-        module = SequenceGPT()
+        module = SequenceGPT(tiles=2 if stage == 3 else 1)
         strategy = zero_strategy(stage, reduce_bucket_size=3000, sequence_parallel_size=size, **config)
         make_trainer(strategy, world, steps=STEPS).fit(module)
         assert module.sequence.size == size and module.sequence.data_size == world // size
@@ -144,13 +151,13 @@ def test_the_gpt_trained_sequence_parallel_equals_one_process(ranks, world, size
                 assert err <= 1e-5, f"world {world} SP {size} stage {stage} rank {rank}: {name} off by {err:.1e}"
 
 
-def _fabric_loop(fabric, model, optimizer, data, sequence) -> list[float]:
+def _fabric_loop(engine, model, optimizer, data, sequence) -> list[float]:
     losses = []
     for x, y in data:
         if sequence is not None:
             x, y = sequence.split(x), sequence.split(y)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        fabric.backward(loss) if fabric is not None else loss.backward()
+        engine.backward(loss) if engine is not None else loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
@@ -158,7 +165,8 @@ def _fabric_loop(fabric, model, optimizer, data, sequence) -> list[float]:
 
 
 def _fabric_worker(rank: int, world: int) -> dict:
-    """Fabric's door: the strategy's groups and sampler arguments, the same loop as one process's."""
+    """Fabric's door (the strategy's groups and sampler arguments), then the plain script's (``init_distributed``'s
+    session, then ``initialize``): the same loop as one process's."""
     config = ZeroConfig(stage=3, sequence_parallel_size=world, param_persistence_threshold=0, timeout=120)
     fabric = Fabric(strategy=ZeroFabricStrategy(config), accelerator="cpu", devices=world)
     fabric.launch()
@@ -169,21 +177,32 @@ def _fabric_worker(rank: int, world: int) -> dict:
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     sampler = DistributedSampler(module.data, shuffle=False, **fabric.strategy.distributed_sampler_kwargs)
     losses = _fabric_loop(fabric, model, optimizer, DataLoader(module.data, batch_size=8, sampler=sampler), sequence)
-    return {"losses": losses, "state": fabric.strategy.get_module_state_dict(model)}
+    out = {"fabric": {"losses": losses, "state": fabric.strategy.get_module_state_dict(model)}}
+
+    session = lightning_zero.init_distributed(dataclasses.replace(config, stage=2))
+    pl.seed_everything(0)
+    model = GPT(module.gpt_config, sequence=session.sequence_parallel)
+    engine = session.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sampler = DistributedSampler(module.data, shuffle=False, **session.sampler_kwargs)
+    loader = DataLoader(module.data, batch_size=8, sampler=sampler)
+    losses = _fabric_loop(engine, engine, engine.optimizer, loader, session.sequence_parallel)
+    out["script"] = {"losses": losses, "state": engine.state_dict()}
+    return out
 
 
-def test_fabric_trains_sequence_parallel_as_one_process(ranks):
+def test_fabric_and_the_plain_script_train_sequence_parallel_as_one_process(ranks):
     pl.seed_everything(0)
     module = EquivalenceModule("gpt", steps=STEPS)
     model = GPT(module.gpt_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = _fabric_loop(None, model, optimizer, DataLoader(module.data, batch_size=8), None)
     results = ranks(_fabric_worker, 2)
-    halves = torch.tensor([r["losses"] for r in results]).mean(0)  # (each rank's loss: the mean over its half)
-    assert relative_error(halves, torch.tensor(losses)) <= 1e-5
-    for rank, result in enumerate(results):
-        for name, value in model.state_dict().items():
-            assert relative_error(result["state"][name], value) <= 1e-5, (rank, name)
+    for door in ("fabric", "script"):
+        halves = torch.tensor([r[door]["losses"] for r in results]).mean(0)  # (each rank's loss: its half's mean)
+        assert relative_error(halves, torch.tensor(losses)) <= 1e-5, door
+        for rank, result in enumerate(results):
+            for name, value in model.state_dict().items():
+                assert relative_error(result[door]["state"][name], value) <= 1e-5, (door, rank, name)
 
 
 def _masked(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
