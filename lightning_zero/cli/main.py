@@ -55,6 +55,7 @@ from lightning_zero.cli.estimate import estimate_main
 from lightning_zero.config import ZeroConfig, stage_of_strategy
 from lightning_zero.deepspeed_config import read_deepspeed_config
 from lightning_zero.front.strategy import ZeroStrategy
+from lightning_zero.sequence.ulysses import check_heads, declared_heads
 
 DEBUG_ENV = "LIGHTNING_ZERO_DEBUG"
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
@@ -132,6 +133,9 @@ class ZeroCLI(LightningCLI):
             built = next(self.model.parameters(), None) is not None  # (else built in configure_model, on each rank)
             if self.zero_config is not None and self.zero_config.activation_checkpointing != "none" and built:
                 checkpointed_blocks(self.model, self.zero_config)
+            if self.zero_config is not None and self.zero_config.sequence_parallel_size > 1:
+                for heads, kv_heads in declared_heads(self.model):  # (before rank 1 is launched)
+                    check_heads(heads, kv_heads, self.zero_config.sequence_parallel_size)
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         if self.zero_config is not None:

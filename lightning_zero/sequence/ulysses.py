@@ -70,6 +70,21 @@ def check_heads(heads: int, kv_heads: int, k: int) -> None:
         )
 
 
+def declared_heads(model: Any) -> list[tuple[int, int]]:
+    """The (query, key/value) head counts the configs inside ``model`` (a Module) declare: a ``cfg`` with ``n_head``
+    (the GPT's, models/) or a Hugging Face ``config`` with ``num_attention_heads`` (and ``num_key_value_heads``), so
+    that a size that cannot split them is refused before any process starts."""
+    found = []
+    for module in model.modules():
+        cfg, config = getattr(module, "cfg", None), getattr(module, "config", None)
+        if isinstance(getattr(cfg, "n_head", None), int):
+            found.append((cfg.n_head, cfg.n_head))
+        heads = getattr(config, "num_attention_heads", None)
+        if isinstance(heads, int):
+            found.append((heads, getattr(config, "num_key_value_heads", None) or heads))
+    return found
+
+
 def ulysses_attention(
     q: Tensor, k: Tensor, v: Tensor, attention: Callable[..., Tensor], *, group: Any = None, **kwargs: Any
 ) -> Tensor:

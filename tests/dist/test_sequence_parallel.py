@@ -99,6 +99,7 @@ class SequenceGPT(EquivalenceModule):
     def __init__(self, tiles: int = 1) -> None:
         super().__init__("gpt", steps=STEPS, lazy=True)
         self.gpt_config = dataclasses.replace(self.gpt_config, mlp_tiles=tiles, loss_tiles=tiles)
+        self.samples: list[list[int]] = []
 
     def configure_model(self):
         if self.net is None:  # (ZeroConfig(sequence_parallel_size=K)'s groups)
@@ -106,6 +107,7 @@ class SequenceGPT(EquivalenceModule):
             self.net = GPT(self.gpt_config, sequence=self.sequence)
 
     def training_step(self, batch, batch_idx):
+        self.samples.append(batch[0].sum(1).tolist())  # (which samples this rank read: its group's, its replica's)
         x, y = (self.sequence.split(t) for t in batch)
         self.losses.append(float(loss := self.net(x, y)))  # (the GPT's own loss, tiled or not)
         return loss
@@ -128,7 +130,8 @@ def _train_worker(rank: int, world: int, size: int) -> dict:
         strategy = zero_strategy(stage, reduce_bucket_size=3000, sequence_parallel_size=size, **config)
         make_trainer(strategy, world, steps=STEPS).fit(module)
         assert module.sequence.size == size and module.sequence.data_size == world // size
-        out[stage] = {"state": module.trainer.strategy.gather_module().state_dict(), "norms": module.grad_norms}
+        state = module.trainer.strategy.gather_module().state_dict()
+        out[stage] = {"state": state, "norms": module.grad_norms, "samples": module.samples}
     return out
 
 
@@ -143,7 +146,12 @@ def _reference():
 @pytest.mark.parametrize("world,size", [(2, 2), (4, 2)])
 def test_the_gpt_trained_sequence_parallel_equals_one_process(ranks, world, size):
     reference, norms = _reference()
-    for rank, result in enumerate(ranks(_train_worker, world, size)):
+    results = ranks(_train_worker, world, size)
+    for stage in results[0]:  # the ranks of a group read the same samples, the replicas other ones
+        samples = [result[stage]["samples"] for result in results]
+        assert all(samples[rank] == samples[rank // size * size] for rank in range(world)), stage
+        assert world == size or samples[0] != samples[size], stage
+    for rank, result in enumerate(results):
         for stage, run in result.items():
             assert relative_error(torch.tensor(run["norms"]), torch.tensor(norms)) <= 1e-5, (stage, rank)
             for name, value in reference.items():
