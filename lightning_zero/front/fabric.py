@@ -49,6 +49,7 @@ from lightning_zero.engine import ZeroEngine
 from lightning_zero.front.precision import ZeroPrecision, as_zero_precision, check_skip_on_device, stage3_param_dtype
 from lightning_zero.front.prepare import check_not_shared, config_for, construction_of, place_module
 from lightning_zero.resilience.elastic import start_process_group
+from lightning_zero.sequence.hf import attach_ulysses
 from lightning_zero.sequence.parallel import SequenceParallel, groups_for
 from lightning_zero.sharding.construct import ShardedConstruction
 from lightning_zero.sharding.stage3_setup import ShardedModule
@@ -140,7 +141,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._training: list[ZeroEngine] = []  # engines whose model ran a training forward since the last backward
         self._constructions: list[ShardedConstruction] = []  # stage 3: init_module's, until their models are set up
         self._steps = 0  # optimizer steps taken (for messages)
-        self._observing = ExitStack()  # from set-up to teardown: with config.check_collectives, the collective log
+        self._observing = ExitStack()  # set-up to teardown: the collective log if asked, HF models' SP attention
 
     @property
     def precision(self) -> ZeroPrecision:
@@ -216,6 +217,7 @@ class ZeroFabricStrategy(DDPStrategy):
         engine = self._new_engine() if self.engines else self.engine
         self.engines.append(engine)
         engine.record_collectives(self._observing)
+        self._observing.callback(attach_ulysses(module, self.sequence_parallel))  # (HF models: sequence/hf.py)
         construction = construction_of(module, self._constructions)
         stage, device = self.config.stage, self.root_device
         module, construction = place_module(

@@ -42,6 +42,7 @@ from lightning_zero.front.trainer_checkpoints import TrainerCheckpoints
 from lightning_zero.resilience.elastic import start_process_group
 from lightning_zero.resilience.peer_failure import exit_if_peer_failed
 from lightning_zero.resilience.preemption import end_on_signal_outside_training, ensure_preemption_callback
+from lightning_zero.sequence.hf import attach_ulysses
 from lightning_zero.sequence.parallel import SequenceParallel, groups_for
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.construct import ShardedConstruction
@@ -96,7 +97,7 @@ class ZeroStrategy(DDPStrategy):
         self.traffic = collectives.Traffic()  # what this strategy's collectives covered while it was set up
         self._construction: ShardedConstruction | None = None  # stage 3, from configure_model to set-up
         self._averaging: list[pl.Callback] = []  # while fitting: Lightning's weight averaging, sharded
-        self._observing = ExitStack()  # from set-up to teardown: self.traffic and, if asked, the collective log
+        self._observing = ExitStack()  # set-up to teardown: self.traffic, the collective log if asked, HF models' SP
 
     @classmethod
     def from_deepspeed_config(cls, source: Any, *, ignore: tuple[str, ...] = ()) -> ZeroStrategy:
@@ -133,8 +134,7 @@ class ZeroStrategy(DDPStrategy):
             self._averaging = shard_averaging_callbacks(self.lightning_module.trainer.callbacks)  # averaging.py
         self.topology = topology_for(self.topology, self.config, self.global_rank, self.world_size, self.num_processes)
         self.sequence_parallel = groups_for(self.sequence_parallel, self.config, timeout=self._timeout)
-        # what building the model sharded took stays readable in later runs (fit, then test)
-        built = self.engine.sharded_init_peak_bytes if self.engine is not None else None
+        built = self.engine.sharded_init_peak_bytes if self.engine is not None else None  # stays readable in later runs
         self.engine = ZeroEngine(
             self.config, self.topology, self.root_device, rank=self.global_rank, sharded_init_peak_bytes=built
         )
@@ -152,6 +152,7 @@ class ZeroStrategy(DDPStrategy):
         self._construction, module = None, self.lightning_module
         self._observing.close()
         self._observing.enter_context(collectives.observing(self.traffic))
+        self._observing.callback(attach_ulysses(module, self.sequence_parallel))  # (HF models: sequence/hf.py)
         self.engine.record_collectives(self._observing)
         on_meta = any(p.is_meta for p in module.parameters())
         if self.config.stage == 3:
@@ -361,8 +362,7 @@ class ZeroStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         """Releases hooks; a stage-3 module stays sharded where it is, nothing gathered, even after an error."""
-        module = self.lightning_module
-        failed = None
+        module, failed = self.lightning_module, None
         try:
             if self.engine is not None:
                 self.engine.teardown()
