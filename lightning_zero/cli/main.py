@@ -134,8 +134,8 @@ class ZeroCLI(LightningCLI):
             if self.zero_config is not None and self.zero_config.activation_checkpointing != "none" and built:
                 checkpointed_blocks(self.model, self.zero_config)
             if self.zero_config is not None and self.zero_config.sequence_parallel_size > 1:
-                for heads, kv_heads in declared_heads(self.model):  # (before rank 1 is launched)
-                    check_heads(heads, kv_heads, self.zero_config.sequence_parallel_size)
+                for heads, kv_heads, repeat in declared_heads(self.model):  # (before rank 1 is launched)
+                    check_heads(heads, kv_heads, self.zero_config.sequence_parallel_size, repeat=repeat)
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         if self.zero_config is not None:

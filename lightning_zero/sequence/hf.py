@@ -99,13 +99,7 @@ def _check_model(model: Module, size: int) -> None:
         )
     heads = getattr(config, "num_attention_heads", None)
     if isinstance(heads, int):
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        check_heads(heads, heads, size)
-        if kv_heads % size:
-            raise ValueError(
-                f"sequence_parallel_size {size} must divide {kind}'s key/value heads, {kv_heads} (its attention"
-                " repeats them num_key_value_groups times)"
-            )
+        check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size, repeat=False)
 
 
 def _slice_padding(*, mask_function: Callable, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:

@@ -60,28 +60,29 @@ class _AllToAll(torch.autograd.Function):
         return undo(grad.contiguous(), ctx.k, ctx.group), None, None, None
 
 
-def check_heads(heads: int, kv_heads: int, k: int) -> None:
-    """Refuses, in one line, head counts the sequence-parallel size cannot split (see [Note: Ulysses attention])."""
+def check_heads(heads: int, kv_heads: int, k: int, *, repeat: bool = True) -> None:
+    """Refuses, in one line, head counts the sequence-parallel size cannot split (see [Note: Ulysses attention]);
+    ``repeat=False``: an attention that repeats its key/value heads itself (Hugging Face's), which K must divide."""
     if heads % k:
         raise ValueError(f"sequence_parallel_size {k} must divide the attention heads, {heads}")
-    if kv_heads % k and k % kv_heads:
-        raise ValueError(
-            f"sequence_parallel_size {k} must divide the key/value heads, {kv_heads}, or be a multiple of them"
-        )
+    if kv_heads % k and (k % kv_heads or not repeat):
+        multiple = ", or be a multiple of them" if repeat else " (the attention repeats them itself)"
+        raise ValueError(f"sequence_parallel_size {k} must divide the key/value heads, {kv_heads}{multiple}")
 
 
-def declared_heads(model: Any) -> list[tuple[int, int]]:
-    """The (query, key/value) head counts the configs inside ``model`` (a Module) declare: a ``cfg`` with ``n_head``
-    (the GPT's, models/) or a Hugging Face ``config`` with ``num_attention_heads`` (and ``num_key_value_heads``), so
-    that a size that cannot split them is refused before any process starts."""
+def declared_heads(model: Any) -> list[tuple[int, int, bool]]:
+    """The (query heads, key/value heads, ``repeat``) that the configs inside ``model`` (a Module) declare, for
+    ``check_heads``: a ``cfg`` with ``n_head`` (the GPT's, models/) or a Hugging Face ``config`` with
+    ``num_attention_heads`` (and ``num_key_value_heads``; sequence/hf.py), so that a size that cannot split them is
+    refused before any process starts."""
     found = []
     for module in model.modules():
         cfg, config = getattr(module, "cfg", None), getattr(module, "config", None)
         if isinstance(getattr(cfg, "n_head", None), int):
-            found.append((cfg.n_head, cfg.n_head))
+            found.append((cfg.n_head, cfg.n_head, True))
         heads = getattr(config, "num_attention_heads", None)
         if isinstance(heads, int):
-            found.append((heads, getattr(config, "num_key_value_heads", None) or heads))
+            found.append((heads, getattr(config, "num_key_value_heads", None) or heads, False))
     return found
 
 
