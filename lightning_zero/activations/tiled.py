@@ -9,9 +9,11 @@ same values as over the whole. Their intermediates are the largest activations o
 anything but its input, and in backward recomputes each tile under autograd and takes its gradients at once, so
 one tile's intermediates live at a time, forward and backward. The parameters ``fn`` reads are the Function's
 inputs, so their gradients (summed over the tiles) reach them through autograd once per backward, as ZeRO's
-reduction expects, and under stage 3 they are whole while the unit that owns them is (forward and backward alike).
-The tile's recomputation draws the same random numbers as its forward (the generators' states are restored) and runs
-under the forward's autocast. Its cost: each tile's forward runs twice, as a checkpointed block's does.
+reduction expects (the tiles run on detached aliases of them, so gradient hooks see the sum once, summed in fp32),
+and under stage 3 they are whole while the unit that holds them is, forward and backward. The tile's recomputation
+draws the same random numbers as its forward (the generators' states are restored) and runs under the forward's
+autocast. Its cost: each tile's forward runs twice, as a checkpointed block's does; inside a checkpointed block three
+times (the block's recomputation reruns the whole Function's forward before its backward tiles again).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.func import functional_call
 
 
 def _generator_states(device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -30,25 +34,27 @@ def _generator_states(device: torch.device) -> tuple[Tensor, Tensor | None]:
 
 
 class _Tiled(torch.autograd.Function):
-    """``fn`` over the sequence tiles of ``x`` (and of ``target``), concatenated, or summed with ``summed``
-    (see [Note: tiling along the sequence])."""
+    """``fn(params, tile[, target tile])`` over the sequence tiles of ``x`` (and of ``target``), concatenated, or
+    summed with ``summed`` (see [Note: tiling along the sequence])."""
 
     @staticmethod
     def forward(ctx: Any, fn: Callable, tiles: int, summed: bool, x: Tensor, target: Tensor | None, *params: Tensor):
         device = x.device.type
         ctx.fn, ctx.tiles, ctx.summed, ctx.states = fn, tiles, summed, _generator_states(x.device)
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.params = params  # (the very objects ``fn`` reads: what saving them would unpack under hooks may not be)
+        ctx.params = params  # (the very objects: what saving them would unpack under hooks may be others)
         ctx.save_for_backward(x, target)
-        parts = [fn(*args) for args in _tile_args(x.detach(), target, tiles)]  # (nothing here is differentiated)
+        parts = [fn(params, *args) for args in _tile_args(x.detach(), target, tiles)]  # (nothing differentiated)
         return torch.stack(parts).sum(0) if summed else torch.cat(parts, dim=1)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple:
         x, target = ctx.saved_tensors
-        params = ctx.params
-        wanted = [p for p in params if p.requires_grad]
-        sums = [torch.zeros_like(p) for p in wanted]
+        # detached aliases: the tiles' gradients are summed here, and reach the parameters (and their hooks) once
+        aliases = tuple(p.detach().requires_grad_(p.requires_grad) for p in ctx.params)
+        wanted = [a for a in aliases if a.requires_grad]
+        sums: list[Tensor | None] = [None] * len(wanted)  # (in fp32: many tiles' bf16 gradients lose bits)
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[3] else None
         grads = [grad] * ctx.tiles if ctx.summed else grad.chunk(ctx.tiles, dim=1)
         device, enabled, dtype = ctx.autocast
@@ -61,19 +67,22 @@ class _Tiled(torch.autograd.Function):
             for args, tile_grad in zip(_tile_args(x.detach(), target, ctx.tiles), grads):
                 piece = args[0].requires_grad_(grad_x is not None)
                 with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-                    out = ctx.fn(piece, *args[1:])
+                    out = ctx.fn(aliases, piece, *args[1:])
                 inputs = ([piece] if grad_x is not None else []) + wanted
-                found = torch.autograd.grad(out, inputs, tile_grad, allow_unused=True)
+                found = list(torch.autograd.grad(out, inputs, tile_grad, allow_unused=True))
                 if grad_x is not None:
-                    grad_x.narrow(1, offset, piece.shape[1]).copy_(found[0])
-                    found = found[1:]
-                for total, g in zip(sums, found):
+                    grad_x.narrow(1, offset, piece.shape[1]).copy_(found.pop(0))
+                for i, g in enumerate(found):
                     if g is not None:
-                        total.add_(g)
+                        sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
                 offset += piece.shape[1]
         per_param = iter(sums)
-        param_grads = [next(per_param) if p.requires_grad else None for p in params]
+        param_grads = [_cast(next(per_param), p) if p.requires_grad else None for p in ctx.params]
         return (None, None, None, grad_x, None, *param_grads)
+
+
+def _cast(total: Tensor | None, param: Tensor) -> Tensor | None:
+    return None if total is None else total.to(param.dtype)
 
 
 def _tile_args(x: Tensor, target: Tensor | None, tiles: int) -> list[tuple[Tensor, ...]]:
@@ -91,10 +100,18 @@ def _check_tiles(tiles: Any) -> int:
 
 def tiled_mlp(mlp: nn.Module, x: Tensor, tiles: int) -> Tensor:
     """``mlp(x)`` for ``x`` ``[B, S, C]``, run over ``tiles`` tiles of the sequence (dimension 1); ``mlp`` must treat
-    each token alone. Its intermediates exist one tile at a time (see [Note: tiling along the sequence])."""
-    if _check_tiles(tiles) == 1 or not torch.is_grad_enabled():
+    each token alone, and sit inside a ZeRO-3 unit rather than be one (its hooks run per tile, under no-grad). Its
+    intermediates exist one tile at a time (see [Note: tiling along the sequence])."""
+    if _check_tiles(tiles) == 1:
         return mlp(x)
-    return _Tiled.apply(mlp, tiles, False, x, None, *mlp.parameters())
+    if not torch.is_grad_enabled():
+        return torch.cat([mlp(piece) for piece in x.chunk(tiles, dim=1)], dim=1)
+    named = dict(mlp.named_parameters())
+
+    def run(values: tuple[Tensor, ...], piece: Tensor) -> Tensor:
+        return functional_call(mlp, dict(zip(named, values)), (piece,))
+
+    return _Tiled.apply(run, tiles, False, x, None, *named.values())
 
 
 def tiled_cross_entropy(
@@ -104,10 +121,10 @@ def tiled_cross_entropy(
     ``hidden @ weight.T`` (in fp32), ``hidden`` ``[B, S, C]``, ``target`` ``[B, S]``, over ``tiles`` tiles of the
     sequence: the ``[B, S, vocab]`` logits never exist whole (see [Note: tiling along the sequence])."""
 
-    def tile_loss(piece: Tensor, tile_target: Tensor) -> Tensor:
-        logits = F.linear(piece, weight).float()
+    def tile_loss(values: tuple[Tensor, ...], piece: Tensor, tile_target: Tensor) -> Tensor:
+        logits = F.linear(piece, values[0]).float()
         return F.cross_entropy(logits.flatten(0, 1), tile_target.flatten(), ignore_index=ignore_index, reduction="sum")
 
     if _check_tiles(tiles) == 1 or not torch.is_grad_enabled():
-        return sum(tile_loss(*args) for args in _tile_args(hidden, target, tiles))
+        return sum(tile_loss((weight,), *args) for args in _tile_args(hidden, target, tiles))
     return _Tiled.apply(tile_loss, tiles, True, hidden, target, weight)

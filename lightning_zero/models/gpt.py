@@ -64,7 +64,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
         """The logits ``[B, T, vocab]``; given ``targets`` ``[B, T]``, the mean cross-entropy over them instead (over
-        ``model.loss_tiles`` sequence tiles, the targets not -100)."""
+        ``model.loss_tiles`` sequence tiles, the targets not -100; sequence-parallel, this rank's part of its group's
+        mean, which is collective over the group)."""
         B, T = idx.shape
         if self.sequence is not None:  # (this rank's slice of a sequence-parallel group's sequence)
             if T * self.sequence.size > self.cfg.block_size:  # (every rank alike, before any all-to-all)
@@ -75,12 +76,15 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
+        x = self.ln_f(x)
         if targets is None:
-            return self.lm_head(self.ln_f(x))  # (B, T, vocab)
-        if self.cfg.loss_tiles == 1:
-            logits = self.lm_head(self.ln_f(x))
+            return self.lm_head(x)  # (B, T, vocab)
+        if self.cfg.loss_tiles == 1 and self.sequence is None:
+            logits = self.lm_head(x)
             return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
-        return self.lm_head(self.ln_f(x), targets, self.cfg.loss_tiles) / (targets != -100).sum()
+        total, count = self.lm_head(x, targets, self.cfg.loss_tiles), (targets != -100).sum()
+        # a slice's real tokens are not its group's: the mean over the group's (sequence/parallel.py)
+        return total / count if self.sequence is None else self.sequence.slice_mean(total, count)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -125,7 +129,7 @@ class GPTModule(pl.LightningModule):
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
-        if self.sequence is not None:  # this rank's slice of the samples' tokens: the loss is its mean
+        if self.sequence is not None:  # this rank's slice of the samples' tokens (its loss: see GPT.forward)
             x, y = (self.sequence.split(t) for t in (x, y))
         return self(x, y)
 

@@ -55,6 +55,12 @@ class SequenceParallel:
         """The global positions of this rank's slice, ``length`` tokens long (the slice's length, not the whole's)."""
         return torch.arange(self.rank * length, (self.rank + 1) * length, device=device)
 
+    def slice_mean(self, total: Tensor, count: Tensor) -> Tensor:
+        """This rank's loss from its slice's sum of losses ``total`` over its ``count`` real tokens: the group's mean
+        over its real tokens (``mean_over_tokens`` over the group, whose ranks hold the same samples, so it runs in
+        any step, uneven evaluation included), times K, so that the ranks' average over the group is that mean."""
+        return mean_over_tokens(total, count, world_size=self.size, group=self.group)
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, attention: Callable[..., Tensor], **kwargs: Any) -> Tensor:
         """``attention`` over the group's whole sequence for this rank's slices ``[B, heads, S/K, D]``."""
         return ulysses_attention(q, k, v, attention, group=self.group, **kwargs)
@@ -90,5 +96,10 @@ def token_mean(losses: Tensor, kept: Tensor, *, world_size: int, group: Any = No
     of per-rank means would weigh them wrongly. Collective: every rank calls it once per micro-batch (so not in an
     evaluation step whose ranks hold different numbers of batches: a rank that ran out replays only the engine's own
     collectives, as with ``self.log(sync_dist=True)`` under ddp)."""
-    count = collectives.all_reduce(kept.sum().to(losses.dtype), dist.ReduceOp.SUM, group=group)
-    return losses.masked_fill(~kept, 0).sum() * world_size / count
+    return mean_over_tokens(losses.masked_fill(~kept, 0).sum(), kept.sum(), world_size=world_size, group=group)
+
+
+def mean_over_tokens(total: Tensor, count: Tensor, *, world_size: int, group: Any = None) -> Tensor:
+    """``token_mean`` from this rank's sum of losses ``total`` over its ``count`` real tokens (a tiled loss's)."""
+    count = collectives.all_reduce(count.to(total.dtype), dist.ReduceOp.SUM, group=group)
+    return total * world_size / count

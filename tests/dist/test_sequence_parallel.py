@@ -96,8 +96,9 @@ class SequenceGPT(EquivalenceModule):
     groups are the data-parallel replicas (rank r of a replica takes tokens r*S/K to (r+1)*S/K of its samples);
     with ``tiles``, its MLP and loss computed over that many tiles of each slice (activations/tiled.py)."""
 
-    def __init__(self, tiles: int = 1, heads: int = 2) -> None:
+    def __init__(self, tiles: int = 1, heads: int = 2, masked: bool = False) -> None:
         super().__init__("gpt", steps=STEPS, lazy=True)
+        self.masked = masked  # (targets left out as _masked does: the GPT's loss is its group's real tokens' mean)
         self.gpt_config = dataclasses.replace(self.gpt_config, mlp_tiles=tiles, loss_tiles=tiles, n_head=heads)
         self.samples: list[list[int]] = []
 
@@ -108,7 +109,8 @@ class SequenceGPT(EquivalenceModule):
 
     def training_step(self, batch, batch_idx):
         self.samples.append(batch[0].sum(1).tolist())  # (which samples this rank read: its group's, its replica's)
-        x, y = (self.sequence.split(t) for t in batch)
+        x, y = batch[0], _masked(*batch) if self.masked else batch[1]
+        x, y = self.sequence.split(x), self.sequence.split(y)
         self.losses.append(float(loss := self.net(x, y)))  # (the GPT's own loss, tiled or not)
         return loss
 
@@ -118,20 +120,21 @@ class SequenceGPT(EquivalenceModule):
 
 
 CHECKPOINTED = {"activation_checkpointing": "units", "param_persistence_threshold": 0}
-# world -> (stage, sequence_parallel_size, ZeroConfig fields, tiles): SP=2 on 2 ranks at every stage; on 4 ranks SP=4
-# (one replica) and 2 replicas x SP=2, the last stage 3 runs with MLP and loss in 2 tiles of each slice (the HF
-# Llama's runs in test_sequence_hf.py take SP=4 at stage 2 and 2 x SP=2 at stage 1)
+# world -> (stage, sequence_parallel_size, ZeroConfig fields, tiles, masked): SP=2 on 2 ranks at every stage; on 4
+# ranks SP=4 (one replica) and 2 replicas x SP=2; the last stage 3 runs with MLP and loss in 2 tiles of each slice,
+# on 2 ranks with targets left out (the HF Llama's runs in test_sequence_hf.py take SP=4 at stage 2 and 2 x SP=2 at
+# stage 1)
 RUNS = {
-    2: [(1, 2, {}, 1), (2, 2, {}, 1), (3, 2, CHECKPOINTED, 2)],
-    4: [(1, 4, {}, 1), (2, 2, {}, 1), (3, 2, CHECKPOINTED, 1), (3, 4, CHECKPOINTED, 2)],
+    2: [(1, 2, {}, 1, False), (2, 2, {}, 1, False), (3, 2, CHECKPOINTED, 2, True)],
+    4: [(1, 4, {}, 1, False), (2, 2, {}, 1, False), (3, 2, CHECKPOINTED, 1, False), (3, 4, CHECKPOINTED, 2, False)],
 }
 
 
 def _train_worker(rank: int, world: int) -> dict:
     out = {}
-    for stage, size, config, tiles in RUNS[world]:
+    for stage, size, config, tiles, masked in RUNS[world]:
         pl.seed_everything(0)
-        module = SequenceGPT(tiles=tiles, heads=max(size, 2))
+        module = SequenceGPT(tiles=tiles, heads=max(size, 2), masked=masked)
         strategy = zero_strategy(stage, reduce_bucket_size=3000, sequence_parallel_size=size, **config)
         make_trainer(strategy, world, steps=STEPS).fit(module)
         assert module.sequence.size == size and module.sequence.data_size == world // size
@@ -141,13 +144,13 @@ def _train_worker(rank: int, world: int) -> dict:
 
 
 @functools.cache
-def _reference(heads: int = 2):
+def _reference(heads: int = 2, masked: bool = False):
     pl.seed_everything(0)
-    module = EquivalenceModule("gpt", steps=STEPS)
+    module = MaskedGPT() if masked else EquivalenceModule("gpt", steps=STEPS)
     module.gpt_config = dataclasses.replace(module.gpt_config, n_head=heads)  # (the same parameters)
     module.net = GPT(module.gpt_config)
     make_trainer("auto", 1, steps=STEPS).fit(module)
-    return {k: v.clone() for k, v in module.state_dict().items()}, module.grad_norms
+    return {k: v.clone() for k, v in module.state_dict().items()}, module.grad_norms, module.losses
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -161,7 +164,8 @@ def test_the_gpt_trained_sequence_parallel_equals_one_process(ranks, world):
     for rank, result in enumerate(results):
         for (stage, size), run in result.items():
             where = f"world {world} SP {size} stage {stage} rank {rank}"
-            reference, norms = _reference(max(size, 2))  # (as many heads as the run, at least the model's 2)
+            masked = next(run[4] for run in RUNS[world] if run[:2] == (stage, size))
+            reference, norms, _ = _reference(max(size, 2), masked)  # (as many heads as the run, at least 2)
             assert relative_error(torch.tensor(run["norms"]), torch.tensor(norms)) <= 1e-5, where
             for name, value in reference.items():
                 err = relative_error(run["state"][name], value)
@@ -264,14 +268,12 @@ def _masked_worker(rank: int, world: int) -> dict:
 def test_a_loss_over_the_real_tokens_of_uneven_slices_equals_one_process(ranks):
     """2 replicas x SP=2: both the slices and the replicas hold different numbers of real tokens."""
     world = 4
-    pl.seed_everything(0)
-    reference = MaskedGPT()
-    make_trainer("auto", 1, steps=STEPS).fit(reference)
+    reference, _, losses = _reference(2, masked=True)
     results = ranks(_masked_worker, world)
     logged = torch.tensor([r["losses"] for r in results]).mean(0)  # (a sync_dist mean of the ranks' values)
-    assert relative_error(logged, torch.tensor(reference.losses)) <= 1e-5
+    assert relative_error(logged, torch.tensor(losses)) <= 1e-5
     for rank, result in enumerate(results):
-        for name, value in reference.state_dict().items():
+        for name, value in reference.items():
             assert relative_error(result["state"][name], value) <= 1e-5, (world, rank, name)
 
 

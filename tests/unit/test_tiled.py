@@ -61,12 +61,49 @@ def test_a_tile_recomputed_in_backward_draws_its_forward_random_numbers():
 
 
 def test_a_tile_recomputed_in_backward_runs_under_the_forwards_autocast():
-    mlp, x = _mlp(0.0), torch.randn(1, 4, 8, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = tiled_mlp(mlp, x, 2)
-    assert out.dtype == torch.bfloat16
-    out.float().sum().backward()
-    assert x.grad.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in mlp.parameters())
+    def grads(tiles: int, dtypes: list) -> list[torch.Tensor]:
+        mlp, x = _mlp(0.0), torch.randn(1, 8, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        mlp[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = tiled_mlp(mlp, x, tiles)
+        return torch.autograd.grad(out.float().square().sum(), [x, *mlp.parameters()])
+
+    dtypes: list[torch.dtype] = []
+    whole, tiled = grads(1, []), grads(4, dtypes)
+    assert dtypes == [torch.bfloat16] * 8  # (4 tiles forward, the same 4 recomputed in backward)
+    assert all(a.dtype == torch.float32 and relative_error(a, b) <= 5e-3 for a, b in zip(tiled, whole))
+
+
+def test_parameter_hooks_see_the_summed_gradient_once_and_bf16_tiles_sum_in_fp32():
+    calls = []
+    mlp = _mlp(0.0)
+    mlp[0].weight.register_hook(lambda g: calls.append(1) or g * 0.5)
+    x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(1))
+    tiled_mlp(mlp, x, 3).square().sum().backward()
+    tiled = mlp[0].weight.grad.clone()
+    mlp[0].weight.grad = None
+    mlp(x).square().sum().backward()
+    assert len(calls) == 2 and relative_error(tiled, mlp[0].weight.grad) <= 1e-6  # (once per backward, halved)
+
+    def weight_grad(tiles: int, dtype: torch.dtype) -> torch.Tensor:
+        g = torch.Generator().manual_seed(2)
+        hidden, weight = torch.randn(1, 256, 16, generator=g), torch.randn(64, 16, generator=g)
+        weight = weight.to(dtype).requires_grad_()
+        target = torch.randint(64, (1, 256), generator=g)
+        return torch.autograd.grad(tiled_cross_entropy(hidden.to(dtype), weight, target, tiles), [weight])[0]
+
+    exact = weight_grad(1, torch.float64)
+    one, many = (relative_error(weight_grad(tiles, torch.bfloat16), exact) for tiles in (1, 64))
+    assert many <= 1.5 * one, (one, many)  # (64 bf16 sums would double the error)
+
+
+def test_without_gradients_the_mlp_runs_tile_by_tile_too():
+    mlp, x = _mlp(0.0), torch.randn(1, 12, 8)
+    calls = []
+    mlp[0].register_forward_hook(lambda module, args, out: calls.append(out.shape[1]))
+    with torch.no_grad():
+        out = tiled_mlp(mlp, x, 3)
+    assert calls == [4, 4, 4] and relative_error(out, mlp(x)) <= 1e-6
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, True])
