@@ -9,25 +9,27 @@ flash, flex), and points the config at it: no module code is changed, and ``undo
 registration out again. The wrapper runs the original on the head-sharded whole sequence (ulysses.py), so kernels,
 GQA and dropout are the model's own. What the original would get from the model is for the slice, so:
 
-- the mask: a mask function registered under the same name hands the attention the slice's 2D padding mask (or
-  None) as the model's ``create_causal_mask`` got it (for a name the mask registry does not know it would return
-  None, the padding dropped), and the wrapper builds the whole sequence's mask with the original implementation's
-  own mask function, as ``create_causal_mask`` would in one process: sdpa gets None (``is_causal``) without
-  padding, eager its additive causal mask. The padding mask is all-gathered over the group first (a rank holds its
-  slice's part; its queries attend to every slice's keys), so any padding, left or right, is exact. A prepared 4D
-  mask cannot be rebuilt from its slice and is refused, as are non-causal attention (an encoder, a vision tower:
-  their inputs are not split), sliding windows and packed sequences;
+- the mask: a mask function registered under the same name, which the model's ``create_causal_mask`` calls once a
+  forward, all-gathers the slices' 2D padding masks over the group (a rank's queries attend to every slice's keys)
+  and hands the whole one (or None) to the attention (for a name the mask registry does not know it would return
+  None, the padding dropped); the wrapper builds the whole sequence's mask from it with the original
+  implementation's own mask function, as ``create_causal_mask`` would in one process: sdpa gets None (``is_causal``)
+  without padding, eager its additive causal mask. So any padding, left or right, is exact. A prepared 4D mask
+  cannot be rebuilt from its slice and is refused, as are non-causal attention (an encoder, a vision tower: their
+  inputs are not split) and sliding windows;
 - key/value heads: the implementations repeat them ``module.num_key_value_groups`` times, which stays right when
   K divides them (each rank gets H/K query and H_kv/K key/value heads); fewer than K would need a repeat the model
   does not know of, so a size that does not divide them is refused at attach time, before any collective;
 - positions and labels (``causal_lm_inputs``): the model numbers a slice from 0 and shifts labels inside the slice
-  (losing the target at each slice's end), so a rank passes its global positions and its slice of labels shifted
-  over the whole sequence (``shift_labels``), with ``num_items_in_batch`` making its loss sequence/parallel.py's
-  ``token_mean`` (ZeRO averages the ranks' gradients: see [Note: sequence-parallel groups] there).
+  (losing the target at each slice's end), so a rank passes its global positions (a forward pre-hook checks them,
+  agreed over the group, which also refuses packed sequences) and its slice of labels shifted over the whole
+  sequence (``shift_labels``), with ``num_items_in_batch`` making its loss sequence/parallel.py's ``token_mean``
+  (ZeRO averages the ranks' gradients: see [Note: sequence-parallel groups] there).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import uuid
 from collections.abc import Callable
@@ -62,8 +64,12 @@ def attach_ulysses(module: Module, sequence: SequenceParallel | None) -> Callabl
             _check_model(model, sequence.size)
             models[id(model.config)] = model
     attached: list[tuple[str, Any, str]] = []
+    hooks: list[Any] = []
 
     def undo() -> None:
+        for hook in hooks:
+            hook.remove()
+        hooks.clear()
         for name, config, previous in reversed(attached):
             config._attn_implementation_internal = previous
             for registry in (AttentionInterface, AttentionMaskInterface):  # (they have no unregister of their own)
@@ -73,10 +79,11 @@ def attach_ulysses(module: Module, sequence: SequenceParallel | None) -> Callabl
     for model in models.values():
         previous, name = model.config._attn_implementation, f"{PREFIX}{uuid.uuid4().hex}"
         AttentionInterface.register(name, _ulysses_forward(previous, sequence))
-        AttentionMaskInterface.register(name, _slice_padding)
+        AttentionMaskInterface.register(name, _whole_padding_mask(sequence))
         attached.append((name, model.config, previous))
         # the field set_attn_implementation sets: that would also set the sub-models' configs, which get their own
         model.config._attn_implementation_internal = name
+        hooks.append(model.register_forward_pre_hook(_PositionCheck(model, sequence), with_kwargs=True))
     return undo
 
 
@@ -102,15 +109,42 @@ def _check_model(model: Module, size: int) -> None:
         check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size, repeat=False)
 
 
-def _slice_padding(*, mask_function: Callable, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
-    """The registered mask function: the model's ``create_causal_mask`` returns the slice's 2D padding mask (bool,
-    or None) as it is, for the attention to make the whole sequence's mask of (a name transformers' mask registry
-    does not know would get no mask at all, padding dropped)."""
+class _PositionCheck:
+    """A forward pre-hook: the model's ``position_ids`` must be this rank's global positions (``causal_lm_inputs``'
+    ``sequence.positions``), agreed over the group (one small all-reduce a forward) so that every rank refuses alike:
+    without them the model numbers each slice from 0, and packed sequences (positions restarting inside the
+    sequence) would need masks the slices cannot build."""
+
+    def __init__(self, model: Module, sequence: SequenceParallel) -> None:
+        self.signature, self.sequence = inspect.signature(model.forward), sequence
+
+    def __call__(self, model: Module, args: tuple, kwargs: dict) -> None:
+        given = self.signature.bind_partial(*args, **kwargs).arguments
+        tokens = given.get("input_ids") if given.get("input_ids") is not None else given.get("inputs_embeds")
+        positions = given.get("position_ids")
+        right = tokens is not None and positions is not None and positions.shape[-1] == tokens.shape[1]
+        if right:
+            right = bool((positions == self.sequence.positions(tokens.shape[1], positions.device)).all())
+        wrong = collectives.all_reduce(torch.tensor([float(not right)]), dist.ReduceOp.MAX, group=self.sequence.group)
+        if wrong.item():
+            raise ValueError(
+                f"{type(model).__name__} runs sequence-parallel: every rank passes its slice's global position_ids,"
+                " as lightning_zero.sequence.hf.causal_lm_inputs gives them (packed sequences are not supported)"
+            )
+
+
+def _whole_padding_mask(sequence: SequenceParallel) -> Callable[..., Tensor | None]:
+    """The registered mask function, called once a forward by the model's ``create_causal_mask``: the group's whole
+    2D padding mask (all-gathered from each rank's slice), or None, for the attention to build the whole sequence's
+    mask from (a name transformers' mask registry does not know would get no mask at all, padding dropped)."""
     from transformers.masking_utils import causal_mask_function
 
-    if mask_function is not causal_mask_function:  # (packed sequences, sliding windows, bidirectional, overlays)
-        raise ValueError("sequence parallelism builds plain causal masks only (with padding), not the model's")
-    return attention_mask
+    def gather(*, mask_function: Callable, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
+        if mask_function is not causal_mask_function:  # (sliding windows, bidirectional, overlays: config-wide)
+            raise ValueError("sequence parallelism builds plain causal masks only (with padding), not the model's")
+        return None if attention_mask is None else _whole_padding(attention_mask, sequence)
+
+    return gather
 
 
 def _ulysses_forward(implementation: str, sequence: SequenceParallel) -> Callable[..., tuple[Tensor, None]]:
@@ -123,8 +157,13 @@ def _ulysses_forward(implementation: str, sequence: SequenceParallel) -> Callabl
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         _check_call(module, query, key, attention_mask, kwargs)
-        padding = None if attention_mask is None else _whole_padding(attention_mask, sequence)
         length = query.shape[2] * sequence.size
+        padding = attention_mask  # (the whole sequence's, from the mask function above)
+        if padding is not None and padding.shape[-1] != length:
+            raise ValueError(
+                f"{type(module).__name__} got a mask of {padding.shape[-1]} positions, not the whole sequence's"
+                f" {length}: sequence parallelism needs the model to build its mask with create_causal_mask"
+            )
         mask = make_mask(
             batch_size=query.shape[0], q_length=length, kv_length=length, q_offset=0, kv_offset=0,
             mask_function=causal_mask_function, attention_mask=padding, allow_is_causal_skip=True,
@@ -193,23 +232,30 @@ def causal_lm_inputs(
     so that the model's loss is ``world_size * sum(this slice's losses) / count``: averaged over the ranks (ZeRO's
     gradients, a ``sync_dist`` mean), the mean over the global batch's real targets (sequence/parallel.py's
     ``token_mean``). With labels, collective: every rank calls it once per micro-batch."""
-    slice_length = input_ids.shape[1] // sequence.size
+    length = input_ids.shape[1]
+    if labels is not None:  # (a length the group cannot split is refused on every rank, with the count's all-reduce)
+        splits = length % sequence.size == 0
+        shifted = sequence.split(F.pad(labels[:, 1:], (0, 1), value=ignore_index)) if splits else labels[:, :0]
+        # position i predicts token i + 1: shifted before slicing, each slice's last position keeps its target
+        totals = torch.tensor([float((shifted != ignore_index).sum()), float(not splits)])
+        collectives.all_reduce(totals, dist.ReduceOp.SUM)
+        if totals[1]:
+            raise ValueError(
+                f"a rank's batch has sequences whose length does not split into sequence_parallel_size"
+                f" {sequence.size} (here {length} tokens): pad every batch to a multiple of it"
+            )
     inputs: dict[str, Any] = {
         "input_ids": sequence.split(input_ids),
-        "position_ids": sequence.positions(slice_length, input_ids.device).unsqueeze(0),
+        "position_ids": sequence.positions(length // sequence.size, input_ids.device).unsqueeze(0),
         "use_cache": False,  # (a cache would hold the slice's keys: see [Note: Hugging Face attention under Ulysses])
     }
     if attention_mask is not None:
         inputs["attention_mask"] = sequence.split(attention_mask)
     if labels is None:
         return inputs
-    # position i predicts token i + 1: shifted before slicing, each slice's last position keeps its target
-    shifted = sequence.split(F.pad(labels[:, 1:], (0, 1), value=ignore_index))
-    count = (shifted != ignore_index).sum().to(torch.float32)
-    collectives.all_reduce(count, dist.ReduceOp.SUM)
     world_size = dist.get_world_size() if world_size is None else world_size
     # the model's loss ignores labels given shift_labels, and computes one only if labels are given
-    inputs.update(labels=shifted, shift_labels=shifted, num_items_in_batch=count / world_size)
+    inputs.update(labels=shifted, shift_labels=shifted, num_items_in_batch=totals[0] / world_size)
     if ignore_index != -100:
         inputs["ignore_index"] = ignore_index
     return inputs

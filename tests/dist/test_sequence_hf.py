@@ -25,6 +25,7 @@ from tests.support.helpers import COLLECTIVE_TIMEOUT_S, make_trainer, zero_strat
 
 pytest.importorskip("transformers")
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 from lightning_zero.sequence.hf import PREFIX, causal_lm_inputs  # noqa: E402
 from tests.support.hf_models import LoRA  # noqa: E402
@@ -164,7 +165,8 @@ def test_a_hugging_face_llama_trains_sequence_parallel_as_one_process(ranks, wor
 
 
 def _registered() -> list[str]:
-    return [name for name in AttentionInterface._global_mapping if name.startswith(PREFIX)]
+    registries = (AttentionInterface, AttentionMaskInterface)
+    return [name for registry in registries for name in registry._global_mapping if name.startswith(PREFIX)]
 
 
 def _fabric_worker(rank: int, world: int) -> dict:
@@ -182,6 +184,11 @@ def _fabric_worker(rank: int, world: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
+    inputs = causal_lm_inputs(sequence, x, labels, attention_mask=real)
+    if rank == 1:  # positions restarting inside rank 1's slice only (a packed sequence): every rank refuses, none waits
+        inputs["position_ids"] = inputs["position_ids"] % 3
+    with pytest.raises(ValueError, match="every rank passes its slice's global position_ids"):
+        model(**inputs)
     state, attached = fabric.strategy.get_module_state_dict(model), _registered()
     fabric.strategy.teardown()
     return {"state": state, "losses": losses, "attached": attached, "registered": _registered()}
@@ -203,7 +210,7 @@ def test_fabric_trains_a_hugging_face_llama_sequence_parallel_as_plain_torch(ran
     logged = torch.tensor([result["losses"] for result in results]).mean(0)
     assert relative_error(logged, torch.tensor(losses)) <= 1e-5, (logged, losses)
     for rank, result in enumerate(results):
-        assert len(result["attached"]) == 1 and result["registered"] == [], result
+        assert len(result["attached"]) == 2 and result["registered"] == [], result  # (an attention, a mask function)
         for name, value in model.state_dict().items():
             err = relative_error(result["state"][name], value)
             assert err <= 1e-5, f"fabric rank {rank}: {name} differs from one process by {err:.1e}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_zero.sequence.hf import PREFIX, attach_ulysses
 from lightning_zero.sequence.parallel import SequenceParallel
@@ -17,7 +18,7 @@ from transformers import AttentionInterface, GPT2Config, GPT2Model, LlamaConfig,
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 
-def _group(size: int) -> SequenceParallel:  # (no process group: nothing here reaches a collective)
+def _group(size: int) -> SequenceParallel:  # (the world's group: nothing here reaches a collective but one check)
     return SequenceParallel(group=None, rank=0, size=size, data_rank=0, data_size=1)
 
 
@@ -51,8 +52,19 @@ def test_attach_points_each_config_at_its_own_registration_and_undo_restores_it(
     assert attach_ulysses(holder, None)() is None  # (no group: nothing to do)
 
 
-def test_what_cannot_run_sequence_parallel_is_refused_before_anything_changes():
-    with pytest.raises(ValueError, match=r"sequence_parallel_size 4 must divide the key/value heads, 2 \(the attention repeats them itself\)"):
+@pytest.fixture
+def one_process_group():
+    """A process group of this process alone (the position check's all-reduce runs on it)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_what_cannot_run_sequence_parallel_is_refused_before_anything_changes(one_process_group):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_parallel_size 4 must divide the key/value heads, 2 \(the attention repeats them itself\)",
+    ):
         attach_ulysses(_llama(kv_heads=2), _group(4))
     with pytest.raises(ValueError, match="sequence_parallel_size 4 must divide the attention heads, 6"):
         attach_ulysses(GPT2Model(GPT2Config(n_embd=24, n_layer=1, n_head=6)), _group(4))
@@ -65,10 +77,12 @@ def test_what_cannot_run_sequence_parallel_is_refused_before_anything_changes():
     undo = attach_ulysses(model, _group(2))
     with pytest.raises(ValueError, match="already runs its attention sequence-parallel"):
         attach_ulysses(model, _group(2))
-    ids = torch.zeros(1, 4, dtype=torch.long)
+    ids, positions = torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None]  # (rank 0's slice of 8 tokens)
+    with pytest.raises(ValueError, match="every rank passes its slice's global position_ids"):
+        model(input_ids=ids, position_ids=positions + 1)  # (or packed sequences, restarting inside)
     with pytest.raises(ValueError, match="cannot from a prepared 4D one: pass the 2D mask's slice"):
-        model(input_ids=ids, attention_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
+        model(input_ids=ids, position_ids=positions, attention_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
     model.model.layers[0].self_attn.is_causal = False
     with pytest.raises(ValueError, match="runs causal self-attention only, not LlamaAttention's"):
-        model(input_ids=ids)
+        model(input_ids=ids, position_ids=positions)
     undo()
