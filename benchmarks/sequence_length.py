@@ -7,9 +7,9 @@ optimizer's step) at growing lengths, doubling until a step's peak passes the bu
 (every tensor the step allocates: activations, temporaries, gradients, gathered parameters) plus the engine's
 persistent device bytes made before it (``memory_bytes()``: parameter shards, optimizer state), without the host
 pool of offloaded checkpoints (host memory on a GPU; on this CPU the same memory, so an offloading configuration
-runs each length once untracked first, making the pool before the measured step). Configurations: sequence parallelism over the 4 ranks (one sample's
-slices), with activation checkpointing (``units``), with the checkpoints offloaded, with the MLP and the loss in
-tiles, and the last without sequence parallelism.
+runs each length once untracked first, making the pool before the measured step). Configurations: sequence
+parallelism over the 4 ranks (one sample's slices), with activation checkpointing (``units``), with the
+checkpoints offloaded, with the MLP and the loss in tiles, and the last without sequence parallelism.
 
     python benchmarks/sequence_length.py [--base 1024] [--grain 256] [--out FILE.md]
 """

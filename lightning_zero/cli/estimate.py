@@ -12,9 +12,10 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning_zero.cli.args import InputError, Parser
 from lightning_zero.config import ZeroConfig
 from lightning_zero.planning.activations import MODES, longest_fitting, mode_name
-from lightning_zero.planning.comm_model import format_traffic
+from lightning_zero.planning.comm_model import Ulysses, format_traffic
 from lightning_zero.planning.estimate import estimate, format_table, parse_bytes, shape_of_count, smallest_fitting
 from lightning_zero.planning.time_model import CLUSTERS, Hardware, flops_per_token, format_step_times, measure_here
+from lightning_zero.sequence.ulysses import check_heads
 from lightning_zero.sharding.topology import resolve_shard_size
 
 MAX_ESTIMATE_RANKS = 1 << 17  # about 5 s of estimate
@@ -47,18 +48,21 @@ def estimate_main(args: list[str]) -> None:
         shape, config = shape_of_count(parsed.params), ZeroConfig()
     else:
         shape, config = _shape_of_model(parsed.model)
-    activations = _activation_profile(parsed) if parsed.seq_len is not None else None  # (bad input: before output)
+    sequence = _sequence_parallel(parsed, config)  # (bad input: before output)
+    activations = _activation_profile(parsed) if parsed.seq_len is not None else None
     table = estimate(shape, shard, parsed.precision, config, offload=parsed.offload == "cpu")
     _print_memory(parsed, shape.psi, table, world, shard, capacity)
     traffic = {"world": world, "per_node": parsed.devices, "shard_size": shard, "micro_batches": parsed.micro_batches}
-    print(format_traffic(shape.psi, parsed.precision, **traffic))
+    print(format_traffic(shape.psi, parsed.precision, **traffic, sequence=sequence))
+    if sequence is not None:
+        _print_exchanges(sequence)
     if capacity is not None:
         _print_fit(parsed.device_memory, table, capacity, parsed.devices, activations is not None)
     if activations is not None:
         _print_activations(parsed, *activations, table, capacity)
     hardware = _hardware(parsed)
     if hardware is not None:
-        _print_step_times(parsed, shape.psi, hardware, world, shard, capacity)
+        _print_step_times(parsed, shape.psi, hardware, world, shard, capacity, sequence)
 
 
 def _parser() -> Parser:
@@ -98,6 +102,12 @@ def _parser() -> Parser:
         help="tokens per sample: with --model (a language model), each activation checkpointing mode's activation"
         " bytes per rank; with --device-memory also the longest sequence each strategy and mode fits",
     )
+    parser.add_argument(
+        "--sp",
+        type=_positive_int,
+        help="sequence parallelism (Ulysses) over groups of this many ranks, with --seq-len and a GPTModule --model:"
+        " activations per rank hold each sample's slice, and the traffic and step time add attention's all-to-alls",
+    )
     speed = parser.add_argument_group("step time (time_model.py): any of these adds the prediction")
     speed.add_argument("--cluster", choices=sorted(CLUSTERS), help="preset FLOP rate and link bandwidths")
     speed.add_argument("--tflops", type=_positive_float, help="achieved TFLOP/s per device")
@@ -121,7 +131,41 @@ def _sizes(parsed: argparse.Namespace) -> tuple[int, int, int | None]:
         capacity = parse_bytes(parsed.device_memory) if parsed.device_memory else None
     except ValueError as error:
         raise InputError(f"argument --device-memory: {error}") from error
+    if parsed.sp is not None and parsed.seq_len is None:
+        raise InputError("argument --sp: needs --seq-len (the tokens per sample a group splits) and --model")
+    for what, value in ((f"the {world} ranks (--devices x --nodes)", world), ("--seq-len", parsed.seq_len)):
+        if parsed.sp is not None and value % parsed.sp:
+            raise InputError(f"argument --sp: must divide {what}, {value}, got {parsed.sp}")
     return world, shard, capacity
+
+
+def _sequence_parallel(parsed: argparse.Namespace, config: ZeroConfig) -> Ulysses | None:
+    """``--sp``'s attention exchanges on one rank (comm_model.py), for a GPTModule config whose heads it divides;
+    None without it (or with 1)."""
+    if parsed.sp is None:
+        return None
+    gpt, batch = _gpt_of(parsed.model) if parsed.model else (None, None)
+    if gpt is None:
+        raise InputError("argument --sp: needs --model, a lightning_zero GPTModule config")
+    try:
+        check_heads(gpt.n_head, gpt.n_head, parsed.sp)
+    except ValueError as error:
+        raise InputError(f"argument --sp: {error}") from error
+    if parsed.sp == 1:
+        return None
+    element = 4 if parsed.precision == "32-true" else 2  # (attention's inputs and output are autocast's dtype)
+    heads, head_dim, mode = gpt.n_head, gpt.n_embd // gpt.n_head, config.activation_checkpointing
+    return Ulysses(batch, parsed.seq_len, heads, heads, head_dim, parsed.sp, element, mode, gpt.n_layer)
+
+
+def _print_exchanges(sequence: Ulysses) -> None:
+    covered, k = sequence.layer_bytes() / 2**20, sequence.size
+    print(
+        f"sequence parallelism over groups of {k} ranks (Ulysses, zero.activation_checkpointing"
+        f" {sequence.checkpointing}): each of the {sequence.layers} layers' all-to-alls cover {covered:.2f} MiB per"
+        f" rank per micro-batch, {(k - 1) / k * covered:.2f} MiB of it sent to the group's other ranks (in the rows"
+        " above)"
+    )
 
 
 def _print_memory(
@@ -156,13 +200,21 @@ def _print_fit(device_memory: str, table: dict, capacity: int, per_node: int, ac
 
 
 def _print_step_times(
-    parsed: argparse.Namespace, psi: int, hardware: Hardware, world: int, shard: int, capacity: int | None
+    parsed: argparse.Namespace,
+    psi: int,
+    hardware: Hardware,
+    world: int,
+    shard: int,
+    capacity: int | None,
+    sequence: Ulysses | None,
 ) -> None:
-    """The predicted step time of every strategy; tokens and the model's shape from a GPT config when given."""
+    """The predicted step time of every strategy; tokens per rank and the model's shape from a GPT config when
+    given, at ``--seq-len`` tokens per sample if given (a slice of each under ``sequence`` parallelism)."""
     gpt, batch = _gpt_of(parsed.model) if parsed.model else (None, None)
-    tokens = parsed.tokens or (batch * gpt.block_size if gpt else 2048)
-    shape3 = (gpt.n_layer, gpt.block_size, gpt.n_embd) if gpt else None
-    links = {"world_size": world, "per_node": parsed.devices, "shard_size": shard}
+    length = (parsed.seq_len or gpt.block_size) if gpt else None
+    tokens = parsed.tokens or (batch * length // (parsed.sp or 1) if gpt else 2048)
+    shape3 = (gpt.n_layer, length, gpt.n_embd) if gpt else None
+    links = {"world_size": world, "per_node": parsed.devices, "shard_size": shard, "sequence": sequence}
     print(
         format_step_times(
             psi,
@@ -184,7 +236,7 @@ def _activation_profile(parsed: argparse.Namespace) -> tuple:
     if not parsed.model:
         raise InputError("argument --seq-len: needs --model (a config whose model takes token ids [batch, seq])")
     try:
-        profile, batch = activation_profiler(parsed.model)
+        profile, batch = activation_profiler(parsed.model, parsed.sp or 1)
         profile(parsed.seq_len)
     except ValueError as error:
         raise InputError(f"argument --seq-len: {error}") from error
@@ -194,8 +246,10 @@ def _activation_profile(parsed: argparse.Namespace) -> tuple:
 def _print_activations(parsed: argparse.Namespace, profile, batch: int, table: dict, capacity: int | None) -> None:
     """Activation bytes per rank at ``--seq-len`` for each checkpointing mode (planning/activations.py) and, with a
     device's memory, the longest sequence each strategy fits with each mode (its model states plus activations)."""
-    at, gib = profile(parsed.seq_len), 2**30
-    print(f"activations per rank at {parsed.seq_len} tokens x {batch} samples (zero.activation_checkpointing), GiB:")
+    at, gib, k = profile(parsed.seq_len), 2**30, parsed.sp or 1
+    sliced = f", each rank {parsed.seq_len // k} tokens of each (--sp {k})" if k > 1 else ""
+    title = f"activations per rank at {parsed.seq_len} tokens x {batch} samples{sliced}"
+    print(f"{title} (zero.activation_checkpointing), GiB:")
     print(f"{'checkpointing':<20}{'device':>12}{'host':>12}")
     for mode, offload in MODES:
         device, host = at.held(mode, offload=offload)
@@ -208,7 +262,7 @@ def _print_activations(parsed: argparse.Namespace, profile, batch: int, table: d
     print(f"{'checkpointing':<20}" + "".join(f"{name:>12}" for name in strategies))
     for mode, offload in MODES:
         budgets = [capacity - max(r.total for r in table[name]) for name in strategies]
-        longest = [longest_fitting(profile, budget, mode, offload) for budget in budgets]
+        longest = [longest_fitting(profile, budget, mode, offload, multiple=k) for budget in budgets]
         print(f"{mode_name(mode, offload):<20}" + "".join(f"{n:>12,}" if n else f"{'none':>12}" for n in longest))
 
 
@@ -220,7 +274,9 @@ def _hardware(parsed) -> Hardware | None:
         gpt, batch = _gpt_of(parsed.model)
         if gpt is None:
             raise InputError(f"argument --measure: {parsed.model} is not a lightning_zero GPTModule config")
-        base = measure_here(gpt, batch=batch, ranks=parsed.devices)
+        # a rank's work: under sequence parallelism B/K whole samples are as many FLOPs as B slices, attention's too
+        at_length = dataclasses.replace(gpt, block_size=parsed.seq_len or gpt.block_size)
+        base = measure_here(at_length, batch=max(1, batch // (parsed.sp or 1)), ranks=parsed.devices)
     elif parsed.cluster:
         base = CLUSTERS[parsed.cluster]
     elif any(v is not None for v in (parsed.tflops, parsed.intra_bw, parsed.inter_bw)):

@@ -24,6 +24,12 @@ A rank's micro-batch is the same under every stage (ZeRO shards model states, no
 bytes add to the model states of ``estimate``. Attention that materializes its scores (``s x s`` per head) counts
 them as the model's own attention does on the meta device (torch's ``scaled_dot_product_attention`` picks a fused
 kernel where one exists, as on a GPU; the CPU's math fallback keeps them).
+
+Under sequence parallelism (sequence/) a rank's micro-batch is its slice, S/K positions of each sample, except
+inside attention, which holds every position of H/K heads (ulysses.py). ``profiled_rank(K)`` stands in for the
+group when one process profiles one of its ranks: the model takes it as it takes ``SequenceParallel`` and its
+attention turns q, k, v from ``[B, H, S/K, D]`` into fresh ``[B, H/K, S, D]`` tensors and the output back as the
+all-to-alls do (shapes only: the values are fake anyway), so the full-sequence head blocks attention saves count.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.activations.checkpointing import KEPT_OPS
+from lightning_zero.sequence.parallel import SequenceParallel
+from lightning_zero.sequence.ulysses import check_heads
 
 
 @dataclass
@@ -156,6 +164,22 @@ def profile_activations(
     )
 
 
+class _ProfiledRank(SequenceParallel):
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, attention: Callable[..., Tensor], **kwargs: Any) -> Tensor:
+        """Ulysses' attention with each all-to-all replaced by a copy of the received tensor's shape."""
+        check_heads(q.shape[1], k.shape[1], self.size)
+        if k.shape[1] < self.size:  # (key/value heads repeated to one per rank, as ulysses.py does)
+            k, v = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (k, v))
+        b, h, s, d = q.shape
+        q, k, v = (t.reshape(b, t.shape[1] // self.size, s * self.size, d).clone() for t in (q, k, v))
+        return attention(q, k, v, **kwargs).reshape(b, h, s, d).clone()
+
+
+def profiled_rank(size: int) -> SequenceParallel:
+    """One rank of a sequence-parallel group of ``size``, alone, for a profile (see [Note: counting activations])."""
+    return _ProfiledRank(group=None, rank=0, size=size, data_rank=0, data_size=1)
+
+
 MODES = (("none", False), ("units", False), ("selective", False), ("units", True), ("selective", True))
 LONGEST = 1 << 24  # tokens: the longest sequence the search tries
 
@@ -164,14 +188,17 @@ def mode_name(mode: str, offload: bool) -> str:
     return f"{mode}+offload" if offload else mode
 
 
-def longest_fitting(profile: Callable[[int], ActivationProfile], budget: int, mode: str, offload: bool) -> int:
-    """The longest sequence (up to ``LONGEST``) whose activations under ``mode`` fit ``budget`` device bytes; 0 if
-    not even one token does. Activations grow with the sequence, almost in proportion: the search starts where the
+def longest_fitting(
+    profile: Callable[[int], ActivationProfile], budget: int, mode: str, offload: bool, *, multiple: int = 1
+) -> int:
+    """The longest sequence (up to ``LONGEST`` times ``multiple``), a multiple of ``multiple`` (a sequence-parallel
+    group's size: the lengths it splits), whose activations under ``mode`` fit ``budget`` device bytes; 0 if not
+    even the shortest does. Activations grow with the sequence, almost in proportion: the search starts where the
     line through two sequence lengths crosses the budget, gallops to a bracket and bisects it (a few profiles where
-    the growth is linear, as with fused attention)."""
+    the growth is linear, as with fused attention), in steps of ``multiple`` tokens."""
 
-    def need(seq_len: int) -> int:
-        return profile(seq_len).held(mode, offload=offload)[0]
+    def need(steps: int) -> int:
+        return profile(multiple * steps).held(mode, offload=offload)[0]
 
     if budget < need(1):
         return 0
@@ -191,4 +218,4 @@ def longest_fitting(profile: Callable[[int], ActivationProfile], budget: int, mo
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if need(middle) <= budget else (low, middle)
-    return low
+    return multiple * low

@@ -18,6 +18,14 @@ the shard group size K (K = N without hybrid sharding, where the "shard" group i
            qgZ    the reduce-scatter of Bg * total moves to the node group, and an all-to-all of the node's
                   partial sums, q * total / K bytes, crosses the nodes (the "cross" group; with 4 bits
                   (1/2 + 4 / b) * total / K)
+    sequence parallelism (Ulysses, ``Ulysses``: groups of K consecutive ranks, the "sequence" group; ZeRO's
+           collectives above stay over all N ranks) adds per layer and micro-batch all-to-alls of q, k, v and the
+           attention's output, each covering this rank's B x S/K positions of its heads:
+               B * S/K * D * (2 H + 2 H_kv') * e bytes,  H_kv' = max(H_kv, K)
+           (H query and H_kv key/value heads of D elements, e bytes each; key/value heads are split when K divides
+           them, else repeated to one per rank: ulysses.py). Backward runs the opposite exchanges (the same bytes)
+           and activation checkpointing ("units" or "selective") the forward's again in its recomputation:
+           (2 + [checkpointing]) times that per layer.
 
 ``link_bytes`` turns buffers into bytes sent per rank by a ring collective over the group (a
 reduce-scatter or all-gather sends (n - 1) / n of the buffer, an all-reduce twice that) and splits them
@@ -26,15 +34,44 @@ of ``per_node`` consecutive ranks goes to the inter-node link. NCCL's trees and 
 move the same bytes in other shapes; this is the ring's count, which is what the ZeRO paper's volume
 analysis uses. ``algorithm="direct"`` counts our collectives on gloo instead (collectives.py's [Note:
 per-backend collectives]): each rank sends its 1/n of a reduce-scatter or all-gather to each peer directly,
-so a peer on another node costs the inter-node link 1/n of the buffer; an all-to-all sends the same way.
+so a peer on another node costs the inter-node link 1/n of the buffer. An all-to-all sends the same way under
+either algorithm (NCCL's is pairwise too): (n - 1) / n of its buffer leaves the rank, 1/n to each peer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 GROUP_OPS = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2, "all_to_all": 1}  # sent: factor * (n-1)/n * buffer
 ZERO_PLUS_PLUS = ("qwZ", "hpZ", "qgZ")
+
+
+@dataclass(frozen=True)
+class Ulysses:
+    """Sequence parallelism's attention exchanges on one rank (see the Note): ``batch`` samples of ``seq_len`` tokens
+    per micro-batch over a group of ``size`` ranks, ``layers`` attentions of ``heads`` query and ``kv_heads``
+    key/value heads of ``head_dim`` elements, ``element_bytes`` each, and the activation ``checkpointing`` mode."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    size: int
+    element_bytes: int = 4
+    checkpointing: str = "none"
+    layers: int = 1
+
+    def forward_bytes(self) -> int:
+        """What one layer's forward exchanges cover: q, k, v (key/value heads split or repeated) and the output."""
+        kv_heads = max(self.kv_heads, self.size)
+        positions = self.batch * (self.seq_len // self.size)
+        return positions * self.head_dim * (2 * self.heads + 2 * kv_heads) * self.element_bytes
+
+    def layer_bytes(self) -> int:
+        """Buffer bytes per layer and micro-batch: the forward's, backward's and a recomputation's exchanges."""
+        return (2 + (self.checkpointing != "none")) * self.forward_bytes()
 
 
 def step_collectives(
@@ -50,16 +87,28 @@ def step_collectives(
     node_size: int = 2,
     block: int = 256,
     gradient_bits: int = 8,
+    sequence: Ulysses | None = None,
 ) -> dict[tuple[str, str], float]:
     """Buffer bytes per (group role, collective) one rank covers per optimizer step (see the Note);
-    ``zero_plus_plus``: some of ``ZERO_PLUS_PLUS`` (zero3), over nodes of ``node_size`` ranks."""
+    ``zero_plus_plus``: some of ``ZERO_PLUS_PLUS`` (zero3), over nodes of ``node_size`` ranks; ``sequence``: the
+    attention's all-to-alls under sequence parallelism."""
     shard_size = world_size if shard_size is None else shard_size
     grads, params = grad_bytes * total, param_bytes * total
     if strategy == "ddp":
-        return {("world", "all_reduce"): grads}
-    if zero_plus_plus:
+        out = {("world", "all_reduce"): grads}
+    elif zero_plus_plus:
         options = set(zero_plus_plus)
-        return _zero_plus_plus(options, total, grads, params, micro_batches, node_size, block, gradient_bits)
+        out = _zero_plus_plus(options, total, grads, params, micro_batches, node_size, block, gradient_bits)
+    else:
+        out = _sharded(strategy, grads, params, micro_batches, world_size, shard_size)
+    if sequence is not None and sequence.size > 1:
+        out["sequence", "all_to_all"] = sequence.layers * sequence.layer_bytes() * micro_batches
+    return out
+
+
+def _sharded(
+    strategy: str, grads: float, params: float, micro_batches: int, world_size: int, shard_size: int
+) -> dict[tuple[str, str], float]:
     role = "shard" if shard_size < world_size else "world"
     per_micro = {"zero1": 0, "zero2": 1, "zero3": 1}[strategy]
     out = {
@@ -110,12 +159,14 @@ def ring_inter_fraction(ranks: Sequence[int], per_node: int) -> float:
     return sum(ranks[i] // per_node != ranks[(i + 1) % n] // per_node for i in range(n)) / n
 
 
-def group_ranks(role: str, *, world_size: int, shard_size: int, per_node: int = 1) -> list[int]:
+def group_ranks(role: str, *, world_size: int, shard_size: int, per_node: int = 1, sequence_size: int = 1) -> list[int]:
     """The ranks of rank 0's group of ``role`` (every group of a role has the same shape)."""
     if role == "world":
         return list(range(world_size))
     if role == "shard":
         return list(range(shard_size))
+    if role == "sequence":
+        return list(range(sequence_size))
     if role == "node":
         return list(range(per_node))
     if role == "cross":
@@ -137,18 +188,22 @@ def link_bytes(
     per_node: int,
     shard_size: int | None = None,
     algorithm: str = "ring",
+    sequence_size: int = 1,
 ) -> tuple[float, float]:
     """(intra-node, inter-node) bytes one rank sends per step for ``collectives`` (``step_collectives``), by
-    ring collectives or, ``algorithm="direct"``, by ours on gloo (see the Note)."""
+    ring collectives or, ``algorithm="direct"``, by ours on gloo (see the Note); sequence groups of
+    ``sequence_size`` ranks."""
     if algorithm not in ("ring", "direct"):
         raise ValueError(f"algorithm must be ring or direct, got {algorithm!r}")
     shard_size = world_size if shard_size is None else shard_size
     intra = inter = 0.0
     for (role, op), size in collectives.items():
-        ranks = group_ranks(role, world_size=world_size, shard_size=shard_size, per_node=per_node)
+        ranks = group_ranks(
+            role, world_size=world_size, shard_size=shard_size, per_node=per_node, sequence_size=sequence_size
+        )
         n = len(ranks)
         sent = GROUP_OPS[op] * (n - 1) / n * size
-        direct = algorithm == "direct" and op != "all_reduce"
+        direct = op == "all_to_all" or (algorithm == "direct" and op != "all_reduce")
         share = (direct_inter_fraction if direct else ring_inter_fraction)(ranks, per_node)
         inter += sent * share
         intra += sent * (1 - share)
@@ -156,25 +211,31 @@ def link_bytes(
 
 
 def format_traffic(
-    psi: int, precision: str, *, world: int, per_node: int, shard_size: int, micro_batches: int = 1
+    psi: int,
+    precision: str,
+    *,
+    world: int,
+    per_node: int,
+    shard_size: int,
+    micro_batches: int = 1,
+    sequence: Ulysses | None = None,
 ) -> str:
     """Bytes one rank sends per optimizer step, inside nodes and between them, for each strategy (ring
-    collectives; zero3's all-gathers at their bound)."""
+    collectives; zero3's all-gathers at their bound), with ``sequence`` parallelism's all-to-alls."""
     b = 2 if precision == "16-mixed" else 4
     title = f"sent per rank per step ({micro_batches} micro-batches), GB"
     lines = [f"{title:<56}{'intra-node':>12}{'inter-node':>12}"]
+    common = {"world_size": world, "micro_batches": micro_batches, "sequence": sequence}
+    links = {"world_size": world, "per_node": per_node, "sequence_size": sequence.size if sequence else 1}
     for name in ("ddp", "zero1", "zero2", "zero3"):
         size, grad = (world, 4) if name == "ddp" else (shard_size, b)  # ddp reduces fp32 gradients
-        ops = step_collectives(
-            name, psi, world_size=world, shard_size=size, grad_bytes=grad, param_bytes=b, micro_batches=micro_batches
-        )
-        intra, inter = link_bytes(ops, world_size=world, per_node=per_node, shard_size=size)
+        ops = step_collectives(name, psi, shard_size=size, grad_bytes=grad, param_bytes=b, **common)
+        intra, inter = link_bytes(ops, shard_size=size, **links)
         lines.append(f"{name:<56}{intra / 1e9:>12.3f}{inter / 1e9:>12.3f}")
     if shard_size == world and per_node < world:  # ZeRO++ over the nodes (with hybrid sharding it is refused)
         ops = step_collectives(
-            "zero3", psi, world_size=world, grad_bytes=b, param_bytes=b, micro_batches=micro_batches,
-            zero_plus_plus=ZERO_PLUS_PLUS, node_size=per_node,
-        )  # fmt: skip
-        intra, inter = link_bytes(ops, world_size=world, per_node=per_node)
+            "zero3", psi, grad_bytes=b, param_bytes=b, zero_plus_plus=ZERO_PLUS_PLUS, node_size=per_node, **common
+        )
+        intra, inter = link_bytes(ops, **links)
         lines.append(f"{'zero3 + qwZ + hpZ + qgZ (ZeRO++)':<56}{intra / 1e9:>12.3f}{inter / 1e9:>12.3f}")
     return "\n".join(lines)

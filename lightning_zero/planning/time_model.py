@@ -6,14 +6,17 @@ Per rank and optimizer step, for ``tokens`` tokens per rank per micro-batch and 
 
     compute   = flops_per_token * tokens * M / FLOP rate, with flops_per_token = 6 Psi (forward 2,
                 backward 4 per parameter) + 12 n_layer T d when the model's shape is known (attention;
-                nanoGPT's and PaLM's count)
+                nanoGPT's and PaLM's count). Under sequence parallelism (comm_model's ``Ulysses``, groups of
+                K ranks) a rank's tokens are its slices, B S / K, and T is the whole sequence S: the rank
+                runs attention for H / K heads over all S positions, S / K positions' worth of every head
     links     = comm_model.link_bytes / bandwidth of each link (intra-node, inter-node; bytes per second
                 one rank sends, i.e. NCCL's "bus bandwidth")
     exposed   = what compute cannot hide: ddp's all-reduce and ZeRO-1/2's reduce-scatters overlap the
                 backward (2/3 of compute), ZeRO-1/2's all-gathers the next forward (1/3), stage 3's
                 prefetched gathers and reductions share all of it; hybrid sharding's replica all-reduce
-                runs at the step and is never hidden. The communication that shares a window is exposed
-                by max(0, its time - the window).
+                runs at the step, and sequence parallelism's all-to-alls between a layer's projections and
+                its attention (which waits for them), so neither is ever hidden. The communication that
+                shares a window is exposed by max(0, its time - the window).
     step      = compute + exposed
 
 ``measure`` takes both inputs from this machine: the FLOP rate that a model's training step (forward,
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_zero.planning.comm_model import ZERO_PLUS_PLUS, link_bytes, step_collectives
+from lightning_zero.planning.comm_model import ZERO_PLUS_PLUS, Ulysses, link_bytes, step_collectives
 from lightning_zero.planning.memory import formula_bytes
 
 
@@ -91,10 +94,15 @@ def predict_step(
     algorithm: str = "ring",
     zero_plus_plus: tuple[str, ...] = (),
     block: int = 256,
+    sequence: Ulysses | None = None,
 ) -> StepTime:
-    """The step time of one rank (see [Note: the step-time model]); ``flops`` per token, default 6 Psi;
-    ``algorithm`` and ``zero_plus_plus`` as in comm_model.py (ZeRO++ over nodes of ``per_node`` ranks)."""
-    compute = (flops or flops_per_token(psi)) * tokens * micro_batches / (hardware.tflops * 1e12)
+    """The step time of one rank (see [Note: the step-time model]) for ``tokens`` per micro-batch (with
+    ``sequence`` parallelism its slices'); ``flops`` per token, default 6 Psi, with ``sequence`` plus its
+    attention's; ``algorithm`` and ``zero_plus_plus`` as in comm_model.py (ZeRO++ over nodes of ``per_node``)."""
+    if flops is None:
+        shape = (sequence.layers, sequence.seq_len, sequence.heads * sequence.head_dim) if sequence else None
+        flops = flops_per_token(psi, shape)
+    compute = flops * tokens * micro_batches / (hardware.tflops * 1e12)
     shard_size = world_size if strategy == "ddp" or shard_size is None else shard_size
     ops = step_collectives(
         strategy,
@@ -107,15 +115,17 @@ def predict_step(
         zero_plus_plus=zero_plus_plus,
         node_size=per_node,
         block=block,
+        sequence=sequence,
     )
+    groups = {"world_size": world_size, "per_node": per_node, "shard_size": shard_size, "algorithm": algorithm}
+    groups["sequence_size"] = sequence.size if sequence else 1
     intra = inter = 0.0
     busy: dict[float, float] = {}  # compute window -> seconds of communication that must fit in it
     for (role, op), size in ops.items():
-        one = {(role, op): size}
-        a, b = link_bytes(one, world_size=world_size, per_node=per_node, shard_size=shard_size, algorithm=algorithm)
+        a, b = link_bytes({(role, op): size}, **groups)
         intra, inter = intra + a / (hardware.intra_gbs * 1e9), inter + b / (hardware.inter_gbs * 1e9)
-        if role == "replicate":
-            window = 0.0  # at the step, after the last backward
+        if role in ("replicate", "sequence"):
+            window = 0.0  # at the step, after the last backward; or on the critical path
         elif strategy == "zero3":
             window = compute  # prefetched gathers and per-unit reductions share all of compute
         else:  # reductions during backward, gathers during the next forward

@@ -265,6 +265,18 @@ ESTIMATE_CASES = [
         "argument --seq-len: the model has no blocks to count activations by (no nn.ModuleList",
         {"c.yaml": "model:\n  class_path: tests.support.helpers.EquivalenceModule\n  init_args:\n    kind: toy\n"},
     ),
+    Case("estimate_sp_zero", _estimate("--params", "1e6", "--sp", "0"), "argument --sp: must be an integer >= 1"),
+    Case("estimate_sp_without_seq_len", _estimate("--model", GPT, "--sp", "2"), "argument --sp: needs --seq-len"),
+    Case(
+        "estimate_sp_not_dividing_the_world",
+        _estimate("--model", GPT, "--devices", "3", "--seq-len", "60", "--sp", "2"),
+        "argument --sp: must divide the 3 ranks (--devices x --nodes), 3, got 2",
+    ),
+    Case(
+        "estimate_sp_not_dividing_the_heads",
+        _estimate("--model", GPT, "--devices", "3", "--seq-len", "60", "--sp", "3"),
+        "argument --sp: sequence_parallel_size 3 must divide the attention heads, 4",
+    ),
     Case(
         "estimate_model_bad_class",
         _estimate("--model", "{tmp}/c.yaml"),
