@@ -47,6 +47,7 @@ class StepTracker(MemTracker):
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True) -> tuple[int, int]:
         return 0, 0
 
+
 # (name, sequence_parallel_size, activation_checkpointing, offload_activations, tiles)
 CONFIGS = [
     ("stage 3", 1, "none", "none", 1),
