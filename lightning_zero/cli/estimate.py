@@ -274,9 +274,8 @@ def _hardware(parsed) -> Hardware | None:
         gpt, batch = _gpt_of(parsed.model)
         if gpt is None:
             raise InputError(f"argument --measure: {parsed.model} is not a lightning_zero GPTModule config")
-        # a rank's work: under sequence parallelism B/K whole samples are as many FLOPs as B slices, attention's too
         at_length = dataclasses.replace(gpt, block_size=parsed.seq_len or gpt.block_size)
-        base = measure_here(at_length, batch=max(1, batch // (parsed.sp or 1)), ranks=parsed.devices)
+        base = measure_here(at_length, batch=batch, ranks=parsed.devices, sequence=parsed.sp or 1)
     elif parsed.cluster:
         base = CLUSTERS[parsed.cluster]
     elif any(v is not None for v in (parsed.tflops, parsed.intra_bw, parsed.inter_bw)):

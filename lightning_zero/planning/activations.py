@@ -165,6 +165,10 @@ def profile_activations(
 
 
 class _ProfiledRank(SequenceParallel):
+    def slice_mean(self, total: Tensor, count: Tensor) -> Tensor:
+        """The slice's own mean (alone: no group to count the others' tokens with)."""
+        return total / count
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, attention: Callable[..., Tensor], **kwargs: Any) -> Tensor:
         """Ulysses' attention with each all-to-all replaced by a copy of the received tensor's shape."""
         check_heads(q.shape[1], k.shape[1], self.size)

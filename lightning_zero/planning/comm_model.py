@@ -73,6 +73,10 @@ class Ulysses:
         """Buffer bytes per layer and micro-batch: the forward's, backward's and a recomputation's exchanges."""
         return (2 + (self.checkpointing != "none")) * self.forward_bytes()
 
+    def exchanges(self) -> int:
+        """All-to-alls per micro-batch: 4 a layer's forward (q, k, v, output), 4 its backward, 4 a recomputation."""
+        return 4 * (2 + (self.checkpointing != "none")) * self.layers
+
 
 def step_collectives(
     strategy: str,

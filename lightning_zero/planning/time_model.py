@@ -10,7 +10,8 @@ Per rank and optimizer step, for ``tokens`` tokens per rank per micro-batch and 
                 K ranks) a rank's tokens are its slices, B S / K, and T is the whole sequence S: the rank
                 runs attention for H / K heads over all S positions, S / K positions' worth of every head
     links     = comm_model.link_bytes / bandwidth of each link (intra-node, inter-node; bytes per second
-                one rank sends, i.e. NCCL's "bus bandwidth")
+                one rank sends, i.e. NCCL's "bus bandwidth"), and for sequence parallelism's exchanges
+                (many, each small: a layer's q, k, v and output) their count times a small all-to-all's time
     exposed   = what compute cannot hide: ddp's all-reduce and ZeRO-1/2's reduce-scatters overlap the
                 backward (2/3 of compute), ZeRO-1/2's all-gathers the next forward (1/3), stage 3's
                 prefetched gathers and reductions share all of it; hybrid sharding's replica all-reduce
@@ -19,11 +20,13 @@ Per rank and optimizer step, for ``tokens`` tokens per rank per micro-batch and 
                 shares a window is exposed by max(0, its time - the window).
     step      = compute + exposed
 
-``measure`` takes both inputs from this machine: the FLOP rate that a model's training step (forward,
+``measure`` takes the inputs from this machine: the FLOP rate that a model's training step (forward,
 backward and the whole model's AdamW update, counted as the model's FLOPs) reaches on every rank at
-once, so cores shared between ranks count as they do in training, and the bus bandwidth of a gloo
-all-reduce between the ranks (on one machine both links are that loopback). The framework's own time
-per step (Lightning's loop, ZeRO's bucket copies) is not modelled.
+once, so cores shared between ranks count as they do in training (under sequence parallelism the step of
+one rank of a group, its exchanges' layout copies made locally), the bus bandwidth of a gloo all-reduce
+between the ranks (on one machine both links are that loopback) and a small all-to-all's time. The
+framework's own time per step (Lightning's loop, ZeRO's bucket copies) is not modelled, nor the waits of
+ranks whose work between two exchanges takes different times.
 """
 
 from __future__ import annotations
@@ -40,17 +43,21 @@ from lightning_zero.planning.memory import formula_bytes
 
 @dataclass(frozen=True)
 class Hardware:
-    """What one rank gets: achieved TFLOP/s and bus bandwidth (GB/s) inside a node and between nodes."""
+    """What one rank gets: achieved TFLOP/s and bus bandwidth (GB/s) inside a node and between nodes, and what a
+    small all-to-all takes (microseconds: its start and the ranks meeting; 0 where not measured)."""
 
     tflops: float
     intra_gbs: float
     inter_gbs: float
+    all_to_all_us: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("tflops", "intra_gbs", "inter_gbs"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{key} must be a number > 0, got {value!r}")
+        if not isinstance(self.all_to_all_us, (int, float)) or not self.all_to_all_us >= 0:
+            raise ValueError(f"all_to_all_us must be a number >= 0, got {self.all_to_all_us!r}")
 
 
 # Presets: half the dense 16-bit peak (a good MFU), NCCL all-reduce bus bandwidth inside the node, and one
@@ -131,6 +138,9 @@ def predict_step(
         else:  # reductions during backward, gathers during the next forward
             window = compute * (2 / 3 if op in ("reduce_scatter", "all_reduce") else 1 / 3)
         busy[window] = busy.get(window, 0.0) + a / (hardware.intra_gbs * 1e9) + b / (hardware.inter_gbs * 1e9)
+    if sequence is not None:  # each exchange's start and meeting, on the critical path too
+        starts = sequence.exchanges() * micro_batches * hardware.all_to_all_us * 1e-6
+        intra, busy[0.0] = intra + starts, busy.get(0.0, 0.0) + starts
     exposed = sum(max(0.0, seconds - window) for window, seconds in busy.items())
     return StepTime(compute, intra, inter, exposed)
 
@@ -168,37 +178,52 @@ def measure_bus_bandwidth(numel: int = 4_000_000, repeats: int = 5, group=None) 
     return 2 * (n - 1) / n * buffer.nbytes / sorted(times)[len(times) // 2] / 1e9
 
 
-def _measure_worker(rank: int, world: int, gpt_config, batch: int, out_file: str) -> None:
+def measure_all_to_all_us(numel: int = 256, repeats: int = 21, group=None) -> float:
+    """Microseconds of a small all-to-all (``numel`` fp32 elements per rank) of ``group``: its start and the ranks
+    meeting, which every exchange pays beside its bytes (the median of ``repeats``)."""
+    import torch.distributed as dist
+
+    send, received = torch.ones(numel * dist.get_world_size(group)), torch.empty(numel * dist.get_world_size(group))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_to_all_single(received, send, group=group)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def _measure_worker(rank: int, world: int, gpt_config, batch: int, sequence: int, out_file: str) -> None:
     import json
 
-    import torch.nn.functional as F
-
     from lightning_zero.models.gpt import GPT
+    from lightning_zero.planning.activations import profiled_rank
 
     torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // world))
-    model = GPT(gpt_config)
+    # a rank's work under sequence parallelism: its slices, attention over the whole sequence for its heads, and
+    # the exchanges' layout copies (the profile's stand-in makes them, without communicating)
+    model = GPT(gpt_config, sequence=profiled_rank(sequence) if sequence > 1 else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(gpt_config.vocab_size, (batch, gpt_config.block_size + 1))
+    tokens = torch.randint(gpt_config.vocab_size, (batch, gpt_config.block_size // sequence + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> None:  # what a training step computes: forward, backward and the optimizer's update
-        logits = model(x)
-        F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
+        model(x, y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     psi = sum(p.numel() for p in model.parameters())
     shape = (gpt_config.n_layer, gpt_config.block_size, gpt_config.n_embd)
-    tflops = measure_compute(step, flops_per_token(psi, shape) * batch * gpt_config.block_size)
-    bandwidth = measure_bus_bandwidth()
+    tflops = measure_compute(step, flops_per_token(psi, shape) * x.numel())
+    bandwidth, latency = measure_bus_bandwidth(), measure_all_to_all_us()
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"tflops": tflops, "gbs": bandwidth}, f)
+            json.dump({"tflops": tflops, "gbs": bandwidth, "all_to_all_us": latency}, f)
 
 
-def measure_here(gpt_config, *, batch: int, ranks: int) -> Hardware:
-    """The FLOP rate a GPT's forward and backward reach on ``ranks`` local processes at once (rank 0's), and
-    their gloo all-reduce bus bandwidth, as the Hardware of this machine (both links are loopback here)."""
+def measure_here(gpt_config, *, batch: int, ranks: int, sequence: int = 1) -> Hardware:
+    """The FLOP rate a GPT's forward and backward reach on ``ranks`` local processes at once (rank 0's; as one rank
+    of a ``sequence``-parallel group: ``batch`` slices), their gloo all-reduce bus bandwidth and a small
+    all-to-all's time, as the Hardware of this machine (both links are loopback here)."""
     import json
     import tempfile
     from pathlib import Path
@@ -207,9 +232,10 @@ def measure_here(gpt_config, *, batch: int, ranks: int) -> Hardware:
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "measured.json")
-        spawn_local_ranks(_measure_worker, ranks, gpt_config, batch, out_file)
+        spawn_local_ranks(_measure_worker, ranks, gpt_config, batch, sequence, out_file)
         measured = json.loads(Path(out_file).read_text())
-    return Hardware(tflops=measured["tflops"], intra_gbs=measured["gbs"], inter_gbs=measured["gbs"])
+    gbs = measured["gbs"]
+    return Hardware(tflops=measured["tflops"], intra_gbs=gbs, inter_gbs=gbs, all_to_all_us=measured["all_to_all_us"])
 
 
 def format_step_times(
@@ -219,7 +245,9 @@ def format_step_times(
     b = 2 if precision == "16-mixed" else 4
     lines = [
         f"predicted step per rank ({tokens:,} tokens per micro-batch; {hardware.tflops:.3g} TFLOP/s, "
-        f"{hardware.intra_gbs:.3g} / {hardware.inter_gbs:.3g} GB/s intra / inter), s (time_model.py)",
+        f"{hardware.intra_gbs:.3g} / {hardware.inter_gbs:.3g} GB/s intra / inter"
+        + (f", a small all-to-all {hardware.all_to_all_us:.0f} us" if hardware.all_to_all_us else "")
+        + "), s (time_model.py)",
         f"{'strategy':<12}{'compute':>10}{'intra':>10}{'inter':>10}{'exposed':>10}{'step':>10}"
         + (f"{'largest model':>16}" if capacity else ""),
     ]

@@ -49,6 +49,10 @@ def test_a_rank_computes_its_slices_and_waits_for_its_exchanges():
     exchanges = 4 * ulysses.layer_bytes() / 2 / 1e9  # half of every buffer goes to the other rank
     assert step.intra == pytest.approx(alone.intra + exchanges)
     assert step.exposed == pytest.approx(exchanges)  # never hidden: attention waits for them
+    # each of the 32 exchanges (4 layers: q, k, v, output, forward and backward) also pays a small all-to-all's time
+    slow = Hardware(tflops=1.0, intra_gbs=1.0, inter_gbs=1.0, all_to_all_us=100.0)
+    step = predict_step("zero2", psi, slow, tokens=tokens, world_size=2, per_node=2, sequence=ulysses, micro_batches=2)
+    assert ulysses.exchanges() == 32 and step.exposed == pytest.approx(2 * exchanges + 2 * 32 * 100e-6)
 
 
 def test_the_longest_sequence_is_one_a_group_splits():
