@@ -121,12 +121,21 @@ class SequenceGPT(EquivalenceModule):
 
 CHECKPOINTED = {"activation_checkpointing": "units", "param_persistence_threshold": 0}
 # world -> (stage, sequence_parallel_size, ZeroConfig fields, tiles, masked): SP=2 on 2 ranks at every stage; on 4
-# ranks SP=4 (one replica) and 2 replicas x SP=2; the last stage 3 runs with MLP and loss in 2 tiles of each slice,
-# on 2 ranks with targets left out (the HF Llama's runs in test_sequence_hf.py take SP=4 at stage 2 and 2 x SP=2 at
+# ranks SP=4 (one replica) and 2 replicas x SP=2, with optimizer and parameter offload, hybrid sharding and ZeRO++'s
+# secondary partition; the last stage 3 runs with MLP and loss in 2 tiles of each slice, on 2 ranks with targets
+# left out (the HF Llama's runs in test_sequence_hf.py take SP=4 at stage 2 and 2 x SP=2 at
 # stage 1)
+OFFLOADED = {"offload_optimizer": "cpu"}
+HYBRID = {"shard_group_size": 2}  # (shards over each pair, replicas across them)
+HPZ = {**CHECKPOINTED, "secondary_partition": True, "node_size": 2}  # (ZeRO++'s exact part)
 RUNS = {
     2: [(1, 2, {}, 1, False), (2, 2, {}, 1, False), (3, 2, CHECKPOINTED, 2, True)],
-    4: [(1, 4, {}, 1, False), (2, 2, {}, 1, False), (3, 2, CHECKPOINTED, 1, False), (3, 4, CHECKPOINTED, 2, False)],
+    4: [
+        (1, 4, OFFLOADED, 1, False),
+        (2, 2, HYBRID, 1, False),
+        (3, 2, HPZ, 1, False),
+        (3, 4, {**CHECKPOINTED, **OFFLOADED, "offload_param": "cpu"}, 2, False),
+    ],
 }
 
 

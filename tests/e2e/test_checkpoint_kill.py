@@ -5,6 +5,8 @@ returns the newest, and resuming from it cleans up what the killed save left."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -42,31 +44,51 @@ def _visible(dirpath: Path) -> dict[str, int]:
     return steps
 
 
-def _kill_at(phase: str, nth: int, dirpath: Path, mode: str) -> None:
-    marker = dirpath.parent / f"{phase}.paused"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    target = subprocess.Popen(
-        [sys.executable, str(SUPPORT / "kill_target.py"), str(dirpath), mode, f"{phase}@{nth}:{marker}"],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+@pytest.fixture(scope="module")
+def targets():
+    """kill_target.py's server of targets (imports once, forks one per save to kill)."""
+    server = subprocess.Popen(
+        [sys.executable, str(SUPPORT / "kill_target.py"), "--serve"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    yield server
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_at(targets, phase: str, nth: int, dirpath: Path, mode: str) -> None:
+    marker = dirpath.parent / f"{phase}.paused"
+    targets.stdin.write(json.dumps([str(dirpath), mode, f"{phase}@{nth}:{marker}"]) + "\n")
+    targets.stdin.flush()
+    pid = int(targets.stdout.readline())
     deadline = time.time() + 120
-    while not marker.exists() and target.poll() is None and time.time() < deadline:
+    while not marker.exists() and _alive(pid) and time.time() < deadline:
         time.sleep(0.05)
-    os.killpg(target.pid, signal.SIGKILL)
-    target.wait()
-    assert marker.exists(), f"the save never reached phase {phase!r} (exit code {target.returncode})"
+    with contextlib.suppress(ProcessLookupError):  # (a target that ended by itself: the assertion below says so)
+        os.killpg(pid, signal.SIGKILL)
+    while _alive(pid):
+        time.sleep(0.01)
+    assert marker.exists(), f"the save never reached phase {phase!r}"
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("phase", PHASES)
-def test_kill_during_each_phase_of_a_save(ranks, tmp_path, phase, mode):
+def test_kill_during_each_phase_of_a_save(ranks, targets, tmp_path, phase, mode):
     """``mode`` async: the same saves finishing in the background (ZeroConfig(async_save=True)) leave the same."""
     dirpath = tmp_path / "ckpts"
     dirpath.mkdir()
-    _kill_at(phase, (ASYNC_NTH if mode == "async" else PHASES)[phase], dirpath, mode)
+    _kill_at(targets, phase, (ASYNC_NTH if mode == "async" else PHASES)[phase], dirpath, mode)
     visible = _visible(dirpath)
     assert "last.ckpt" in visible, f"{phase}: last.ckpt vanished: {sorted(visible)}"
     expected_last = 2 if phase == "exchanged" else 1

@@ -1,10 +1,17 @@
 """Trains on 2 ranks, saving after every step (the newest checkpoint, plus last.ckpt overwritten each
-time), until killed or done: ``kill_target.py DIR sync|async PHASE@N:MARKER`` (with "async" the saves finish in
-the background) stops the N-th save (or removal) in each rank that reaches PHASE there (save.py's [Note: observing
-a save]), writing MARKER first, for test_checkpoint_kill.py to kill it."""
+time), until killed or done: a target ``DIR sync|async PHASE@N:MARKER`` (with "async" the saves finish in the
+background) stops the N-th save (or removal) in each rank that reaches PHASE there (save.py's [Note: observing a
+save]), writing MARKER first, for test_checkpoint_kill.py to kill it.
+
+``kill_target.py --serve`` imports all this once and then forks a target per request line on its stdin (a JSON
+list of those three arguments), answering the target's pid: each in a session of its own, for the test to kill as a
+group, and none paying the imports again (seconds each)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -90,7 +97,27 @@ def train(
     assert t.global_step == steps
 
 
+def run(dirpath: str, mode: str, pause: str) -> None:
+    spawn_local_ranks(train, 2, str(Path(dirpath)), STEPS, None, mode == "async", pause, start_method="fork")
+
+
+def serve() -> None:
+    """Forks a target per request line (see the module's docstring); ended targets are reaped by the kernel."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the target waits for its ranks)
+            os.setsid()
+            quiet = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(quiet, fd)
+            try:
+                run(*json.loads(line))
+            finally:
+                os._exit(0)
+        print(pid, flush=True)
+
+
 if __name__ == "__main__":
-    dirpath, mode, pause = sys.argv[1:]
-    background = mode == "async"
-    spawn_local_ranks(train, 2, str(Path(dirpath)), STEPS, None, background, pause, start_method="fork")  # imports once
+    serve()
