@@ -33,6 +33,7 @@ class GPT(nn.Module):
         if sequence is not None:
             check_heads(cfg.n_head, cfg.n_head, sequence.size)
         self.cfg, self.sequence = cfg, sequence
+        self.sliced_checked = False  # (sequence-parallel: whether the first input was found to be a slice)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -68,8 +69,15 @@ class GPT(nn.Module):
         mean, which is collective over the group)."""
         B, T = idx.shape
         if self.sequence is not None:  # (this rank's slice of a sequence-parallel group's sequence)
-            if T * self.sequence.size > self.cfg.block_size:  # (every rank alike, before any all-to-all)
-                raise ValueError(f"a sequence of {T * self.sequence.size} tokens is longer than model.block_size")
+            K = self.sequence.size
+            if T * K > self.cfg.block_size:  # (every rank alike, before any all-to-all)
+                raise ValueError(
+                    f"a slice of {T} tokens on each of {K} sequence-parallel ranks is a sequence of {T * K},"
+                    f" longer than model.block_size {self.cfg.block_size} (is each rank given its slice?)"
+                )
+            if not self.sliced_checked:  # (once: the whole sequence on every rank would train on it K times over)
+                self.sequence.check_sliced(idx)
+                self.sliced_checked = True
             pos = self.sequence.positions(T, idx.device)
         else:
             pos = torch.arange(T, device=idx.device)

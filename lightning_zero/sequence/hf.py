@@ -129,7 +129,8 @@ class _PositionCheck:
         if wrong.item():
             raise ValueError(
                 f"{type(model).__name__} runs sequence-parallel: every rank passes its slice's global position_ids,"
-                " as lightning_zero.sequence.hf.causal_lm_inputs gives them (packed sequences are not supported)"
+                " as lightning_zero.sequence.hf.causal_lm_inputs gives them (packed sequences, and generation with a"
+                " cache, are not supported)"
             )
 
 
@@ -217,7 +218,7 @@ def _eager_of(module: Module) -> Callable[..., Any]:
 
 
 def causal_lm_inputs(
-    sequence: SequenceParallel,
+    sequence: SequenceParallel | None,
     input_ids: Tensor,
     labels: Tensor | None = None,
     *,
@@ -231,7 +232,11 @@ def causal_lm_inputs(
     sequence, and ``num_items_in_batch`` = the real targets of every rank / ``world_size`` (default: the world's),
     so that the model's loss is ``world_size * sum(this slice's losses) / count``: averaged over the ranks (ZeRO's
     gradients, a ``sync_dist`` mean), the mean over the global batch's real targets (sequence/parallel.py's
-    ``token_mean``). With labels, collective: every rank calls it once per micro-batch."""
+    ``token_mean``). With labels, collective: every rank calls it once per micro-batch. Without a group
+    (``sequence_parallel_size`` 1), the model's plain arguments. The outputs (logits) are this rank's slice's."""
+    if sequence is None:
+        plain = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return {k: v for k, v in plain.items() if v is not None}
     length = input_ids.shape[1]
     if labels is not None:  # (a length the group cannot split is refused on every rank, with the count's all-reduce)
         splits = length % sequence.size == 0

@@ -55,6 +55,18 @@ class SequenceParallel:
         """The global positions of this rank's slice, ``length`` tokens long (the slice's length, not the whole's)."""
         return torch.arange(self.rank * length, (self.rank + 1) * length, device=device)
 
+    def check_sliced(self, tokens: Tensor) -> None:
+        """Refuses, on every rank of the group, inputs that are the same on all of them: the whole sequence given
+        where each rank's slice (``split``) was due, which would train on the sequence repeated K times. Collective
+        over the group (an all-gather of ``tokens``): a model calls it once, on its first input."""
+        gathered = torch.empty((self.size, *tokens.shape), dtype=tokens.dtype, device=tokens.device)
+        collectives.all_gather(gathered, tokens.contiguous(), async_op=False, group=self.group)
+        if bool((gathered == gathered[:1]).all()):
+            raise ValueError(
+                f"the {self.size} ranks of a sequence-parallel group got the same tokens: give each rank its slice of"
+                " the sequence (sequence.split(tokens))"
+            )
+
     def slice_mean(self, total: Tensor, count: Tensor) -> Tensor:
         """This rank's loss from its slice's sum of losses ``total`` over its ``count`` real tokens: the group's mean
         over its real tokens (``mean_over_tokens`` over the group, whose ranks hold the same samples, so it runs in

@@ -222,6 +222,9 @@ def _fabric_worker(rank: int, world: int) -> dict:
     loader = DataLoader(module.data, batch_size=8, sampler=sampler)
     losses = _fabric_loop(engine, engine, engine.optimizer, loader, session.sequence_parallel)
     out["script"] = {"losses": losses, "state": engine.state_dict()}
+    unsplit = GPT(module.gpt_config, sequence=session.sequence_parallel)  # the whole sequence on every rank: refused
+    with pytest.raises(ValueError, match="ranks of a sequence-parallel group got the same tokens"):
+        unsplit(next(iter(loader))[0][:, :8])  # (as long as a slice, the same on both ranks)
     return out
 
 
