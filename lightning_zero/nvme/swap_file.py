@@ -1,0 +1,132 @@
+"""Swap files for the NVMe tier (ZeRO-Infinity, issue 43): a rank's state in a preallocated file of its own under
+``nvme_path``, read and written with direct I/O, several requests in flight.
+
+[Note: direct I/O]
+The file is opened with O_DIRECT, so reads and writes go between the disk and our buffers without the page cache:
+the cache would hold a second copy of what the tier exists to keep out of host memory, and would hide the disk's
+speed until it filled. O_DIRECT wants the buffer's address, the file offset and the length to be multiples of the
+disk's logical block; ``ALIGN`` (4096) is one for every NVMe drive, and ``aligned_buffer`` makes buffers that start
+on it (pinned where a GPU will copy from them). A request of ``n`` bytes is cut into pieces of at most
+``block_size`` bytes, each a positional read or write (``os.preadv`` / ``os.pwritev``, which release the GIL) on a
+pool of ``queue_depth`` threads, so the drive sees that many requests at once, as DeepSpeed's ``aio`` section's
+``queue_depth`` and ``block_size`` set. (io_uring would submit them from one thread; no well-kept binding ships a
+wheel for this Python here, and threads reach the drive's queue the same way.) The file is made whole up front
+(``posix_fallocate``: a disk too small fails there, not in the middle of a step) and removed at ``close``, also when
+training fails: it is scratch, never a checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+ALIGN = 4096  # bytes: a multiple of every NVMe drive's logical block
+SUFFIX = ".swap"  # (a swap file's name ends so; checkpoints never do)
+
+
+def aligned_buffer(nbytes: int, *, pin: bool = False) -> Tensor:
+    """A uint8 CPU tensor of ``nbytes`` rounded up to ``ALIGN``, whose data starts on an ``ALIGN`` boundary."""
+    size = -(-nbytes // ALIGN) * ALIGN
+    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    start = (-raw.data_ptr()) % ALIGN
+    return raw[start : start + size]
+
+
+def check_nvme_path(path: str | os.PathLike) -> Path:
+    """``path`` as a directory where this process can make swap files with direct I/O; one line otherwise."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"nvme_path {str(path)!r} is not a directory (make it first, on the NVMe drive)")
+    probe = directory / f".lightning_zero_probe_{os.getpid()}{SUFFIX}"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            raise ValueError(f"nvme_path {str(path)!r} is on a filesystem without direct I/O (O_DIRECT)") from None
+        raise ValueError(f"nvme_path {str(path)!r}: cannot make a file there ({error.strerror})") from None
+    os.close(fd)
+    probe.unlink()
+    return directory
+
+
+class Requests:
+    """The pieces of one read or write in flight: ``wait()`` returns when all are done, raising the first error."""
+
+    def __init__(self, pieces: list[Future]) -> None:
+        self.pieces = pieces
+
+    def done(self) -> bool:
+        return all(piece.done() for piece in self.pieces)
+
+    def wait(self) -> None:
+        for piece in self.pieces:
+            piece.result()
+
+
+class SwapFile:
+    """``nbytes`` (rounded up to ``ALIGN``) in ``directory/name.swap``, made whole now; reads and writes of aligned
+    buffers at aligned offsets, in flight at once (see [Note: direct I/O]). ``close()`` removes the file."""
+
+    def __init__(
+        self, directory: Path, name: str, nbytes: int, *, queue_depth: int = 8, block_size: int = 1 << 20
+    ) -> None:
+        if block_size % ALIGN or block_size <= 0 or queue_depth < 1:
+            raise ValueError(f"block_size must be a positive multiple of {ALIGN} and queue_depth >= 1")
+        self.path = Path(directory) / f"{name}{SUFFIX}"
+        self.nbytes, self.block_size = -(-nbytes // ALIGN) * ALIGN, block_size
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        try:
+            os.posix_fallocate(self.fd, 0, self.nbytes)
+        except OSError as error:
+            self._remove()
+            raise OSError(
+                error.errno, f"cannot make a {self.nbytes:,}-byte swap file in {directory}: {error.strerror}"
+            ) from None
+        self.pool = ThreadPoolExecutor(queue_depth, thread_name_prefix="lightning_zero_swap")
+
+    def write(self, offset: int, buffer: Tensor) -> Requests:
+        """Starts writing ``buffer`` (from ``aligned_buffer``) at byte ``offset``."""
+        return self._submit(offset, buffer, os.pwritev)
+
+    def read(self, offset: int, buffer: Tensor) -> Requests:
+        """Starts reading ``buffer.nbytes`` bytes at byte ``offset`` into ``buffer`` (from ``aligned_buffer``)."""
+        return self._submit(offset, buffer, os.preadv)
+
+    def _submit(self, offset: int, buffer: Tensor, call) -> Requests:
+        view = memoryview(buffer.numpy()).cast("B")
+        if offset % ALIGN or len(view) % ALIGN or buffer.data_ptr() % ALIGN:
+            raise ValueError(f"direct I/O needs offsets, lengths and buffers aligned to {ALIGN} bytes")
+        if offset + len(view) > self.nbytes:
+            raise ValueError(f"bytes {offset}..{offset + len(view)} lie past the swap file's {self.nbytes}")
+        pieces = []
+        for start in range(0, len(view), self.block_size):
+            piece = view[start : start + self.block_size]
+            pieces.append(self.pool.submit(_whole, call, self.fd, piece, offset + start))
+        return Requests(pieces)
+
+    def close(self) -> None:
+        """Waits for what is in flight, then removes the file (call it on errors too)."""
+        if self.fd is None:
+            return
+        self.pool.shutdown(wait=True)
+        self._remove()
+
+    def _remove(self) -> None:
+        os.close(self.fd)
+        self.fd = None
+        self.path.unlink(missing_ok=True)
+
+
+def _whole(call, fd: int, piece: memoryview, offset: int) -> None:
+    """One piece, all of it (a positional call may move fewer bytes than asked: the rest is asked again)."""
+    done = 0
+    while done < len(piece):
+        moved = call(fd, [piece[done:]], offset + done)
+        if moved == 0:
+            raise OSError(errno.EIO, f"the swap file ended at byte {offset + done}")
+        done += moved

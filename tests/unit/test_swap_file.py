@@ -1,0 +1,58 @@
+"""The NVMe tier's swap files (nvme/swap_file.py): aligned buffers, direct I/O really on, reads and writes in
+pieces in flight at once giving back what was written, the file made whole up front and removed at close, and a
+bad path or a full disk refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+
+import pytest
+import torch
+
+from lightning_zero.nvme.swap_file import ALIGN, SwapFile, aligned_buffer, check_nvme_path
+
+
+def test_buffers_start_on_the_alignment_and_round_up_to_it():
+    for nbytes in (1, ALIGN, 3 * ALIGN + 5):
+        buffer = aligned_buffer(nbytes)
+        assert buffer.data_ptr() % ALIGN == 0 and buffer.numel() == -(-nbytes // ALIGN) * ALIGN
+
+
+def test_what_is_written_in_pieces_in_flight_reads_back_and_the_file_goes_at_close(tmp_path):
+    swap = SwapFile(check_nvme_path(tmp_path), "rank0", 5 * 2**20 + 1, queue_depth=4, block_size=2**20)
+    assert fcntl.fcntl(swap.fd, fcntl.F_GETFL) & os.O_DIRECT  # (the page cache bypassed)
+    assert swap.path.stat().st_size == swap.nbytes == 5 * 2**20 + ALIGN  # (made whole up front)
+    data = aligned_buffer(3 * 2**20 + 3 * ALIGN)  # (3 whole pieces and a short one)
+    data.copy_(torch.randint(256, (data.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    writes = swap.write(2 * ALIGN, data)
+    assert len(writes.pieces) == 4
+    writes.wait()
+    back = aligned_buffer(data.numel())
+    swap.read(2 * ALIGN, back).wait()
+    assert torch.equal(back, data)
+    with pytest.raises(ValueError, match="aligned to 4096 bytes"):
+        swap.read(100, back)
+    with pytest.raises(ValueError, match="lie past the swap file"):
+        swap.read(4 * 2**20, back)
+    swap.close()
+    assert not swap.path.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_path_that_is_no_directory_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match="nvme_path '.*absent' is not a directory"):
+        check_nvme_path(tmp_path / "absent")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root")
+def test_a_disk_too_small_fails_when_the_file_is_made_and_leaves_nothing(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        with pytest.raises(OSError, match="cannot make a 4,194,304-byte swap file in .*: No space left on device"):
+            SwapFile(check_nvme_path(disk), "rank0", 4 * 2**20)
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
