@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -130,3 +131,40 @@ def _whole(call, fd: int, piece: memoryview, offset: int) -> None:
         if moved == 0:
             raise OSError(errno.EIO, f"the swap file ended at byte {offset + done}")
         done += moved
+
+
+def stream_chunks(
+    swap: SwapFile, offset: int, nbytes: int, chunk_bytes: int, *, buffers: int = 3, write_back: bool = True
+) -> Iterator[Tensor]:
+    """The bytes ``offset .. offset + nbytes`` of ``swap`` chunk by chunk (each ``chunk_bytes``, the last shorter),
+    through ``buffers`` aligned buffers: while the caller works on chunk i (the yielded buffer, changed in place),
+    chunk i + 1 is read ahead and chunk i - 1 written behind (with ``write_back``), so the disk and the caller
+    overlap; the host holds ``buffers`` chunks, not the region. Every write has ended when the loop does."""
+    if buffers < 2 + write_back or chunk_bytes % ALIGN or offset % ALIGN:
+        raise ValueError(f"a stream needs >= {2 + write_back} buffers and chunks, offsets aligned to {ALIGN} bytes")
+    starts = list(range(offset, offset + nbytes, chunk_bytes))
+    ring = [aligned_buffer(chunk_bytes) for _ in range(min(buffers, len(starts)))]
+    reads: dict[int, Requests] = {}
+    writes: dict[int, Requests] = {}
+
+    def buffer_of(i: int) -> Tensor:
+        length = -(-min(chunk_bytes, offset + nbytes - starts[i]) // ALIGN) * ALIGN
+        return ring[i % len(ring)][:length]
+
+    def start_read(i: int) -> None:
+        if i < len(starts) and i not in reads:
+            if i - len(ring) in writes:  # (the buffer's last chunk must be on the disk before it is reused)
+                writes.pop(i - len(ring)).wait()
+            reads[i] = swap.read(starts[i], buffer_of(i))
+
+    try:
+        for i in range(len(starts)):
+            start_read(i)
+            start_read(i + 1)
+            reads.pop(i).wait()
+            yield buffer_of(i)
+            if write_back:
+                writes[i] = swap.write(starts[i], buffer_of(i))
+    finally:
+        for pending in [*reads.values(), *writes.values()]:
+            pending.wait()

@@ -1,6 +1,7 @@
 """The NVMe tier's swap files (nvme/swap_file.py): aligned buffers, direct I/O really on, reads and writes in
-pieces in flight at once giving back what was written, the file made whole up front and removed at close, and a
-bad path or a full disk refused in one line before anything is written."""
+pieces in flight at once giving back what was written, the file made whole up front and removed at close, a bad
+path or a full disk refused in one line before anything is written, and a stream of chunks through a few buffers
+(read ahead, written behind)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from lightning_zero.nvme.swap_file import ALIGN, SwapFile, aligned_buffer, check_nvme_path
+from lightning_zero.nvme.swap_file import ALIGN, SwapFile, aligned_buffer, check_nvme_path, stream_chunks
 
 
 def test_buffers_start_on_the_alignment_and_round_up_to_it():
@@ -56,3 +57,22 @@ def test_a_disk_too_small_fails_when_the_file_is_made_and_leaves_nothing(tmp_pat
         assert list(disk.iterdir()) == []
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_stream_reads_ahead_writes_behind_and_holds_only_its_buffers(tmp_path):
+    swap = SwapFile(tmp_path, "rank0", 10 * ALIGN, queue_depth=2, block_size=ALIGN)
+    start = aligned_buffer(9 * ALIGN)
+    start.copy_(torch.randint(256, (start.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    swap.write(ALIGN, start).wait()
+    seen = []
+    for chunk in stream_chunks(swap, ALIGN, 9 * ALIGN, 2 * ALIGN, buffers=3):  # (5 chunks, the last one short)
+        seen.append((chunk.numel(), chunk.data_ptr()))
+        chunk.add_(1)  # (uint8: wraps)
+    assert [n for n, _ in seen] == [2 * ALIGN] * 4 + [ALIGN]
+    assert len({pointer for _, pointer in seen}) == 3  # three buffers, reused in turn
+    back = aligned_buffer(9 * ALIGN)
+    swap.read(ALIGN, back).wait()
+    assert torch.equal(back, start + 1)  # every chunk written back, changed
+    with pytest.raises(ValueError, match="a stream needs >= 3 buffers"):
+        next(stream_chunks(swap, 0, ALIGN, ALIGN, buffers=2))
+    swap.close()
