@@ -47,7 +47,7 @@ def test_a_path_that_is_no_directory_is_one_line(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root")
-def test_a_disk_too_small_fails_when_the_file_is_made_and_leaves_nothing(tmp_path):
+def test_a_disk_too_small_or_read_only_is_one_line_and_leaves_nothing(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
@@ -55,6 +55,9 @@ def test_a_disk_too_small_fails_when_the_file_is_made_and_leaves_nothing(tmp_pat
         with pytest.raises(OSError, match="cannot make a 4,194,304-byte swap file in .*: No space left on device"):
             SwapFile(check_nvme_path(disk), "rank0", 4 * 2**20)
         assert list(disk.iterdir()) == []
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)  # (root writes anywhere writable)
+        with pytest.raises(ValueError, match="nvme_path '.*disk': cannot make a file there \\(Read-only file system"):
+            check_nvme_path(disk)
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 
