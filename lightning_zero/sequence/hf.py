@@ -122,11 +122,12 @@ class _PositionCheck:
         given = self.signature.bind_partial(*args, **kwargs).arguments
         tokens = given.get("input_ids") if given.get("input_ids") is not None else given.get("inputs_embeds")
         positions = given.get("position_ids")
-        right = tokens is not None and positions is not None and positions.shape[-1] == tokens.shape[1]
-        if right:
-            right = bool((positions == self.sequence.positions(tokens.shape[1], positions.device)).all())
-        wrong = collectives.all_reduce(torch.tensor([float(not right)]), dist.ReduceOp.MAX, group=self.sequence.group)
-        if wrong.item():
+        # (on the inputs' device, as the process group's backend wants it; one host sync, after the all-reduce)
+        device = tokens.device if tokens is not None else next(model.parameters()).device
+        wrong = torch.ones((), device=device)
+        if tokens is not None and positions is not None and positions.shape[-1] == tokens.shape[1]:
+            wrong = (positions != self.sequence.positions(tokens.shape[1], positions.device)).any().float()
+        if collectives.all_reduce(wrong, dist.ReduceOp.MAX, group=self.sequence.group).item():
             raise ValueError(
                 f"{type(model).__name__} runs sequence-parallel: every rank passes its slice's global position_ids,"
                 " as lightning_zero.sequence.hf.causal_lm_inputs gives them (packed sequences, and generation with a"
@@ -242,9 +243,10 @@ def causal_lm_inputs(
         splits = length % sequence.size == 0
         shifted = sequence.split(F.pad(labels[:, 1:], (0, 1), value=ignore_index)) if splits else labels[:, :0]
         # position i predicts token i + 1: shifted before slicing, each slice's last position keeps its target
-        totals = torch.tensor([float((shifted != ignore_index).sum()), float(not splits)])
+        unsplit = torch.full((), float(not splits), device=input_ids.device)  # (the backend's device; one sync)
+        totals = torch.stack([(shifted != ignore_index).sum().float(), unsplit])
         collectives.all_reduce(totals, dist.ReduceOp.SUM)
-        if totals[1]:
+        if totals[1].item():
             raise ValueError(
                 f"a rank's batch has sequences whose length does not split into sequence_parallel_size"
                 f" {sequence.size} (here {length} tokens): pad every batch to a multiple of it"
