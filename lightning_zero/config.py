@@ -7,17 +7,23 @@ is launched, with a message naming the key, the value and what is allowed.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 import torch
 
-SUPPORTED_STAGES = (1, 2, 3)
-REDUCE_DTYPES = ("float32", "bfloat16", "float16")
-OFFLOAD_ALLOWED = "none or cpu (nvme offload is not supported)"
-ACTIVATION_CHECKPOINTING = ("none", "units", "selective")
+from lightning_zero.config_checks import LOSS_SCALE_ROWS, SUPPORTED_STAGES, ZERO_ROWS, check, validate
+
+
+@dataclass(frozen=True)
+class NvmeSwap:
+    """Where and how offloaded optimizer state is swapped to NVMe (see nvme/optimizer_swap.py)."""
+
+    directory: Path
+    chunk_numel: int  # elements of state per chunk (each chunk holds a master, exp_avg and exp_avg_sq run)
+    buffer_count: int  # chunks in host memory at once (read ahead, stepped, written behind)
+    block_size: int  # bytes per I/O request
+    queue_depth: int  # requests in flight
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,7 @@ class HostOffload:
 
     params: bool = False  # stage 3: the parameter shards live in host memory too
     pin_memory: bool = True
+    nvme: NvmeSwap | None = None  # the master and optimizer state in swap files instead of host memory
 
 
 def stage_of_strategy(name: object) -> int | None:
@@ -35,167 +42,13 @@ def stage_of_strategy(name: object) -> int | None:
     if not isinstance(name, str) or not name.startswith("zero"):
         return None
     stage = name.removeprefix("zero")
-    _check(
+    check(
         stage.isdigit() and int(stage) in SUPPORTED_STAGES,
         "trainer.strategy",
         name,
         f"one of {', '.join(f'zero{s}' for s in SUPPORTED_STAGES)} for ZeRO (or a Lightning strategy such as ddp)",
     )
     return int(stage)
-
-
-def _check(ok: bool, key: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{key} must be {allowed}, got {value!r}")
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# [Note: validation tables]
-# A config is validated by walking a table of rows (field, predicate, what is allowed): the first row whose
-# predicate fails raises, naming the field, its value and the allowed text, so a table's order is the order
-# in which errors are reported. A predicate gets the field's value and the whole config: most read only the
-# value; the cross-field ones (named below) read other fields, and sit after the rows that check those.
-Predicate = Callable[[Any, Any], bool]
-Row = tuple[str, Predicate, str]
-
-
-def _validate(config: object, section: str, rows: tuple[Row, ...]) -> None:
-    for key, ok, allowed in rows:
-        value = getattr(config, key)
-        _check(ok(value, config), f"{section}.{key}", value, allowed)
-
-
-def _is_bool(value: object, _config: object) -> bool:
-    return isinstance(value, bool)
-
-
-def _one_of(*choices: object) -> Predicate:
-    return lambda value, _config: value in choices
-
-
-def _integer_in(low: int, high: float = math.inf) -> Predicate:
-    return lambda value, _config: _integer(value) and low <= value <= high
-
-
-def _number_above(low: float) -> Predicate:
-    return lambda value, _config: _number(value) and value > low
-
-
-def _number_at_least(low: float) -> Predicate:
-    return lambda value, _config: _number(value) and value >= low
-
-
-def _either(*predicates: Predicate) -> Predicate:
-    return lambda value, config: any(ok(value, config) for ok in predicates)
-
-
-def _class_names(value: object, _config: object) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(name, str) for name in value)
-
-
-def _only_at_stage_3(enabled: object, config: ZeroConfig) -> bool:
-    return not enabled or config.stage == 3
-
-
-def _not_at_stage_1(enabled: object, config: ZeroConfig) -> bool:
-    return not enabled or config.stage > 1
-
-
-def _world_with_zero_plus_plus(shard_group_size: object, config: ZeroConfig) -> bool:
-    """ZeRO++'s secondary partition and two-level gradient reduction shard over the whole world."""
-    return shard_group_size is None or not (config.secondary_partition or config.quantized_gradients)
-
-
-def _offloaded_with_optimizer(offload_param: object, config: ZeroConfig) -> bool:
-    return offload_param == "none" or (config.stage == 3 and config.offload_optimizer == "cpu")
-
-
-def _with_checkpointing(offload_activations: object, config: ZeroConfig) -> bool:
-    return offload_activations == "none" or config.activation_checkpointing != "none"
-
-
-def _supported_stage(stage: object, _config: object) -> bool:
-    return _integer(stage) and stage in SUPPORTED_STAGES
-
-
-# ZeroConfig's rows (see [Note: validation tables]), by concern as its fields are declared
-ZERO_ROWS: tuple[Row, ...] = (
-    ("stage", _supported_stage, f"one of {', '.join(map(str, SUPPORTED_STAGES))}"),
-    # communication
-    ("reduce_bucket_size", _integer_in(1), "an integer > 0 (elements)"),
-    ("overlap_comm", _is_bool, "true or false"),
-    ("max_inflight_bytes", _integer_in(1), "an integer > 0 (bytes)"),
-    ("overlap_param_gather", _is_bool, "true or false"),
-    ("reduce_dtype", _one_of(None, *REDUCE_DTYPES), f"null or one of {', '.join(REDUCE_DTYPES)}"),
-    ("timeout", _number_above(0), "a number of seconds > 0"),
-    (
-        "shard_group_size",
-        _either(_one_of(None, "node"), _integer_in(1)),
-        'null (the whole world), "node" or an integer >= 1 that divides the world size',
-    ),
-    # stage 3
-    ("unit_module_classes", _class_names, "a list of module class names"),
-    ("unit_min_params", _integer_in(0), "an integer >= 0 (parameters)"),
-    ("max_live_parameters", _integer_in(1), "an integer > 0 (elements)"),
-    ("prefetch_bucket_size", _integer_in(0), "an integer >= 0 (elements)"),
-    ("param_persistence_threshold", _integer_in(0), "an integer >= 0 (elements)"),
-    ("gather_dtype", _one_of("compute", "float32"), "compute or float32"),
-    ("quantized_weights", _is_bool, "true or false"),
-    ("quantized_weights", _only_at_stage_3, "false unless zero.stage is 3"),
-    ("quantization_block_size", _integer_in(1), "an integer >= 1 (elements per int8 block with one scale)"),
-    ("secondary_partition", _is_bool, "true or false"),
-    ("secondary_partition", _only_at_stage_3, "false unless zero.stage is 3"),
-    ("quantized_gradients", _is_bool, "true or false"),
-    ("quantized_gradients", _not_at_stage_1, "false at zero.stage 1"),
-    ("quantized_gradient_bits", _one_of(8, 4), "8 or 4"),
-    (
-        "node_size",
-        _either(_one_of(None), _integer_in(1)),
-        "null (the launcher's ranks per node) or an integer >= 1 that divides the world size",
-    ),
-    (
-        "shard_group_size",
-        _world_with_zero_plus_plus,
-        "null with zero.secondary_partition or zero.quantized_gradients (ZeRO++ shards over the world)",
-    ),
-    # offload and the step
-    ("offload_optimizer", _one_of("none", "cpu"), OFFLOAD_ALLOWED),
-    ("offload_param", _one_of("none", "cpu"), OFFLOAD_ALLOWED),
-    ("offload_param", _offloaded_with_optimizer, "none unless zero.stage is 3 and zero.offload_optimizer is cpu"),
-    ("offload_pin_memory", _is_bool, "true or false"),
-    ("fused_step", _one_of("auto", "always", "never"), "auto, always or never"),
-    # activations
-    ("activation_checkpointing", _one_of(*ACTIVATION_CHECKPOINTING), "none, units or selective"),
-    ("offload_activations", _one_of("none", "cpu"), "none or cpu"),
-    ("offload_activations", _with_checkpointing, "none unless zero.activation_checkpointing is units or selective"),
-    ("sequence_parallel_size", _integer_in(1), "an integer >= 1 that divides the world size"),
-    # checkpoints, buffers and debugging
-    ("broadcast_buffers", _is_bool, "true or false"),
-    ("save_consolidated", _is_bool, "true or false"),
-    ("async_save", _is_bool, "true or false"),
-    ("checkpoint_on_signal", _is_bool, "true or false"),
-    ("check_collectives", _is_bool, "true or false"),
-)
-
-# LossScaleConfig's rows, checked before the starting scale against the minimum
-LOSS_SCALE_ROWS: tuple[Row, ...] = (
-    ("static_loss_scale", _number_at_least(0), "a number >= 0 (0 = dynamic)"),
-    ("initial_scale_power", _integer_in(0, 64), "an integer in [0, 64]"),
-    ("scale_window", _integer_in(1), "an integer >= 1"),
-    ("scale_factor", _number_above(1), "a number > 1"),
-    ("hysteresis", _integer_in(1), "an integer >= 1"),
-    ("consecutive_hysteresis", _is_bool, "true or false"),
-    ("min_loss_scale", _number_above(0), "a number > 0"),
-    ("raise_at_min_scale", _is_bool, "true or false"),
-    ("skip_on_device", _is_bool, "true or false"),
-)
 
 
 @dataclass(kw_only=True)
@@ -266,9 +119,18 @@ class ZeroConfig:
         offload_optimizer: "cpu" keeps each rank's fp32 master partition, optimizer state and reduced
             gradient partition in host memory and runs the optimizer step there (ZeRO-Offload; see
             sharding/offload.py); "none" (default) keeps them on the device. Stages 1, 2 and 3.
+            "nvme" keeps the master and Adam's moments in swap files under ``nvme_path`` instead, streamed through
+            ``nvme_buffer_count`` host buffers at each step (ZeRO-Infinity; see nvme/optimizer_swap.py); the
+            reduced gradient partition stays in host memory. Needs AdamW (the host kernel steps it).
         offload_param: stage 3: "cpu" keeps the parameter shards in host memory too, each brought to the
-            device for its unit's all-gather (ZeRO-Infinity without NVMe); needs ``offload_optimizer="cpu"``.
+            device for its unit's all-gather (ZeRO-Infinity without NVMe); needs ``offload_optimizer``.
         offload_pin_memory: pin the host buffers (CUDA), so copies to and from the device do not block.
+        nvme_path: the directory (on an NVMe drive, with O_DIRECT) where each rank makes its swap files; checked
+            on every rank at set-up; the files are removed at the end and on errors.
+        nvme_buffer_count: chunks of optimizer state in host memory at once (>= 3; DeepSpeed's ``buffer_count``).
+        nvme_buffer_numel: elements per chunk: a chunk's buffer is 12 bytes per element (master and both moments).
+        aio_block_size, aio_queue_depth: bytes per read or write request, and requests in flight at once
+            (DeepSpeed's ``aio.block_size`` and ``aio.queue_depth``).
         fused_step: AdamW steps each unit's partition with one fused kernel pass per bucket (unscale, clip,
             update, and the 16-bit parameter copy; see sharding/fused_step.py): "auto" (default) where the
             CUDA kernels run and, for offloaded units, the host AdamW kernel (kernels/host.py); "always"
@@ -332,6 +194,11 @@ class ZeroConfig:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     offload_pin_memory: bool = True
+    nvme_path: str | None = None
+    nvme_buffer_count: int = 4
+    nvme_buffer_numel: int = 1 << 23
+    aio_block_size: int = 1 << 20
+    aio_queue_depth: int = 8
     fused_step: str = "auto"
     # activations
     activation_checkpointing: str = "none"
@@ -345,13 +212,26 @@ class ZeroConfig:
     check_collectives: bool = False
 
     def __post_init__(self) -> None:
-        _validate(self, "zero", ZERO_ROWS)
+        validate(self, "zero", ZERO_ROWS)
 
     def host_offload(self) -> HostOffload | None:
         """Where units keep their training state: None on the device, else what goes to the host."""
         if self.offload_optimizer == "none":
             return None
-        return HostOffload(params=self.offload_param == "cpu", pin_memory=self.offload_pin_memory)
+        nvme = None
+        if self.offload_optimizer == "nvme":
+            nvme = NvmeSwap(
+                Path(self.nvme_path),
+                self.nvme_chunk_numel(),
+                self.nvme_buffer_count,
+                self.aio_block_size,
+                self.aio_queue_depth,
+            )
+        return HostOffload(params=self.offload_param == "cpu", pin_memory=self.offload_pin_memory, nvme=nvme)
+
+    def nvme_chunk_numel(self) -> int:
+        """``nvme_buffer_numel`` rounded up to 1024 elements, so that a chunk's runs start on 4096-byte boundaries."""
+        return -(-self.nvme_buffer_numel // 1024) * 1024
 
     def unit_options(self, param_dtype: torch.dtype) -> dict:
         """The keyword arguments a trainable unit of ``param_dtype`` parameters is built with."""
@@ -393,8 +273,8 @@ class LossScaleConfig:
     skip_on_device: bool = False
 
     def __post_init__(self) -> None:
-        _validate(self, "fp16", LOSS_SCALE_ROWS)
+        validate(self, "fp16", LOSS_SCALE_ROWS)
         start = self.static_loss_scale or 2.0**self.initial_scale_power
-        _check(
+        check(
             start >= self.min_loss_scale, "fp16.min_loss_scale", self.min_loss_scale, f"<= the starting scale {start:g}"
         )

@@ -43,16 +43,25 @@ OFFLOAD_SECTIONS = {  # -> the ZeroConfig field
     "zero_optimization.offload_optimizer": "offload_optimizer",
     "zero_optimization.offload_param": "offload_param",
 }
-OFFLOAD_NVME_KEYS = (
-    "nvme_path",
-    "buffer_count",
-    "buffer_size",
-    "max_in_cpu",
-    "pipeline_read",
-    "pipeline_write",
-    "fast_init",
-    "pipeline",
-)
+OFFLOAD_NVME_KEYS = {  # a section's NVMe settings -> (the ZeroConfig field, how the value is read), or None: no effect
+    "nvme_path": ("nvme_path", lambda key, value: value),
+    "buffer_count": ("nvme_buffer_count", lambda key, value: _integer(key, value)),
+    "buffer_size": None,
+    "max_in_cpu": None,
+    "pipeline_read": None,
+    "pipeline_write": None,
+    "pipeline": None,
+    "fast_init": None,
+}
+NVME_NO_EFFECT = "chunks are always read ahead and written behind, and the swap files made whole at set-up"
+AIO_KEYS = {"block_size": "aio_block_size", "queue_depth": "aio_queue_depth"}  # aio's -> the ZeroConfig field
+AIO_NO_EFFECT = {
+    "thread_count": "the requests in flight are aio.queue_depth threads' positional reads and writes",
+    "single_submit": "requests are submitted as they are cut",
+    "overlap_events": "requests always overlap",
+    "intra_op_parallelism": "the requests in flight are aio.queue_depth threads' positional reads and writes",
+    "use_gds": "GPUDirect Storage is not used: chunks go through host buffers",
+}
 # activation_checkpointing's keys that change nothing here, and why
 ACTIVATION_NO_EFFECT = {
     "partition_activations": "with data parallelism alone no rank holds another's activations: nothing to partition",
@@ -173,26 +182,44 @@ def _offload(key: str, section: Any, reading: _Reading) -> None:
     if not isinstance(section, dict):
         raise ValueError(f'DeepSpeed config: {key} must be an object such as {{"device": "cpu"}}, got {section!r}')
     device = section.get("device", "none")
-    if device not in ("none", "cpu"):
-        reading.unsupported.append(f"{key}.device {device!r} (NVMe offload is not implemented; use 'cpu' or 'none')")
+    allowed = ("none", "cpu", "nvme") if key.endswith("offload_optimizer") else ("none", "cpu")
+    if device not in allowed:
+        reading.unsupported.append(f"{key}.device {device!r} (one of {', '.join(map(repr, allowed))} here)")
         return
     if reading.zero.setdefault(OFFLOAD_SECTIONS[key], device) != device:
         raise ValueError(f"DeepSpeed config: {key} and zero_optimization.cpu_offload disagree")
     for name, value in section.items():
-        if name == "pin_memory" and device == "cpu":
+        if name == "pin_memory" and device != "none":
             if not isinstance(value, bool):
                 raise ValueError(f"DeepSpeed config: {key}.pin_memory must be true or false, got {value!r}")
             if reading.zero.setdefault("offload_pin_memory", value) != value:
                 raise ValueError("DeepSpeed config: offload_optimizer.pin_memory and offload_param.pin_memory differ")
-        elif name == "ratio" and value != 1 and device == "cpu":
+        elif name == "ratio" and value != 1 and device != "none":
             reading.unsupported.append(f"{key}.ratio {value!r} (partial offload; remove it to offload all of it)")
+        elif name in OFFLOAD_NVME_KEYS and device == "nvme" and OFFLOAD_NVME_KEYS[name] is not None:
+            field, read_value = OFFLOAD_NVME_KEYS[name]
+            if reading.zero.setdefault(field, read_value(f"{key}.{name}", value)) != value:
+                raise ValueError(f"DeepSpeed config: the offload sections' {name} differ")
         elif name in OFFLOAD_NVME_KEYS or (name in ("pin_memory", "ratio") and device == "none"):
-            note = f"{key}.{name} (no NVMe offload here)" if name in OFFLOAD_NVME_KEYS else f"{key}.{name}"
-            reading.no_effect.append(note)
+            note = f"{key}.{name} ({NVME_NO_EFFECT if device == 'nvme' else 'not offloaded to NVMe'})"
+            reading.no_effect.append(note if name in OFFLOAD_NVME_KEYS else f"{key}.{name}")
         elif name not in ("device", "pin_memory", "ratio"):
             reading.unsupported.append(f"{key}.{name}")
     if device == "none":
         reading.no_effect.append(f"{key} (device 'none': nothing is offloaded)")
+
+
+def _aio(key: str, section: Any, reading: _Reading) -> None:
+    """DeepSpeed's ``aio`` section: the swap files' request size and queue depth (nvme/swap_file.py)."""
+    if not isinstance(section, dict):
+        raise ValueError(f'DeepSpeed config: {key} must be an object such as {{"queue_depth": 8}}, got {section!r}')
+    for name, value in section.items():
+        if name in AIO_KEYS:
+            reading.zero[AIO_KEYS[name]] = _integer(f"{key}.{name}", value)
+        elif name in AIO_NO_EFFECT:
+            reading.no_effect.append(f"{key}.{name} ({AIO_NO_EFFECT[name]})")
+        else:
+            reading.unsupported.append(f"{key}.{name}")
 
 
 def _mics_shard_size(key: str, value: Any, reading: _Reading) -> None:
@@ -245,6 +272,7 @@ HANDLED_KEYS = {
     "zero_optimization.mics_shard_size": _mics_shard_size,
     "zero_optimization.zero_hpz_partition_size": _hpz_partition_size,
     "zero_optimization.cpu_offload": _cpu_offload,
+    "aio": _aio,
     "activation_checkpointing": _activation_checkpointing,
 }
 

@@ -56,6 +56,7 @@ from lightning_zero.sharding.placement import Join, Replicated, Sharded, count_r
 from lightning_zero.sharding.stage3 import Stage3Runtime
 from lightning_zero.sharding.stage3_start import shard_or_reuse, start_runtime
 from lightning_zero.sharding.step_state import StepState
+from lightning_zero.sharding.swapped import check_nvme_path
 from lightning_zero.sharding.topology import Topology
 from lightning_zero.sharding.unit_set import ParamActivation, UnitSet, before_weights_change, settle
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
@@ -63,9 +64,8 @@ from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 class ZeroEngine:
     """Args: ``config``, the typed configuration (its ``stage`` chooses what is sharded); ``topology``, the process
-    groups (sharding/topology.py), made once the default group exists; ``device``, where the module computes;
-    ``rank``, this process's global rank (for error messages); ``sharded_init_peak_bytes``: what building the model
-    sharded took in an earlier run of the same front door."""
+    groups (sharding/topology.py), made once the default group exists; ``device``, where the module computes; ``rank``,
+    this process's global rank (errors); ``sharded_init_peak_bytes``: building the model sharded in an earlier run."""
 
     def __init__(
         self,
@@ -91,6 +91,7 @@ class ZeroEngine:
         self.sharded_init_peak_bytes = sharded_init_peak_bytes  # stage 3 built sharded (construct.py)
         self.peak_gathered_bytes: int | None = None  # stage 3: most bytes of whole units at once, at teardown
         self.background = background_saves(config.async_save, config.timeout, topology.host_world)
+        check_nvme_path(config, topology.host_world)  # (before anything is built: one line on every rank)
 
     @property
     def units(self) -> list[FlatUnit]:  # (the unit set's, which grows as parameters join training)
@@ -324,10 +325,9 @@ class ZeroEngine:
         synchronous: bool = False,
         on_phase: Observer | None = None,
     ) -> None:
-        """Writes ``checkpoint`` (the front door's own state) and each rank's shards of ``module``, ``optimizers``
-        and the weight average as a checkpoint directory (collective; checkpoint/save.py's ``SaveJob``); in the
-        background with ``config.async_save`` unless ``synchronous``. ``on_phase(phase, path)``: told of each point
-        the save reaches (save.py's [Note: observing a save])."""
+        """Writes ``checkpoint`` (the front door's own state) and each rank's shards of ``module``, ``optimizers`` and
+        the weight average as a checkpoint directory (collective; checkpoint/save.py's ``SaveJob``); in the background
+        with ``config.async_save`` unless ``synchronous``. ``on_phase``: save.py's [Note: observing a save]."""
         self.settle()
         if self.background is not None:
             self.background.wait()  # at most one save in flight

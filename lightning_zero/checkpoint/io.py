@@ -34,6 +34,7 @@ from lightning_zero.checkpoint.shards import ShardReader
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.averaging import WeightAverage
 from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.swapped import resident
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")  # not restored from a checkpoint
@@ -208,16 +209,8 @@ def _read_pieces(units, params, buffers, replicated, read) -> None:
     the others and the buffers; no collective."""
     sharded = set()
     for unit in units:
-        for piece in unit.layout.pieces(unit.rank):
-            if unit.trainable:
-                view = unit.training.master_view(piece.partition_offset, piece.numel)
-            else:
-                view = unit.param_shard[piece.partition_offset : piece.partition_offset + piece.numel]
-            exact = view.dtype == torch.float32 and view.device.type == "cpu"
-            buffer = view if exact else torch.empty(piece.numel)
-            read(unit.names[piece.param], piece.lo, piece.hi, buffer)
-            if buffer is not view:
-                view.copy_(buffer)
+        with resident(unit, write_back=True):
+            _read_unit_pieces(unit, read)
         sharded.update(id(p) for p in unit.params)
     for name, p in params.items():
         if id(p) not in sharded:
@@ -231,6 +224,20 @@ def _read_pieces(units, params, buffers, replicated, read) -> None:
             whole = torch.empty(value.numel(), dtype=value.dtype)
             read(key, 0, value.numel(), whole)
             value.copy_(whole.view(value.shape))
+
+
+def _read_unit_pieces(unit, read) -> None:
+    """This rank's pieces of ``unit`` into its master (or its frozen shard)."""
+    for piece in unit.layout.pieces(unit.rank):
+        if unit.trainable:
+            view = unit.training.master_view(piece.partition_offset, piece.numel)
+        else:
+            view = unit.param_shard[piece.partition_offset : piece.partition_offset + piece.numel]
+        exact = view.dtype == torch.float32 and view.device.type == "cpu"
+        buffer = view if exact else torch.empty(piece.numel)
+        read(unit.names[piece.param], piece.lo, piece.hi, buffer)
+        if buffer is not view:
+            view.copy_(buffer)
 
 
 def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimizer) -> None:
@@ -264,21 +271,28 @@ def load_optimizer(loaded: LoadedCheckpoint, index: int, optimizer: ZeroOptimize
 def _read_optimizer_state(loaded: LoadedCheckpoint, optimizer: ZeroOptimizer) -> None:
     group_of = {id(t): g for g in optimizer.optimizer.param_groups for t in g["params"]}
     for unit in optimizer.units:
-        for piece, tensor in zip(unit.training.pieces, unit.training.piece_tensors):
-            name = unit.names[piece.param]
-            found = loaded.reader.state_of(name)
-            if found is None:
-                optimizer.optimizer.state.pop(tensor, None)
-                continue
-            scalars, elementwise = found
-            # Like torch's own load_state_dict: "step" stays on the CPU unless the group is fused or capturable.
-            on_device = group_of[id(tensor)].get("fused") or group_of[id(tensor)].get("capturable")
-            state = {
-                k: (v.to(tensor.device) if on_device or k != "step" else v.clone()) if torch.is_tensor(v) else v
-                for k, v in scalars.items()
-            }
-            for key in elementwise:
-                buffer = torch.empty(piece.numel)
-                loaded.reader.read(name, piece.lo, piece.hi, buffer, key=key)
-                state[key] = buffer.to(tensor.device)
-            optimizer.optimizer.state[tensor] = state
+        with resident(unit, optimizer.optimizer.state, write_back=True):
+            _read_unit_state(loaded, unit, optimizer, group_of)
+
+
+def _read_unit_state(loaded: LoadedCheckpoint, unit, optimizer: ZeroOptimizer, group_of: dict) -> None:
+    for piece, tensor in zip(unit.training.pieces, unit.training.piece_tensors):
+        name = unit.names[piece.param]
+        found = loaded.reader.state_of(name)
+        if found is None:
+            optimizer.optimizer.state.pop(tensor, None)
+            continue
+        scalars, elementwise = found
+        # Like torch's own load_state_dict: "step" stays on the CPU unless the group is fused or capturable (and
+        # NVMe's state is put on the host, its pieces being placeholders: sharding/swapped.py).
+        device = torch.device("cpu") if unit.training.swap is not None else tensor.device
+        on_device = group_of[id(tensor)].get("fused") or group_of[id(tensor)].get("capturable")
+        state = {
+            k: (v.to(device) if on_device or k != "step" else v.clone()) if torch.is_tensor(v) else v
+            for k, v in scalars.items()
+        }
+        for key in elementwise:
+            buffer = torch.empty(piece.numel)
+            loaded.reader.read(name, piece.lo, piece.hi, buffer, key=key)
+            state[key] = buffer.to(device)
+        optimizer.optimizer.state[tensor] = state

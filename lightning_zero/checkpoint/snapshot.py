@@ -13,6 +13,7 @@ import torch
 
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.swapped import resident
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
@@ -22,6 +23,20 @@ def is_elementwise(value: Any, numel: int) -> bool:
 
 
 def unit_payload(
+    unit: FlatUnit,
+    optimizer: ZeroOptimizer | None,
+    weights_only: bool,
+    averaged: torch.Tensor | None,
+    keep: Callable[[torch.Tensor], torch.Tensor],
+    empty: Callable[[int, torch.dtype, bool], torch.Tensor],
+) -> dict[str, Any]:
+    """``_unit_payload`` with the unit's state made resident first when it is on NVMe (sharding/swapped.py)."""
+    state = None if optimizer is None or weights_only else optimizer.optimizer.state
+    with resident(unit, state):
+        return _unit_payload(unit, optimizer, weights_only, averaged, keep, empty)
+
+
+def _unit_payload(
     unit: FlatUnit,
     optimizer: ZeroOptimizer | None,
     weights_only: bool,

@@ -50,8 +50,10 @@ def estimate_main(args: list[str]) -> None:
         shape, config = _shape_of_model(parsed.model)
     sequence = _sequence_parallel(parsed, config)  # (bad input: before output)
     activations = _activation_profile(parsed) if parsed.seq_len is not None else None
-    table = estimate(shape, shard, parsed.precision, config, offload=parsed.offload == "cpu")
+    table = estimate(shape, shard, parsed.precision, config, offload=parsed.offload)
     _print_memory(parsed, shape.psi, table, world, shard, capacity)
+    if parsed.offload == "nvme":
+        _print_nvme_io(parsed, table)
     traffic = {"world": world, "per_node": parsed.devices, "shard_size": shard, "micro_batches": parsed.micro_batches}
     print(format_traffic(shape.psi, parsed.precision, **traffic, sequence=sequence))
     if sequence is not None:
@@ -84,9 +86,16 @@ def _parser() -> Parser:
     parser.add_argument(
         "--offload",
         default="none",
-        choices=["none", "cpu"],
+        choices=["none", "cpu", "nvme"],
         help="cpu: also the ZeRO-Offload configurations (master weights and optimizer state in host memory,"
-        " zero3 with parameters there too), with their host bytes per rank",
+        " zero3 with parameters there too), with their host bytes per rank; nvme: also those with the master and"
+        " optimizer state on NVMe (zero.offload_optimizer nvme), with the swap files' bytes and the I/O per step",
+    )
+    parser.add_argument(
+        "--nvme-bw",
+        type=_positive_float,
+        help="with --offload nvme: GB/s a node's NVMe drives read (and write) at, shared by its ranks: the least time"
+        " a step's optimizer I/O takes",
     )
     parser.add_argument(
         "--micro-batches", type=_positive_int, default=1, help="micro-batches per optimizer step (accumulation)"
@@ -131,6 +140,8 @@ def _sizes(parsed: argparse.Namespace) -> tuple[int, int, int | None]:
         capacity = parse_bytes(parsed.device_memory) if parsed.device_memory else None
     except ValueError as error:
         raise InputError(f"argument --device-memory: {error}") from error
+    if parsed.nvme_bw is not None and parsed.offload != "nvme":
+        raise InputError("argument --nvme-bw: needs --offload nvme (the configurations whose optimizer state is there)")
     if parsed.sp is not None and parsed.seq_len is None:
         raise InputError("argument --sp: needs --seq-len (the tokens per sample a group splits) and --model")
     for what, value in ((f"the {world} ranks (--devices x --nodes)", world), ("--seq-len", parsed.seq_len)):
@@ -185,6 +196,17 @@ def _print_memory(
             f"zero3 with a secondary partition per node (ZeRO++'s hpZ, zero.secondary_partition): up to"
             f" {extra / 2**30:.2f} GiB more per rank, held between a forward and its backward"
         )
+
+
+def _print_nvme_io(parsed: argparse.Namespace, table: dict) -> None:
+    """What a step reads and writes with the optimizer state on NVMe (every chunk once each way), and how long that
+    takes at ``--nvme-bw`` with the node's ranks sharing the drives."""
+    moved = max(r.nvme for name, rows in table.items() if name.endswith("+nvme") for r in rows)
+    line = f"on NVMe, each step reads and writes up to {moved / 2**30:.3f} GiB per rank (its swap files, once each way)"
+    if parsed.nvme_bw is not None:
+        seconds = 2 * moved * parsed.devices / (parsed.nvme_bw * 1e9)
+        line += f"; at {parsed.nvme_bw:g} GB/s per node: >= {seconds:.3f} s per step (the host step overlaps it)"
+    print(line)
 
 
 def _print_fit(device_memory: str, table: dict, capacity: int, per_node: int, activations: bool) -> None:

@@ -198,7 +198,10 @@ class ZeroPrecision(Precision):
         if isinstance(zero, ZeroOptimizer):
             self._prepare(zero)
             zero.unscale_()  # elementwise clipping needs the true values; sharding does not change it
-            torch.nn.utils.clip_grad_value_(zero.pieces(), clip_val)
+            for grad in [u.training.step_grad for u in zero.units if u.training.step_grad is not None]:
+                grad.clamp_(
+                    -clip_val, clip_val
+                )  # (the pieces' gradients are views of these; NVMe units have no pieces)
         else:
             super().clip_grad_by_value(optimizer, clip_val)
 

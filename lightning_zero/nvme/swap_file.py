@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -89,6 +90,8 @@ class SwapFile:
                 error.errno, f"cannot make a {self.nbytes:,}-byte swap file in {directory}: {error.strerror}"
             ) from None
         self.pool = ThreadPoolExecutor(queue_depth, thread_name_prefix="lightning_zero_swap")
+        # removed at close, or when the object goes or the interpreter exits without one (not after a kill -9)
+        self._finalizer = weakref.finalize(self, _discard, self.pool, self.fd, self.path)
 
     def write(self, offset: int, buffer: Tensor) -> Requests:
         """Starts writing ``buffer`` (from ``aligned_buffer``) at byte ``offset``."""
@@ -112,15 +115,19 @@ class SwapFile:
 
     def close(self) -> None:
         """Waits for what is in flight, then removes the file (call it on errors too)."""
-        if self.fd is None:
-            return
-        self.pool.shutdown(wait=True)
-        self._remove()
+        self.fd = None
+        self._finalizer()
 
     def _remove(self) -> None:
         os.close(self.fd)
         self.fd = None
         self.path.unlink(missing_ok=True)
+
+
+def _discard(pool: ThreadPoolExecutor, fd: int, path: Path) -> None:
+    pool.shutdown(wait=True)
+    os.close(fd)
+    path.unlink(missing_ok=True)
 
 
 def _whole(call, fd: int, piece: memoryview, offset: int) -> None:
@@ -133,38 +140,52 @@ def _whole(call, fd: int, piece: memoryview, offset: int) -> None:
         done += moved
 
 
-def stream_chunks(
-    swap: SwapFile, offset: int, nbytes: int, chunk_bytes: int, *, buffers: int = 3, write_back: bool = True
+def stream(
+    regions: Sequence[tuple[SwapFile, int, int]], ring: Sequence[Tensor], *, write_back: bool = True
 ) -> Iterator[Tensor]:
-    """The bytes ``offset .. offset + nbytes`` of ``swap`` chunk by chunk (each ``chunk_bytes``, the last shorter),
-    through ``buffers`` aligned buffers: while the caller works on chunk i (the yielded buffer, changed in place),
-    chunk i + 1 is read ahead and chunk i - 1 written behind (with ``write_back``), so the disk and the caller
-    overlap; the host holds ``buffers`` chunks, not the region. Every write has ended when the loop does."""
-    if buffers < 2 + write_back or chunk_bytes % ALIGN or offset % ALIGN:
-        raise ValueError(f"a stream needs >= {2 + write_back} buffers and chunks, offsets aligned to {ALIGN} bytes")
-    starts = list(range(offset, offset + nbytes, chunk_bytes))
-    ring = [aligned_buffer(chunk_bytes) for _ in range(min(buffers, len(starts)))]
+    """Each region (swap file, byte offset, bytes; aligned, at most a ring buffer long) in turn, in the buffers of
+    ``ring`` (from ``aligned_buffer``): while the caller works on region i (the yielded buffer, changed in place),
+    region i + 1 is read ahead and region i - 1 written behind (with ``write_back``), so the disk and the caller
+    overlap; the host holds the ring, never more. Every write has ended when the loop does (or is left)."""
+    if len(ring) < 2 + write_back and len(regions) > 1:
+        raise ValueError(f"a stream needs >= {2 + write_back} buffers")
     reads: dict[int, Requests] = {}
     writes: dict[int, Requests] = {}
 
     def buffer_of(i: int) -> Tensor:
-        length = -(-min(chunk_bytes, offset + nbytes - starts[i]) // ALIGN) * ALIGN
-        return ring[i % len(ring)][:length]
+        return ring[i % len(ring)][: -(-regions[i][2] // ALIGN) * ALIGN]
 
     def start_read(i: int) -> None:
-        if i < len(starts) and i not in reads:
-            if i - len(ring) in writes:  # (the buffer's last chunk must be on the disk before it is reused)
+        if i < len(regions) and i not in reads:
+            if i - len(ring) in writes:  # (the buffer's last region must be on the disk before it is reused)
                 writes.pop(i - len(ring)).wait()
-            reads[i] = swap.read(starts[i], buffer_of(i))
+            reads[i] = regions[i][0].read(regions[i][1], buffer_of(i))
 
     try:
-        for i in range(len(starts)):
+        for i in range(len(regions)):
             start_read(i)
             start_read(i + 1)
             reads.pop(i).wait()
             yield buffer_of(i)
             if write_back:
-                writes[i] = swap.write(starts[i], buffer_of(i))
+                writes[i] = regions[i][0].write(regions[i][1], buffer_of(i))
     finally:
         for pending in [*reads.values(), *writes.values()]:
             pending.wait()
+
+
+def stream_chunks(
+    swap: SwapFile, offset: int, nbytes: int, chunk_bytes: int, *, buffers: int = 3, write_back: bool = True
+) -> Iterator[Tensor]:
+    """``stream`` over the bytes ``offset .. offset + nbytes`` of ``swap`` in chunks of ``chunk_bytes`` (the last
+    shorter), through ``buffers`` new buffers."""
+    if chunk_bytes % ALIGN or offset % ALIGN:
+        raise ValueError(f"chunks and offsets must be aligned to {ALIGN} bytes")
+    regions = [
+        (swap, start, min(chunk_bytes, offset + nbytes - start))
+        for start in range(offset, offset + nbytes, chunk_bytes)
+    ]
+    ring = [aligned_buffer(chunk_bytes) for _ in range(min(buffers, len(regions)))]
+    if buffers < 2 + write_back:
+        raise ValueError(f"a stream needs >= {2 + write_back} buffers")
+    return stream(regions, ring, write_back=write_back)

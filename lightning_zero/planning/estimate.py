@@ -22,12 +22,15 @@ import torch
 from torch.nn import Module
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.nvme.optimizer_swap import record_bytes
 from lightning_zero.sharding.layout import FlatLayout, build_layout
 from lightning_zero.sharding.stage3_setup import assign_units, unit_modules
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # With ``--offload cpu``: ZeroConfig(offload_optimizer="cpu"), and for zero3 also offload_param="cpu"
 OFFLOADED = ("zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_param")
+# With ``--offload nvme`` also: ZeroConfig(offload_optimizer="nvme")
+ON_NVME = ("zero1+nvme", "zero2+nvme", "zero3+nvme")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class RankBytes:
     host_parameters: int = 0
     host_gradients: int = 0
     host_optimizer_state: int = 0
+    nvme: int = 0  # the swap files' bytes (offload_optimizer="nvme": the master and Adam's moments)
 
     @property
     def total(self) -> int:
@@ -88,14 +92,17 @@ def _owned(layouts: Sequence[FlatLayout], rank: int) -> tuple[int, int]:
 
 
 def estimate(
-    shape: ModelShape, world_size: int, precision: str, config: ZeroConfig, *, offload: bool = False
+    shape: ModelShape, world_size: int, precision: str, config: ZeroConfig, *, offload: str = "none"
 ) -> dict[str, list[RankBytes]]:
-    """Bytes per rank (index = rank) for each strategy, and with ``offload`` for each of ``OFFLOADED`` too;
-    the ZeRO strategies' parameters are in fp32 unless precision is 16-mixed, ddp's always.
+    """Bytes per rank (index = rank) for each strategy, with ``offload`` "cpu" for each of ``OFFLOADED`` too, and with
+    "nvme" also for each of ``ON_NVME``; the ZeRO strategies' parameters are in fp32 unless precision is 16-mixed,
+    ddp's always.
 
     Offloaded (sharding/offload.py): the fp32 master (a copy of its own even for fp32 parameters, except
     fp32 shards offloaded with offload_param, which are the master), the optimizer state and the reduced
-    gradient partition in fp32 are on the host; stage 1's full gradient stays on the device."""
+    gradient partition in fp32 are on the host; stage 1's full gradient stays on the device. On NVMe
+    (nvme/optimizer_swap.py): the master and moments in the swap files, chunk by chunk; the host holds the
+    gradient partition, the step counts and the step's ring of ``nvme_buffer_count`` chunk buffers."""
     b = 2 if precision == "16-mixed" else 4
     n = world_size
     frozen = shape.frozen_elements * b
@@ -122,7 +129,7 @@ def estimate(
         master = 4 * padded3 // n if b == 2 else 0  # fp32 parameter shards are the master
         rows.append(RankBytes(b * padded3 // n + frozen, b * padded3 // n, master + 8 * owned + 4 * pieces))
     out["zero3"] = rows
-    if not offload:
+    if offload == "none":
         return out
     for name in OFFLOADED:
         stage, layouts = int(name[4]), unit_layouts if name.startswith("zero3") else group_layouts
@@ -144,7 +151,34 @@ def estimate(
                 )
             )
         out[name] = rows
+    if offload == "nvme":
+        out.update({name: _on_nvme(name, group_layouts, unit_layouts, n, b, frozen, config) for name in ON_NVME})
     return out
+
+
+def _on_nvme(name: str, groups: list, units: list, n: int, b: int, frozen: int, config: ZeroConfig) -> list[RankBytes]:
+    """The rows of ``name`` in ``ON_NVME``: the device as with host offload; the swap files and the host's share."""
+    stage, layouts = int(name[4]), units if name.startswith("zero3") else groups
+    total = sum(layout.total_numel for layout in layouts)
+    chunk = config.nvme_chunk_numel()
+    records = [record_bytes(min(chunk, layout.partition_numel - lo)) for layout in layouts
+               for lo in range(0, layout.partition_numel, chunk)]  # fmt: skip
+    ring = config.nvme_buffer_count * max(records, default=0)
+    rows = []
+    for rank in range(n):
+        _, pieces = _owned(layouts, rank)
+        device_params = b * total // n if stage == 3 else b * total
+        rows.append(
+            RankBytes(
+                device_params + frozen,
+                b * total if stage == 1 else 0,
+                0,
+                host_gradients=4 * total // n,
+                host_optimizer_state=4 * pieces + ring,
+                nvme=sum(records),
+            )
+        )
+    return rows
 
 
 def parse_bytes(text: str) -> int:
@@ -168,9 +202,11 @@ def smallest_fitting(table: dict[str, list[RankBytes]], capacity: int) -> str | 
 def format_table(table: dict[str, list[RankBytes]], capacity: int | None = None) -> str:
     gib = 2**30
     host = any(r.host_total for rows in table.values() for r in rows)
+    disk = any(r.nvme for rows in table.values() for r in rows)
     lines = [
         f"{'strategy':<20}{'parameters':>12}{'gradients':>12}{'optimizer':>12}{'total GiB':>12}"
         + (f"{'host GiB':>12}" if host else "")
+        + (f"{'NVMe GiB':>12}" if disk else "")
         + (f"{'fits':>8}" if capacity else "")
     ]
     for name, rows in table.items():
@@ -180,6 +216,7 @@ def format_table(table: dict[str, list[RankBytes]], capacity: int | None = None)
             f"{name:<20}{worst.parameters / gib:>12.3f}{worst.gradients / gib:>12.3f}"
             f"{worst.optimizer_state / gib:>12.3f}{worst.total / gib:>12.3f}"
             + (f"{worst.host_total / gib:>12.3f}" if host else "")
+            + (f"{worst.nvme / gib:>12.3f}" if disk else "")
             + f"{fits:>8}"
         )
     return "\n".join(lines)

@@ -72,7 +72,8 @@ def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4
 
 def persistent_bytes(units: list, optimizers: list, module: torch.nn.Module, *, offloaded: bool) -> dict[str, int]:
     """A rank's persistent bytes (``ZeroStrategy.memory_bytes``): parameters, gradients, master weights and
-    optimizer state on the device and, under ``host_*``, offloaded to the host (zeros without offload).
+    optimizer state on the device and, under ``host_*``, offloaded to the host (zeros without offload); ``nvme``:
+    the bytes of its swap files (the master and Adam's moments with ``offload_optimizer="nvme"``, else 0).
     Parameters include frozen ones (stage 3: the shards, not units gathered for a moment); gradients are
     the stage's persistent storage (in-flight buckets are transient and not counted)."""
     totals = dict.fromkeys(("parameters", "gradients", "master", "optimizer_state"), 0)
@@ -83,6 +84,8 @@ def persistent_bytes(units: list, optimizers: list, module: torch.nn.Module, *, 
     for optimizer in optimizers:
         if hasattr(optimizer, "state_nbytes"):  # a ZeroOptimizer
             totals["host_optimizer_state" if offloaded else "optimizer_state"] += optimizer.state_nbytes()
+    swapped = [u.training.swap for u in units if u.training is not None and u.training.swap is not None]
+    totals["nvme"] = sum(swap.file.nbytes for swap in swapped)  # the swap files' bytes on the disk (nvme/)
     sharded = {id(p) for u in units for p in u.params}
     totals["parameters"] += sum(p.nbytes for p in module.parameters() if not p.requires_grad and id(p) not in sharded)
     return totals

@@ -86,6 +86,11 @@ class WeightAverage:
                 values.append(p.detach())
                 continue
             unit, index = where[id(p)]
+            if unit.trainable and unit.training.swap is not None:
+                raise ValueError(
+                    "weight averaging reads the fp32 master weights every update, which offload_optimizer nvme keeps"
+                    " on disk: use offload_optimizer cpu (or none) with weight averaging"
+                )
             piece = pieces[id(unit)].get(index)
             if piece is None:
                 continue  # no element of it on this rank

@@ -308,12 +308,10 @@ class FlatUnit:
             return
         lo = piece.partition_offset
         own = read(piece.lo, piece.hi)
-        master = self.training.master_view(lo, piece.numel) if self.training is not None else None
-        targets = [self.param_shard[lo : lo + piece.numel]] if self.param_shard is not None else []
-        if master is not None and (self.param_shard is None or master.data_ptr() != self.param_shard.data_ptr()):
-            targets.append(master)
-        for target in targets:
-            target.copy_(own)
+        if self.param_shard is not None:
+            self.param_shard[lo : lo + piece.numel].copy_(own)
+        if self.training is not None and (self.param_shard is None or self.training.master is not self.param_shard):
+            self.training.write_master(lo, own)  # (stage 3's fp32 master may be the shard itself)
 
     # --- after a step -------------------------------------------------------------------------------
     def follow_master(self, *, group=None) -> None:
@@ -359,6 +357,7 @@ class FlatUnit:
         params = self.param_shard if self.param_shard is not None else self.flat_param
         training = self.training
         master = None if training is None or training.master is params else training.master
+        master = None if master is not None and master.is_meta else master  # (on NVMe: a placeholder)
         flat_grad = training.flat_grad if training is not None else None
         held = (("parameters", params), ("gradients", flat_grad), ("gradients", training and training.grad_partition))
         for key, tensor in (*held, ("master", master)):

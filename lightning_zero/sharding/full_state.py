@@ -20,6 +20,7 @@ from torch.nn import Module
 
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.flat_unit import FlatUnit
+from lightning_zero.sharding.swapped import resident
 
 
 def needs_masters(unit: FlatUnit) -> bool:
@@ -60,10 +61,10 @@ def full_state_dict(
     for unit in units:
         keys = {k: owner[id(v)][1] for k, v in entries.items() if owner.get(id(v), (None,))[0] is unit}
         if needs_masters(unit):
-            on_host = unit.training.master_partition().device.type == "cpu"
-            values = {
-                i: v.view(unit.shapes[i]) for i, v in gather_masters(unit, group=host_group if on_host else group)
-            }
+            with resident(unit):
+                on_host = unit.training.master_partition().device.type == "cpu"
+                masters = gather_masters(unit, group=host_group if on_host else group)
+                values = {i: v.view(unit.shapes[i]) for i, v in masters}
         else:
             with hold(unit):
                 values = {i: unit.params[i].detach().to("cpu", copy=True) for i in set(keys.values())}
@@ -82,10 +83,11 @@ def parameter_norms(model: Module, units: Sequence[FlatUnit], norm_type: float, 
     names, partials = [], []
     for unit in units:
         sums = torch.zeros(len(unit.params), dtype=torch.float64)
-        for piece in unit.layout.pieces(unit.rank):
-            lo, n = piece.partition_offset, piece.numel
-            values = unit.training.master_view(lo, n) if unit.trainable else unit.param_shard[lo : lo + n]
-            sums[piece.param] += values.double().abs().pow(norm_type).sum().cpu()
+        with resident(unit):
+            for piece in unit.layout.pieces(unit.rank):
+                lo, n = piece.partition_offset, piece.numel
+                values = unit.training.master_view(lo, n) if unit.trainable else unit.param_shard[lo : lo + n]
+                sums[piece.param] += values.double().abs().pow(norm_type).sum().cpu()
         names += unit.names
         partials.append(sums)
     summed = torch.cat(partials) if partials else torch.zeros(0, dtype=torch.float64)

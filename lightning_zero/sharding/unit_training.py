@@ -10,7 +10,9 @@ A trainable unit has
   momentum, no weight decay) hold exactly as on the unsharded model;
 - gradient storage (see [Note: gradient storage]) and ``used``: which parameters received a gradient
   since the last ``zero_grad``; and ``state``, where the step's gradients are (``GradState``).
-With ``offload`` the master and the reduced gradient partition are host buffers of their own (offload.py).
+With ``offload`` the master and the reduced gradient partition are host buffers of their own (offload.py); offloaded to
+NVMe, the master (and the optimizer's moments) live in ``swap`` and ``master`` is a placeholder on the meta device
+that holds no data, except while a save or a load makes it resident (swapped.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.config import HostOffload
+from lightning_zero.nvme.optimizer_swap import UnitSwap
 from lightning_zero.sharding.layout import Bucket, Piece
 from lightning_zero.sharding.offload import host_empty
 
@@ -79,6 +82,7 @@ class UnitTraining:
         self.unit, self.layout, self.rank, self.offload = unit, unit.layout, unit.rank, offload
         self.device = unit.flat_param.device
         self.master: Tensor | None = None
+        self.swap: UnitSwap | None = None  # offloaded to NVMe: the master and moments are there (see _make_master)
         self.master_in_place = False  # stages 1 and 2 with fp32 parameters: the master is the flat buffer's chunks
         self._make_master()
         self.grad_dtype = grad_dtype or unit.param_dtype
@@ -100,13 +104,19 @@ class UnitTraining:
         unit, layout, fp32 = self.unit, self.layout, torch.float32
         shard = unit.param_shard
         if self.offload is not None:  # a host master of its own, unless the shard is fp32 and on the host already
-            if shard is not None and shard.device.type == "cpu" and self.offload.params and unit.param_dtype == fp32:
+            on_host = shard is not None and shard.device.type == "cpu" and self.offload.params
+            if on_host and unit.param_dtype == fp32 and self.offload.nvme is None:
                 self.master = shard
                 return
             self.master = host_empty(layout.partition_numel, fp32, self.device, self.offload)
             for bucket in layout.buckets:
                 own = shard if shard is not None else unit.param_chunk(bucket)
                 self.master[unit.partition_slice(bucket)].copy_(own)
+            if self.offload.nvme is not None:  # written to its swap file; a placeholder here that holds no data
+                pin = self.offload.pin_memory and self.device.type == "cuda"
+                self.swap = UnitSwap(self.offload.nvme, layout.partition_numel, pin=pin)
+                self.swap.write(self.master)
+                self.master = torch.empty(layout.partition_numel, device="meta")
         elif shard is not None:  # stage 3: fp32 shards are the master themselves
             self.master = shard if unit.param_dtype == fp32 else shard.to(fp32)
         elif unit.param_dtype == fp32:
@@ -149,6 +159,15 @@ class UnitTraining:
             return torch.cat([self.unit.param_chunk(bucket) for bucket in self.layout.buckets])
         return self.master
 
+    def write_master(self, lo: int, values: Tensor) -> None:
+        """Stores ``values`` as master elements [lo, lo + len): on NVMe the partition is read, changed and written."""
+        if self.swap is None:
+            self.master_view(lo, values.numel()).copy_(values.reshape(-1))
+            return
+        master, *moments = self.swap.read()
+        master[lo : lo + values.numel()].copy_(values.reshape(-1))
+        self.swap.write(master, *moments)
+
     def piece_of(self, index: int) -> tuple[Piece | None, Tensor | None]:
         """This rank's piece of parameter ``index`` and its view into the master, or (None, None)."""
         k = self._piece_index.get(index)
@@ -162,8 +181,9 @@ class UnitTraining:
 
     @property
     def params_written(self) -> bool:
-        """The step wrote the parameters' copy already (sharding/fused_step.py)."""
-        return self.state is GradState.PARAMS_WRITTEN
+        """The step wrote the parameters' copy already (sharding/fused_step.py); always, with the master on NVMe
+        (its step and every write of the master write the parameters: sharding/swapped.py)."""
+        return self.state is GradState.PARAMS_WRITTEN or self.swap is not None
 
     def mark_used(self, index: int) -> None:
         self.used[index] = 1
@@ -194,7 +214,7 @@ class UnitTraining:
         """
         self.used_anywhere = [bool(flag) for flag in used]
         self.step_grad = self.reduced if self.reduced.dtype == torch.float32 else self.reduced.to(torch.float32)
-        for piece, tensor in zip(self.pieces, self.piece_tensors):
+        for piece, tensor in zip(self.pieces, self.piece_tensors if self.swap is None else ()):  # (NVMe: none)
             lo = piece.partition_offset
             tensor.grad = self.step_grad[lo : lo + piece.numel] if used[piece.param] else None
         self.state = GradState.ATTACHED

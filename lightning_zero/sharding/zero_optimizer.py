@@ -60,6 +60,7 @@ from lightning_zero.sharding.offload import use_fused_host_step, wait_for_device
 from lightning_zero.sharding.optimizer_check import shard_held_state
 from lightning_zero.sharding.param_gather import ParamGathers
 from lightning_zero.sharding.param_group_view import HOOKS, ParamGroupView
+from lightning_zero.sharding.swapped import nvme_step_for
 from lightning_zero.sharding.topology import Topology
 
 
@@ -112,6 +113,7 @@ class ZeroOptimizer(Optimizer):
             self._adopt(param_group, params, locate, names)
         self.units = list({id(s.unit): s.unit for slots in self._slots for s in slots if s is not None}.values())
         self.fused = FusedAdamWStep(optimizer, fused_step) if fused_step != "never" and supports(optimizer) else None
+        self.nvme = nvme_step_for(optimizer, self.units)  # (units offloaded to NVMe: swapped.py)
         if any(unit.offload is not None for unit in self.units):  # after: what it sets is not the user's choice
             use_fused_host_step(optimizer)
         self._prepared = False
@@ -155,6 +157,7 @@ class ZeroOptimizer(Optimizer):
         inner = self.optimizer.param_groups[-1]
         self._adopt(inner, params, locate, names)
         self.units += [u for u in dict.fromkeys(unit for unit, _ in locate.values()) if u not in self.units]
+        self.nvme = self.nvme or nvme_step_for(self.optimizer, self.units)
         if any(unit.offload is not None for unit in self.units):
             use_fused_host_step(self.optimizer)
 
@@ -346,8 +349,10 @@ class ZeroOptimizer(Optimizer):
             raise RuntimeError("gradients overflowed: skip this step with skip_step() instead")
         found_inf = found_inf if torch.is_tensor(found_inf) else None  # skipping on the device
         wait_for_device(self.units)  # offloaded: the last step's copies to the device have read the master
-        fused = self.fused.step(self.units, self._multiplier, found_inf) if self.fused is not None else set()
-        self.unscale_(skip=fused)
+        swapped = self.nvme.step(self.units, self._multiplier, found_inf) if self.nvme is not None else set()
+        rest = [unit for unit in self.units if id(unit) not in swapped]
+        fused = self.fused.step(rest, self._multiplier, found_inf) if self.fused is not None else set()
+        self.unscale_(skip=fused | swapped)
         # skipping on the device, what the fused step did not take reads the flag (see [Note: host syncs])
         if found_inf is None or not any(t.grad is not None for t in self.pieces()) or not found_inf.item():
             self.optimizer.step()
@@ -365,8 +370,7 @@ class ZeroOptimizer(Optimizer):
 
     def skip_step(self) -> None:
         """Leaves parameters and optimizer state untouched and drops this step's gradients (fp16 overflow)."""
-        self.zero_grad()
-        self._prepared = False
+        self.zero_grad()  # (unprepared too)
         self.last_step_skipped = True
 
     # --- checkpoints --------------------------------------------------------------------------------
@@ -391,5 +395,6 @@ class ZeroOptimizer(Optimizer):
         )
 
     def state_nbytes(self) -> int:
-        """Bytes of the wrapped optimizer's state on this rank (the master weights are the units')."""
-        return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        """Bytes of the wrapped optimizer's state on this rank (masters: the units'), and of NVMe's ring of buffers."""
+        ring = sum(buffer.nbytes for buffer in self.nvme.ring) if self.nvme is not None else 0
+        return ring + sum(v.nbytes for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))

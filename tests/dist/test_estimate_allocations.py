@@ -20,16 +20,20 @@ OFFLOAD = {
     "zero3+offload": {},
     "zero3+offload_param": {"offload_param": "cpu"},
 }
+NVME = {"nvme_buffer_numel": 1024, "nvme_buffer_count": 3}  # (small chunks: several per unit)
 
 
-def _worker(rank: int, world: int) -> None:
+def _worker(rank: int, world: int, tmp_path) -> None:
     runs = [(f"zero{stage}", precision) for stage, precision in itertools.product((1, 2, 3), ("32-true", "16-mixed"))]
     runs += [(name, precision) for name in OFFLOAD for precision in ("32-true", "16-mixed")]
+    runs += [(f"zero{stage}+nvme", "32-true") for stage in (1, 2, 3)]
     for name, precision in runs:
         stage = int(name[4])
         config = {"reduce_bucket_size": 3000, "param_persistence_threshold": 0}
         if name in OFFLOAD:
             config.update(offload_optimizer="cpu", **OFFLOAD[name])
+        if name.endswith("+nvme"):
+            config.update(offload_optimizer="nvme", nvme_path=str(tmp_path), **NVME)
         pl.seed_everything(0)
         module = EquivalenceModule("gpt", steps=1, lazy=True)
         trainer = make_trainer(zero_strategy(stage, **config), world, steps=1, plugins=[ZeroPrecision(precision)])
@@ -41,7 +45,7 @@ def _worker(rank: int, world: int) -> None:
         optimizers, _, _ = _configure_optimizers(fresh.configure_optimizers())
         groups = [g["params"] for g in optimizers[0].param_groups]
         shape = shape_of_module(fresh, groups, ZeroConfig(stage=stage, **config))
-        row = estimate(shape, world, precision, ZeroConfig(stage=stage, **config), offload=True)[name][rank]
+        row = estimate(shape, world, precision, ZeroConfig(stage=stage, **config), offload="nvme")[name][rank]
         what = (name, precision, row, measured)
         assert row.parameters == measured["parameters"], what
         assert row.gradients == measured["gradients"], what
@@ -49,8 +53,9 @@ def _worker(rank: int, world: int) -> None:
         assert row.host_parameters == measured["host_parameters"], what
         assert row.host_gradients == measured["host_gradients"], what
         assert row.host_optimizer_state == measured["host_master"] + measured["host_optimizer_state"], what
+        assert row.nvme == measured["nvme"], what
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_estimate_equals_what_the_strategy_allocates(ranks, world):
-    ranks(_worker, world)
+def test_estimate_equals_what_the_strategy_allocates(ranks, world, tmp_path):
+    ranks(_worker, world, tmp_path)

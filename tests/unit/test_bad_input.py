@@ -148,10 +148,9 @@ FIT_CASES = [
         "DeepSpeed config: activation_checkpointing.cpu_checkpointing must be true or false, got 'yes'",
     ),
     _deepspeed(
-        "nvme_offload",
-        {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}},
-        "these keys are not supported: zero_optimization.offload_optimizer.device 'nvme' (NVMe offload is not"
-        " implemented; use 'cpu' or 'none')",
+        "nvme_offload_param",
+        {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}},
+        "these keys are not supported: zero_optimization.offload_param.device 'nvme' (one of 'none', 'cpu' here)",
     ),
     _deepspeed(
         "stage_0",

@@ -198,14 +198,14 @@ def test_unsupported_keys_are_listed_in_one_error():
         " zero_optimization.zero_quantized_nontrainable_weights."
     )
     # unsupported values (NVMe, partial offload) are named in the same error as unsupported keys
-    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/local"}
-    config["zero_optimization"]["offload_param"] = {"device": "cpu", "ratio": 0.5}
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": 0.5}
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/local"}
     with pytest.raises(ValueError) as info:
         read_deepspeed_config(config)
     assert str(info.value).startswith(
         "DeepSpeed config: these keys are not supported: flops_profiler, optimizer,"
-        " zero_optimization.offload_optimizer.device 'nvme' (NVMe offload is not implemented; use 'cpu' or"
-        " 'none'), zero_optimization.offload_param.ratio 0.5 (partial offload; remove it to offload all of it),"
+        " zero_optimization.offload_optimizer.ratio 0.5 (partial offload; remove it to offload all of it),"
+        " zero_optimization.offload_param.device 'nvme' (one of 'none', 'cpu' here),"
         " zero_optimization.zero_quantized_nontrainable_weights."
     ), str(info.value)
 
@@ -252,11 +252,11 @@ def test_the_activation_checkpointing_section_maps_cpu_checkpointing_and_names_t
         ),
         (
             {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-            "zero.offload_param must be none unless zero.stage is 3 and zero.offload_optimizer is cpu, got 'cpu'",
+            "zero.offload_param must be none unless zero.stage is 3 and zero.offload_optimizer is cpu or nvme, got 'cpu'",
         ),
         (
             {"zero_optimization": {"offload_param": {"device": "nvme"}}},
-            r"not supported: zero_optimization.offload_param.device 'nvme' \(NVMe offload is not implemented",
+            r"not supported: zero_optimization.offload_param.device 'nvme' \(one of 'none', 'cpu' here\)",
         ),
         (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu", "foo": 1}}},
@@ -290,7 +290,7 @@ def test_offload_sections_map():
             "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 5},
         }
     }
-    with pytest.warns(UserWarning, match=r"offload_param.buffer_count \(no NVMe offload here\)"):
+    with pytest.warns(UserWarning, match=r"offload_param.buffer_count \(not offloaded to NVMe\)"):
         zero = read_deepspeed_config(config).zero
     assert (zero.offload_optimizer, zero.offload_param, zero.offload_pin_memory) == ("cpu", "cpu", True)
     older = read_deepspeed_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero
@@ -316,3 +316,29 @@ def test_mics_maps_to_hybrid_sharding_and_zero_plus_plus_to_its_fields():
     )
     with pytest.raises(ValueError, match="zero.shard_group_size must be null"):
         read_deepspeed_config({"zero_optimization": {"mics_shard_size": 0}})
+
+
+def test_zero_infinity_sections_map():
+    """DeepSpeed's ZeRO-Infinity config (optimizer state on NVMe, its ``aio`` section): the settings with an effect
+    here map to their fields; the rest is named in the warning with why it changes nothing; conflicting paths are
+    refused."""
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5, "fast_init": False},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+        },
+        "aio": {"block_size": 262144, "queue_depth": 16, "thread_count": 2, "single_submit": False},
+    }
+    with pytest.warns(UserWarning) as record:
+        zero = read_deepspeed_config(config).zero
+    assert (zero.offload_optimizer, zero.offload_param, zero.nvme_path) == ("nvme", "cpu", "/local_nvme")
+    assert (zero.nvme_buffer_count, zero.aio_block_size, zero.aio_queue_depth) == (5, 262144, 16)
+    message = str(record[0].message)
+    assert "offload_optimizer.fast_init (chunks are always read ahead" in message and "aio.thread_count (" in message
+    with pytest.raises(ValueError, match="not supported: aio.foo"):
+        read_deepspeed_config({**config, "aio": {"foo": 1}})
+    with pytest.raises(ValueError, match="zero.aio_block_size must be a positive multiple of 4096"):
+        read_deepspeed_config({**config, "aio": {"block_size": 1000}})
+    with pytest.raises(ValueError, match="zero.nvme_path must be a directory on an NVMe drive"):
+        read_deepspeed_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})

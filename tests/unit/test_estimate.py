@@ -27,7 +27,7 @@ def test_estimate_equals_the_formulas(strategy, precision):
     """`lightning-zero estimate`, `memory.formula_bytes` and the README's tables (which they are) agree: with
     no padding (Psi a multiple of 2N, one bucket) they differ only by Adam's step counter, 4 bytes per tensor."""
     psi, n = 1_000_000, 8
-    rows = estimate(shape_of_count(psi), n, precision, ZeroConfig(), offload=True)[strategy]
+    rows = estimate(shape_of_count(psi), n, precision, ZeroConfig(), offload="cpu")[strategy]
     formula = formula_bytes(strategy, psi, n, param_bytes=2 if precision == "16-mixed" else 4)
     step = 4 if strategy in STRATEGIES else 0
     for row in rows:
