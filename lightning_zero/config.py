@@ -24,6 +24,7 @@ class NvmeSwap:
     buffer_count: int  # chunks in host memory at once (read ahead, stepped, written behind)
     block_size: int  # bytes per I/O request
     queue_depth: int  # requests in flight
+    params: bool = False  # stage 3: the trainable units' parameter shards too (nvme/param_swap.py)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,9 @@ class ZeroConfig:
             ``nvme_buffer_count`` host buffers at each step (ZeRO-Infinity; see nvme/optimizer_swap.py); the
             reduced gradient partition stays in host memory. Needs AdamW (the host kernel steps it).
         offload_param: stage 3: "cpu" keeps the parameter shards in host memory too, each brought to the
-            device for its unit's all-gather (ZeRO-Infinity without NVMe); needs ``offload_optimizer``.
+            device for its unit's all-gather (ZeRO-Infinity without NVMe); needs ``offload_optimizer``. "nvme" keeps
+            the trainable units' shards in swap files under ``nvme_path``, each read when its unit is gathered and
+            written by the step (nvme/param_swap.py; frozen units' stay in host memory); needs it "nvme" too.
         offload_pin_memory: pin the host buffers (CUDA), so copies to and from the device do not block.
         nvme_path: the directory (on an NVMe drive, with O_DIRECT) where each rank makes its swap files; checked
             on every rank at set-up; the files are removed at the end and on errors.
@@ -226,12 +229,15 @@ class ZeroConfig:
                 self.nvme_buffer_count,
                 self.aio_block_size,
                 self.aio_queue_depth,
+                params=self.offload_param == "nvme",
             )
-        return HostOffload(params=self.offload_param == "cpu", pin_memory=self.offload_pin_memory, nvme=nvme)
+        params = self.offload_param != "none"  # (on NVMe: read into host memory for their gathers)
+        return HostOffload(params=params, pin_memory=self.offload_pin_memory, nvme=nvme)
 
     def nvme_chunk_numel(self) -> int:
-        """``nvme_buffer_numel`` rounded up to 1024 elements, so that a chunk's runs start on 4096-byte boundaries."""
-        return -(-self.nvme_buffer_numel // 1024) * 1024
+        """``nvme_buffer_numel`` rounded up to 2048 elements, so that a chunk's runs start on 4096-byte boundaries in
+        the state's records (fp32) and in a parameter shard's file (16-bit)."""
+        return -(-self.nvme_buffer_numel // 2048) * 2048
 
     def unit_options(self, param_dtype: torch.dtype) -> dict:
         """The keyword arguments a trainable unit of ``param_dtype`` parameters is built with."""

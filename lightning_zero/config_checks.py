@@ -89,6 +89,10 @@ def _offloaded_with_optimizer(offload_param: object, config: ZeroConfig) -> bool
     return offload_param == "none" or (config.stage == 3 and config.offload_optimizer != "none")
 
 
+def _nvme_with_optimizer(offload_param: object, config: ZeroConfig) -> bool:
+    return offload_param != "nvme" or config.offload_optimizer == "nvme"
+
+
 def _path_for_nvme(nvme_path: object, config: ZeroConfig) -> bool:
     if config.offload_optimizer == "nvme" or config.offload_param == "nvme":
         return isinstance(nvme_path, str) and nvme_path != ""
@@ -149,12 +153,13 @@ ZERO_ROWS: tuple[Row, ...] = (
     ),
     # offload and the step
     ("offload_optimizer", _one_of(*OFFLOAD_CHOICES), "none, cpu or nvme"),
-    ("offload_param", _one_of("none", "cpu"), "none or cpu (parameters on nvme are not supported yet)"),
+    ("offload_param", _one_of(*OFFLOAD_CHOICES), "none, cpu or nvme"),
     (
         "offload_param",
         _offloaded_with_optimizer,
         "none unless zero.stage is 3 and zero.offload_optimizer is cpu or nvme",
     ),
+    ("offload_param", _nvme_with_optimizer, "cpu or none unless zero.offload_optimizer is nvme"),
     ("nvme_path", _path_for_nvme, "a directory on an NVMe drive (a non-empty string) when an offload is nvme"),
     ("nvme_buffer_count", _integer_in(3), "an integer >= 3 (a chunk read ahead, one stepped, one written behind)"),
     ("nvme_buffer_numel", _integer_in(1024), "an integer >= 1024 (elements of state per chunk)"),

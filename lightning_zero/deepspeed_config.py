@@ -53,7 +53,10 @@ OFFLOAD_NVME_KEYS = {  # a section's NVMe settings -> (the ZeroConfig field, how
     "pipeline": None,
     "fast_init": None,
 }
-NVME_NO_EFFECT = "chunks are always read ahead and written behind, and the swap files made whole at set-up"
+NVME_NO_EFFECT = (
+    "state chunks are always read ahead and written behind, a unit's parameter shard read whole when the schedule"
+    " gathers it, and the swap files made whole at set-up"
+)
 AIO_KEYS = {"block_size": "aio_block_size", "queue_depth": "aio_queue_depth"}  # aio's -> the ZeroConfig field
 AIO_NO_EFFECT = {
     "thread_count": "the requests in flight are aio.queue_depth threads' positional reads and writes",
@@ -182,9 +185,8 @@ def _offload(key: str, section: Any, reading: _Reading) -> None:
     if not isinstance(section, dict):
         raise ValueError(f'DeepSpeed config: {key} must be an object such as {{"device": "cpu"}}, got {section!r}')
     device = section.get("device", "none")
-    allowed = ("none", "cpu", "nvme") if key.endswith("offload_optimizer") else ("none", "cpu")
-    if device not in allowed:
-        reading.unsupported.append(f"{key}.device {device!r} (one of {', '.join(map(repr, allowed))} here)")
+    if device not in ("none", "cpu", "nvme"):
+        reading.unsupported.append(f"{key}.device {device!r} (one of 'none', 'cpu', 'nvme' here)")
         return
     if reading.zero.setdefault(OFFLOAD_SECTIONS[key], device) != device:
         raise ValueError(f"DeepSpeed config: {key} and zero_optimization.cpu_offload disagree")

@@ -199,13 +199,19 @@ def _print_memory(
 
 
 def _print_nvme_io(parsed: argparse.Namespace, table: dict) -> None:
-    """What a step reads and writes with the optimizer state on NVMe (every chunk once each way), and how long that
-    takes at ``--nvme-bw`` with the node's ranks sharing the drives."""
-    moved = max(r.nvme for name, rows in table.items() if name.endswith("+nvme") for r in rows)
-    line = f"on NVMe, each step reads and writes up to {moved / 2**30:.3f} GiB per rank (its swap files, once each way)"
+    """What a step reads and writes on NVMe: the optimizer's chunks once each way, and with the parameters there each
+    unit's shard at its forward and backward gathers (per micro-batch) and once written; with ``--nvme-bw``, how long
+    that takes with the node's ranks sharing the drives."""
+    state = max(r.nvme for r in table["zero3+nvme"])
+    shards = max(r.nvme for r in table["zero3+nvme_param"]) - state
+    reads, writes = state + 2 * parsed.micro_batches * shards, state + shards
+    line = (
+        f"on NVMe, per rank per step: {state / 2**30:.3f} GiB of optimizer state read and written; with"
+        f" zero3+nvme_param also the shards: {reads / 2**30:.3f} GiB read, {writes / 2**30:.3f} GiB written"
+    )
     if parsed.nvme_bw is not None:
-        seconds = 2 * moved * parsed.devices / (parsed.nvme_bw * 1e9)
-        line += f"; at {parsed.nvme_bw:g} GB/s per node: >= {seconds:.3f} s per step (the host step overlaps it)"
+        seconds = [moved * parsed.devices / (parsed.nvme_bw * 1e9) for moved in (2 * state, reads + writes)]
+        line += f"; at {parsed.nvme_bw:g} GB/s per node: >= {seconds[0]:.3f} s, {seconds[1]:.3f} s with the shards"
     print(line)
 
 

@@ -66,8 +66,11 @@ class Requests:
         return all(piece.done() for piece in self.pieces)
 
     def wait(self) -> None:
-        for piece in self.pieces:
-            piece.result()
+        """Waits for every piece, then raises the first error (a piece never outlives its request's wait)."""
+        errors = [piece.exception() for piece in self.pieces]
+        for error in errors:
+            if error is not None:
+                raise error
 
 
 class SwapFile:
@@ -146,7 +149,9 @@ def stream(
     """Each region (swap file, byte offset, bytes; aligned, at most a ring buffer long) in turn, in the buffers of
     ``ring`` (from ``aligned_buffer``): while the caller works on region i (the yielded buffer, changed in place),
     region i + 1 is read ahead and region i - 1 written behind (with ``write_back``), so the disk and the caller
-    overlap; the host holds the ring, never more. Every write has ended when the loop does (or is left)."""
+    overlap; the host holds the ring, never more. Region i is written when the caller asks for region i + 1, so the
+    loop must run the stream to its end (``zip(stream(...), other)``, not ``zip(other, stream(...))``, which stops
+    before the last write); every write has ended when the loop does (or is left)."""
     if len(ring) < 2 + write_back and len(regions) > 1:
         raise ValueError(f"a stream needs >= {2 + write_back} buffers")
     reads: dict[int, Requests] = {}
@@ -169,9 +174,15 @@ def stream(
             yield buffer_of(i)
             if write_back:
                 writes[i] = regions[i][0].write(regions[i][1], buffer_of(i))
-    finally:
+    finally:  # every request waited for (the ring is reused after), the first error raised once all are
+        failures = []
         for pending in [*reads.values(), *writes.values()]:
-            pending.wait()
+            try:
+                pending.wait()
+            except OSError as error:
+                failures.append(error)
+        if failures:
+            raise failures[0]
 
 
 def stream_chunks(

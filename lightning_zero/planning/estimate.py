@@ -23,14 +23,15 @@ from torch.nn import Module
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.nvme.optimizer_swap import record_bytes
+from lightning_zero.nvme.swap_file import ALIGN
 from lightning_zero.sharding.layout import FlatLayout, build_layout
 from lightning_zero.sharding.stage3_setup import assign_units, unit_modules
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # With ``--offload cpu``: ZeroConfig(offload_optimizer="cpu"), and for zero3 also offload_param="cpu"
 OFFLOADED = ("zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_param")
-# With ``--offload nvme`` also: ZeroConfig(offload_optimizer="nvme")
-ON_NVME = ("zero1+nvme", "zero2+nvme", "zero3+nvme")
+# With ``--offload nvme`` also: ZeroConfig(offload_optimizer="nvme"), the last with offload_param="nvme" too
+ON_NVME = ("zero1+nvme", "zero2+nvme", "zero3+nvme", "zero3+nvme_param")
 
 
 @dataclass(frozen=True)
@@ -164,10 +165,12 @@ def _on_nvme(name: str, groups: list, units: list, n: int, b: int, frozen: int, 
     records = [record_bytes(min(chunk, layout.partition_numel - lo)) for layout in layouts
                for lo in range(0, layout.partition_numel, chunk)]  # fmt: skip
     ring = config.nvme_buffer_count * max(records, default=0)
+    shards = name.endswith("nvme_param")  # (each unit's shard a file of its own, rounded up to 4096 bytes)
+    shard_files = sum(-(-layout.partition_numel * b // ALIGN) * ALIGN for layout in layouts) if shards else 0
     rows = []
     for rank in range(n):
         _, pieces = _owned(layouts, rank)
-        device_params = b * total // n if stage == 3 else b * total
+        device_params = 0 if shards else (b * total // n if stage == 3 else b * total)
         rows.append(
             RankBytes(
                 device_params + frozen,
@@ -175,7 +178,7 @@ def _on_nvme(name: str, groups: list, units: list, n: int, b: int, frozen: int, 
                 0,
                 host_gradients=4 * total // n,
                 host_optimizer_state=4 * pieces + ring,
-                nvme=sum(records),
+                nvme=sum(records) + shard_files,
             )
         )
     return rows

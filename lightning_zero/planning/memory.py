@@ -70,6 +70,25 @@ def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4
     raise ValueError(f"strategy must be one of ddp, zero1, zero2, zero3 (or zeroN+offload), got {strategy!r}")
 
 
+def unit_nbytes(unit) -> dict[str, int]:
+    """A flat unit's persistent bytes by category, on the device and (``host_*``) offloaded to the host. Stage 3 counts
+    its shard as the parameters (and, with fp32 parameters, not again as the master it doubles as); a gathered flat
+    buffer is transient; what is on NVMe (a placeholder here) is counted by ``persistent_bytes``."""
+    out = dict.fromkeys(("parameters", "gradients", "master"), 0)
+    out.update({f"host_{key}": 0 for key in tuple(out)})
+    params = unit.param_shard if unit.param_shard is not None else unit.flat_param
+    training = unit.training
+    master = None if training is None or training.master is params else training.master
+    flat_grad = training.flat_grad if training is not None else None
+    held = (("parameters", params), ("gradients", flat_grad), ("gradients", training and training.grad_partition))
+    for key, tensor in (*held, ("master", master)):
+        if tensor is not None and not tensor.is_meta:
+            on_host = unit.offload is not None and tensor is not unit.flat_param and tensor is not flat_grad
+            on_host = on_host and (key != "parameters" or unit.offload.params)
+            out[f"host_{key}" if on_host else key] += tensor.nbytes
+    return out
+
+
 def persistent_bytes(units: list, optimizers: list, module: torch.nn.Module, *, offloaded: bool) -> dict[str, int]:
     """A rank's persistent bytes (``ZeroStrategy.memory_bytes``): parameters, gradients, master weights and
     optimizer state on the device and, under ``host_*``, offloaded to the host (zeros without offload); ``nvme``:
@@ -79,12 +98,13 @@ def persistent_bytes(units: list, optimizers: list, module: torch.nn.Module, *, 
     totals = dict.fromkeys(("parameters", "gradients", "master", "optimizer_state"), 0)
     totals.update({f"host_{key}": 0 for key in tuple(totals)})
     for unit in units:
-        for key, value in unit.nbytes().items():
+        for key, value in unit_nbytes(unit).items():
             totals[key] += value
     for optimizer in optimizers:
         if hasattr(optimizer, "state_nbytes"):  # a ZeroOptimizer
             totals["host_optimizer_state" if offloaded else "optimizer_state"] += optimizer.state_nbytes()
     swapped = [u.training.swap for u in units if u.training is not None and u.training.swap is not None]
+    swapped += [u.param_swap for u in units if u.param_swap is not None]
     totals["nvme"] = sum(swap.file.nbytes for swap in swapped)  # the swap files' bytes on the disk (nvme/)
     sharded = {id(p) for u in units for p in u.params}
     totals["parameters"] += sum(p.nbytes for p in module.parameters() if not p.requires_grad and id(p) not in sharded)

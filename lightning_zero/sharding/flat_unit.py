@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_zero.config import HostOffload
+from lightning_zero.nvme.param_swap import ParamSwap
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.layout import Bucket, FlatLayout
 from lightning_zero.sharding.offload import copy_to, host_empty
@@ -101,6 +102,7 @@ class FlatUnit:
         self._placeholders = [nan.expand(shape) for shape in self.shapes]
 
         self.param_shard = None
+        self.param_swap: ParamSwap | None = None  # stage 3 with offload_param="nvme": the shard is there
         self.offload = offload
         self.state = UnitState.WHOLE
         self._gather: dist.Work | collectives.Pending | None = None  # the all-gather in flight (GATHERING)
@@ -116,6 +118,11 @@ class FlatUnit:
             self.reshard()
         if trainable:
             self.make_trainable(full_grad=full_grad, grad_dtype=grad_dtype, offload=offload)
+        if shard_params and trainable and offload is not None and offload.nvme is not None and offload.nvme.params:
+            pin = offload.pin_memory and device.type == "cuda"
+            self.param_swap = ParamSwap(offload.nvme, layout.partition_numel, self.param_dtype, pin=pin)
+            self.param_swap.write(0, self.param_shard)
+            self.param_shard = torch.empty(layout.partition_numel, dtype=self.param_dtype, device="meta")
 
     @torch.no_grad()
     def _point_into_buffer(self, params: Sequence[Parameter], on_meta: bool) -> None:
@@ -166,17 +173,28 @@ class FlatUnit:
         elements (quantize.py's [Note: quantized weight gathers]). Collective."""
         self.wait_gathered()  # (never two gathers into one buffer at once)
         self._allocate()
-        shard = self.param_shard
-        if shard.device != self.flat_param.device:  # offloaded: brought to the device for the gather
-            shard = shard.to(self.flat_param.device, non_blocking=shard.is_pinned())
         self.quantized_values = quantize_block is not None
-        if quantize_block is None:
-            self._gather = collectives.all_gather(self.flat_param, shard, async_op=async_op, group=group)
+        if self.param_swap is not None:  # on NVMe: read from now, gathered when waited on (in schedule order)
+            self._gather = collectives.Pending(
+                [], partial(self._gather_from, self.param_swap.start_read(), quantize_block, group)
+            )
         else:
-            self._gather = self._gather_quantized(shard, quantize_block, group=group)
+            self._gather = self._gather_from(lambda: self.param_shard, quantize_block, group, async_op=async_op)
         self.state = UnitState.GATHERING
         if not async_op:
             self.wait_gathered()
+
+    def _gather_from(self, shard: Callable[[], Tensor], quantize_block: int | None, group, *, async_op: bool = False):
+        """Starts the all-gather of ``shard()`` (offloaded: brought to the device first) into the flat buffer."""
+        shard = shard()
+        if shard.device != self.flat_param.device:
+            shard = shard.to(self.flat_param.device, non_blocking=shard.is_pinned())
+        if quantize_block is None:
+            return collectives.all_gather(self.flat_param, shard, async_op=async_op, group=group)
+        gather = self._gather_quantized(shard, quantize_block, group=group)
+        if not async_op:
+            gather.wait()
+        return gather
 
     def keep_secondary(self, node_rank: int, node_size: int) -> None:
         """hpZ: keeps this rank's 1/``node_size`` of the gathered unit (the node's ranks together hold it whole)."""
@@ -308,7 +326,9 @@ class FlatUnit:
             return
         lo = piece.partition_offset
         own = read(piece.lo, piece.hi)
-        if self.param_shard is not None:
+        if self.param_swap is not None:  # on NVMe: the blocks it falls in read, changed and written
+            self.param_swap.update(lo, own)
+        elif self.param_shard is not None:
             self.param_shard[lo : lo + piece.numel].copy_(own)
         if self.training is not None and (self.param_shard is None or self.training.master is not self.param_shard):
             self.training.write_master(lo, own)  # (stage 3's fp32 master may be the shard itself)
@@ -348,25 +368,6 @@ class FlatUnit:
         flat = self.flat_param[bucket.start : bucket.start + bucket.numel]
         return collectives.all_gather(flat, own, async_op=True, group=group)
 
-    def nbytes(self) -> dict[str, int]:
-        """Persistent bytes by category, on the device and (``host_*``) offloaded to the host. Stage 3 counts
-        its shard as the parameters (and, with fp32 parameters, not again as the master it doubles as); a
-        gathered flat buffer is transient."""
-        out = dict.fromkeys(("parameters", "gradients", "master"), 0)
-        out.update({f"host_{key}": 0 for key in tuple(out)})
-        params = self.param_shard if self.param_shard is not None else self.flat_param
-        training = self.training
-        master = None if training is None or training.master is params else training.master
-        master = None if master is not None and master.is_meta else master  # (on NVMe: a placeholder)
-        flat_grad = training.flat_grad if training is not None else None
-        held = (("parameters", params), ("gradients", flat_grad), ("gradients", training and training.grad_partition))
-        for key, tensor in (*held, ("master", master)):
-            if tensor is not None:
-                on_host = self.offload is not None and tensor is not self.flat_param and tensor is not flat_grad
-                on_host = on_host and (key != "parameters" or self.offload.params)
-                out[f"host_{key}" if on_host else key] += tensor.nbytes
-        return out
-
 
 def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
     """Stage 3: gathers ``units`` with one all-gather per dtype: every rank's shards back to back, then
@@ -378,7 +379,8 @@ def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
     for unit in units:
         unit.wait_gathered()
     for same in by_dtype.values():
-        packed = torch.cat([u.param_shard for u in same]).to(same[0].flat_param.device)  # this rank's shards
+        shards = [u.param_swap.read() if u.param_swap is not None else u.param_shard for u in same]
+        packed = torch.cat(shards).to(same[0].flat_param.device)  # this rank's shards
         world = same[0].layout.world_size
         rows = packed.new_empty(world * packed.numel())
         collectives.all_gather(rows, packed, async_op=False, group=group)

@@ -123,9 +123,9 @@ def shard_held_state(state: dict[Tensor, dict], locate: Mapping[Parameter, tuple
         piece, tensor = unit.training.piece_of(index)
         if tensor is not None:  # copies (the whole tensors go) in the piece's dtype, as torch's load_state_dict casts
             own = slice(piece.lo, piece.hi)
+            device = "cpu" if tensor.is_meta else tensor.device  # (a master on NVMe: swapped.py writes it there)
             state[tensor] = {
-                k: v.reshape(-1)[own].to(tensor.device, tensor.dtype, copy=True) if cut[k] else v
-                for k, v in values.items()
+                k: v.reshape(-1)[own].to(device, tensor.dtype, copy=True) if cut[k] else v for k, v in values.items()
             }
 
 

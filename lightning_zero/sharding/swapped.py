@@ -7,19 +7,26 @@ elements, one record) into a ring of ``nvme_buffer_count`` aligned buffers, the 
 previous one written behind while the host AdamW kernel (kernels/host.py; its pure-torch reference without a C
 compiler) steps the current one (swap_file.stream). The kernel is the one host offload uses, fed the same
 gradient (``step_grad``, the reduced fp32 partition in host memory), factor and hyper-parameters, and AdamW is
-elementwise, so the result is bitwise that of ``offload_optimizer="cpu"``. Each chunk's updated master goes into
+elementwise, so the result is bitwise that of ``offload_optimizer="cpu"`` wherever host offload steps a unit with that
+kernel (every piece got a gradient, one step count: the usual case). Where host offload falls back to torch's fused
+CPU AdamW (a piece without a gradient, counts that differ, ``fused_step="never"``) this step still takes the host
+kernel: the same AdamW, rounded otherwise (torch's CPU kernel gives other bits for a tensor stepped in two slices, so
+no chunked step could match it). Each chunk's updated master goes into
 the parameters at once (their dtype; a device's through a pinned staging copy), so the post-step copy has nothing
 left to do (``UnitTraining.params_written``), and only the pieces that got a gradient on some rank are stepped,
-each with its own count, as torch's AdamW does. Step counts stay in the optimizer's per-piece state on the host.
+each with its own count, as torch's AdamW does. Step counts stay in the optimizer's per-piece state on the host. The
+pieces of units on NVMe are placeholders and carry no ``.grad`` in the step: their gradients are the partitions, which
+``grad_norm``, ``grad_norms_by_param`` and clipping read. A failed read or write (a disk error) is agreed over every
+rank after the step, and raises the first rank's on all of them.
 
 [Note: resident state]
 Outside the step a unit's master is a meta placeholder and the optimizer's per-piece state holds only ``step``.
-``resident`` reads the whole partition (master and moments, one unit: what a checkpoint's per-unit payload holds
-anyway) and puts it where the code that saves, loads or reads state dicts looks: ``training.master``, and
-``exp_avg`` / ``exp_avg_sq`` views in the state of every piece that has been stepped. Leaving it with
-``write_back`` stores what is there then (what a load wrote, the moments a load put in the state) and writes the
-parameters from the master; without, it only drops them. Reading a placeholder fails loudly (meta tensors hold
-no data), so code that forgets to make a unit resident cannot read or write stale values silently.
+``resident`` reads the whole partition (master and, given the optimizer's state, the moments; one unit: what a
+checkpoint's per-unit payload holds anyway) and puts it where the code that saves, loads or reads state dicts looks:
+``training.master``, and ``exp_avg`` / ``exp_avg_sq`` views in the state of every piece that has been stepped. Leaving
+it with ``write_back`` stores what is there then (what a load wrote, the moments a load put in the state) and writes the
+parameters from the master; without, it only drops them. Reading a placeholder fails loudly (meta tensors hold no data),
+so code that forgets to make a unit resident cannot read or write stale values silently.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ def on_nvme(unit: FlatUnit) -> bool:
 def write_params(unit: FlatUnit, lo: int, values: Tensor) -> None:
     """Partition elements [lo, lo + len(values)) of ``unit``'s parameters (this rank's part) from fp32 ``values``."""
     hi = lo + values.numel()
+    if unit.param_swap is not None:  # stage 3 with the shard on NVMe (written behind: nvme/param_swap.py)
+        unit.param_swap.write(lo, values)
+        return
     if unit.param_shard is not None:  # stage 3: the shard is the partition
         _copy(unit.param_shard[lo:hi], values)
         return
@@ -82,19 +92,21 @@ def resident(unit: FlatUnit, state: Mapping[Tensor, dict] | None = None, *, writ
         return
     training = unit.training
     placeholder = training.master
-    master, *moments = training.swap.read()
+    master, *moments = training.swap.read() if state is not None else (training.swap.read_master(),)
     _hold_moments(training, state, moments)
     training.master = master
     try:
         yield
-        if write_back:
-            if state is not None:  # what the pieces' state holds now (a load may have put new tensors there)
-                for piece, tensor in zip(training.pieces, training.piece_tensors):
-                    piece_state, lo = state.get(tensor) or {}, piece.partition_offset
-                    for key, flat in zip(MOMENTS, moments):
-                        view, value = flat[lo : lo + piece.numel], piece_state.get(key)
-                        view.copy_(value.reshape(-1)) if value is not None else view.zero_()
+        if write_back and state is not None:  # what the pieces' state holds now (a load may have put new tensors there)
+            for piece, tensor in zip(training.pieces, training.piece_tensors):
+                piece_state, lo = state.get(tensor) or {}, piece.partition_offset
+                for key, flat in zip(MOMENTS, moments):
+                    view, value = flat[lo : lo + piece.numel], piece_state.get(key)
+                    view.copy_(value.reshape(-1)) if value is not None else view.zero_()
             training.swap.write(master, *moments)
+        elif write_back:
+            training.swap.write_master(master)
+        if write_back:
             write_params(unit, 0, master)
     finally:
         training.master = placeholder
@@ -120,7 +132,7 @@ def _hold_moments(training, state: Mapping[Tensor, dict] | None, moments: list[T
     for (lo, hi), piece_state in _piece_states(training, state):
         if "step" in piece_state:
             for key, flat in zip(MOMENTS, moments):
-                piece_state[key] = flat[lo:hi]
+                piece_state.setdefault(key, flat[lo:hi])  # (state held before set-up stays, to be written back)
 
 
 def check_nvme_path(config: ZeroConfig, group) -> None:
@@ -138,8 +150,10 @@ def check_nvme_path(config: ZeroConfig, group) -> None:
         raise ValueError(problems[0])
 
 
-def nvme_step_for(optimizer: Optimizer, units: Sequence[FlatUnit]) -> NvmeStep | None:
-    """The streamed step of ``optimizer``'s units on NVMe (None without any); one line if it cannot step them."""
+def nvme_step_for(optimizer: Optimizer, units: Sequence[FlatUnit], group) -> NvmeStep | None:
+    """The streamed step of ``optimizer``'s units on NVMe (None without any); one line if it cannot step them. State
+    the optimizer held before (``optimizer_check.shard_held_state`` put it on the host) goes to the swap files.
+    ``group``: a CPU group of every rank, over which a failed step is agreed."""
     if not any(on_nvme(unit) for unit in units):
         return None
     if not supports(optimizer):
@@ -148,15 +162,22 @@ def nvme_step_for(optimizer: Optimizer, units: Sequence[FlatUnit]) -> NvmeStep |
             f" lightning_zero's FusedAdamW) without amsgrad, maximize, capturable, differentiable, fused or a"
             f" tensor lr, got {optimizer!r}".replace("\n", " ")
         )
-    return NvmeStep(optimizer)
+    for unit in units:
+        held = on_nvme(unit) and any(
+            key in optimizer.state.get(t, ()) for t in unit.training.piece_tensors for key in MOMENTS
+        )
+        if held:
+            with resident(unit, optimizer.state, write_back=True):
+                pass
+    return NvmeStep(optimizer, group)
 
 
 class NvmeStep:
     """The streamed AdamW step of the units on NVMe (see [Note: the streamed step]); its ring of buffers is made on
     the first step (pinned for a CUDA device) and kept."""
 
-    def __init__(self, optimizer: Optimizer) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: Optimizer, group) -> None:
+        self.optimizer, self.group = optimizer, group
         self.ring: list[Tensor] = []
 
     def step(self, units: Sequence[FlatUnit], multiplier: float | Tensor, found_inf: Tensor | None) -> set[int]:
@@ -165,9 +186,15 @@ class NvmeStep:
         units = [unit for unit in units if on_nvme(unit)]
         if found_inf is not None and bool(found_inf.item()):
             return {id(unit) for unit in units}
-        multiplier = float(multiplier)  # (a clip factor on the device: read once)
-        self._make_ring(units)
-        self._step([unit for unit in units if unit.training.step_grad is not None], multiplier)
+        problem = None
+        try:
+            self._make_ring(units)
+            self._step([unit for unit in units if unit.training.step_grad is not None], float(multiplier))
+        except OSError as error:  # (a disk's: agreed below, so that no rank goes on to collectives alone)
+            problem = f"rank {dist.get_rank()}: the optimizer step on NVMe failed: {error}"
+        failed = torch.tensor([problem is not None], dtype=torch.uint8)
+        if collectives.all_reduce(failed, dist.ReduceOp.MAX, group=self.group).item():
+            raise OSError(next(p for p in collectives.all_gather_object(problem, group=self.group) if p is not None))
         return {id(unit) for unit in units}
 
     def _step(self, units: Sequence[FlatUnit], multiplier: float) -> None:

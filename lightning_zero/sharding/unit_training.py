@@ -160,13 +160,11 @@ class UnitTraining:
         return self.master
 
     def write_master(self, lo: int, values: Tensor) -> None:
-        """Stores ``values`` as master elements [lo, lo + len): on NVMe the partition is read, changed and written."""
+        """Stores ``values`` as master elements [lo, lo + len) (on NVMe: in the chunks they fall in)."""
         if self.swap is None:
             self.master_view(lo, values.numel()).copy_(values.reshape(-1))
-            return
-        master, *moments = self.swap.read()
-        master[lo : lo + values.numel()].copy_(values.reshape(-1))
-        self.swap.write(master, *moments)
+        else:
+            self.swap.update_master(lo, values.reshape(-1))
 
     def piece_of(self, index: int) -> tuple[Piece | None, Tensor | None]:
         """This rank's piece of parameter ``index`` and its view into the master, or (None, None)."""

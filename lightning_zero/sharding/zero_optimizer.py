@@ -113,7 +113,7 @@ class ZeroOptimizer(Optimizer):
             self._adopt(param_group, params, locate, names)
         self.units = list({id(s.unit): s.unit for slots in self._slots for s in slots if s is not None}.values())
         self.fused = FusedAdamWStep(optimizer, fused_step) if fused_step != "never" and supports(optimizer) else None
-        self.nvme = nvme_step_for(optimizer, self.units)  # (units offloaded to NVMe: swapped.py)
+        self.nvme = nvme_step_for(optimizer, self.units, self.world_host_group)  # (units on NVMe: swapped.py)
         if any(unit.offload is not None for unit in self.units):  # after: what it sets is not the user's choice
             use_fused_host_step(optimizer)
         self._prepared = False
@@ -157,7 +157,7 @@ class ZeroOptimizer(Optimizer):
         inner = self.optimizer.param_groups[-1]
         self._adopt(inner, params, locate, names)
         self.units += [u for u in dict.fromkeys(unit for unit, _ in locate.values()) if u not in self.units]
-        self.nvme = self.nvme or nvme_step_for(self.optimizer, self.units)
+        self.nvme = nvme_step_for(self.optimizer, self.units, self.world_host_group)  # (the new group checked too)
         if any(unit.offload is not None for unit in self.units):
             use_fused_host_step(self.optimizer)
 
@@ -375,7 +375,7 @@ class ZeroOptimizer(Optimizer):
 
     # --- checkpoints --------------------------------------------------------------------------------
     def pieces(self) -> list[Tensor]:
-        """This rank's pieces (what the wrapped optimizer steps), with their gradients during the step."""
+        """This rank's pieces (what the wrapped optimizer steps), with gradients in the step (NVMe's: placeholders)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def param_names(self) -> list[list[str]]:

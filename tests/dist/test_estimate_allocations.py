@@ -26,14 +26,16 @@ NVME = {"nvme_buffer_numel": 1024, "nvme_buffer_count": 3}  # (small chunks: sev
 def _worker(rank: int, world: int, tmp_path) -> None:
     runs = [(f"zero{stage}", precision) for stage, precision in itertools.product((1, 2, 3), ("32-true", "16-mixed"))]
     runs += [(name, precision) for name in OFFLOAD for precision in ("32-true", "16-mixed")]
-    runs += [(f"zero{stage}+nvme", "32-true") for stage in (1, 2, 3)]
+    runs += [(name, "32-true") for name in ("zero1+nvme", "zero2+nvme", "zero3+nvme", "zero3+nvme_param")]
+    runs += [("zero3+nvme_param", "16-mixed")]
     for name, precision in runs:
         stage = int(name[4])
         config = {"reduce_bucket_size": 3000, "param_persistence_threshold": 0}
         if name in OFFLOAD:
             config.update(offload_optimizer="cpu", **OFFLOAD[name])
-        if name.endswith("+nvme"):
+        if "+nvme" in name:
             config.update(offload_optimizer="nvme", nvme_path=str(tmp_path), **NVME)
+            config.update(offload_param="nvme" if name.endswith("nvme_param") else "none")
         pl.seed_everything(0)
         module = EquivalenceModule("gpt", steps=1, lazy=True)
         trainer = make_trainer(zero_strategy(stage, **config), world, steps=1, plugins=[ZeroPrecision(precision)])

@@ -148,9 +148,10 @@ FIT_CASES = [
         "DeepSpeed config: activation_checkpointing.cpu_checkpointing must be true or false, got 'yes'",
     ),
     _deepspeed(
-        "nvme_offload_param",
-        {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}},
-        "these keys are not supported: zero_optimization.offload_param.device 'nvme' (one of 'none', 'cpu' here)",
+        "offload_device",
+        {"zero_optimization": {"offload_param": {"device": "disk", "nvme_path": "/local_nvme"}}},
+        "these keys are not supported: zero_optimization.offload_param.device 'disk' (one of 'none', 'cpu', 'nvme'"
+        " here)",
     ),
     _deepspeed(
         "stage_0",

@@ -199,13 +199,13 @@ def test_unsupported_keys_are_listed_in_one_error():
     )
     # unsupported values (NVMe, partial offload) are named in the same error as unsupported keys
     config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": 0.5}
-    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/local"}
+    config["zero_optimization"]["offload_param"] = {"device": "disk", "nvme_path": "/local"}
     with pytest.raises(ValueError) as info:
         read_deepspeed_config(config)
     assert str(info.value).startswith(
         "DeepSpeed config: these keys are not supported: flops_profiler, optimizer,"
         " zero_optimization.offload_optimizer.ratio 0.5 (partial offload; remove it to offload all of it),"
-        " zero_optimization.offload_param.device 'nvme' (one of 'none', 'cpu' here),"
+        " zero_optimization.offload_param.device 'disk' (one of 'none', 'cpu', 'nvme' here),"
         " zero_optimization.zero_quantized_nontrainable_weights."
     ), str(info.value)
 
@@ -255,8 +255,14 @@ def test_the_activation_checkpointing_section_maps_cpu_checkpointing_and_names_t
             "zero.offload_param must be none unless zero.stage is 3 and zero.offload_optimizer is cpu or nvme, got 'cpu'",
         ),
         (
-            {"zero_optimization": {"offload_param": {"device": "nvme"}}},
-            r"not supported: zero_optimization.offload_param.device 'nvme' \(one of 'none', 'cpu' here\)",
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu"},
+                    "offload_param": {"device": "nvme"},
+                }
+            },
+            "zero.offload_param must be cpu or none unless zero.offload_optimizer is nvme, got 'nvme'",
         ),
         (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu", "foo": 1}}},
@@ -326,16 +332,24 @@ def test_zero_infinity_sections_map():
         "zero_optimization": {
             "stage": 3,
             "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5, "fast_init": False},
-            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "max_in_cpu": 1e9},
         },
         "aio": {"block_size": 262144, "queue_depth": 16, "thread_count": 2, "single_submit": False},
     }
     with pytest.warns(UserWarning) as record:
         zero = read_deepspeed_config(config).zero
-    assert (zero.offload_optimizer, zero.offload_param, zero.nvme_path) == ("nvme", "cpu", "/local_nvme")
+    assert (zero.offload_optimizer, zero.offload_param, zero.nvme_path) == ("nvme", "nvme", "/local_nvme")
     assert (zero.nvme_buffer_count, zero.aio_block_size, zero.aio_queue_depth) == (5, 262144, 16)
     message = str(record[0].message)
-    assert "offload_optimizer.fast_init (chunks are always read ahead" in message and "aio.thread_count (" in message
+    assert (
+        "offload_optimizer.fast_init (state chunks are always read ahead" in message and "aio.thread_count (" in message
+    )
+    assert "offload_param.max_in_cpu (" in message
+    other_path = {"device": "nvme", "nvme_path": "/elsewhere"}
+    with pytest.raises(ValueError, match="the offload sections' nvme_path differ"):
+        read_deepspeed_config(
+            {**config, "zero_optimization": {**config["zero_optimization"], "offload_param": other_path}}
+        )
     with pytest.raises(ValueError, match="not supported: aio.foo"):
         read_deepspeed_config({**config, "aio": {"foo": 1}})
     with pytest.raises(ValueError, match="zero.aio_block_size must be a positive multiple of 4096"):
