@@ -206,8 +206,8 @@ def _print_nvme_io(parsed: argparse.Namespace, table: dict) -> None:
     shards = max(r.nvme for r in table["zero3+nvme_param"]) - state
     reads, writes = state + 2 * parsed.micro_batches * shards, state + shards
     line = (
-        f"on NVMe, per rank per step: {state / 2**30:.3f} GiB of optimizer state read and written; with"
-        f" zero3+nvme_param also the shards: {reads / 2**30:.3f} GiB read, {writes / 2**30:.3f} GiB written"
+        f"on NVMe, per rank per step: {state / 2**30:.3f} GiB of optimizer state and gradients read and written;"
+        f" with zero3+nvme_param also the shards: {reads / 2**30:.3f} GiB read, {writes / 2**30:.3f} GiB written"
     )
     if parsed.nvme_bw is not None:
         seconds = [moved * parsed.devices / (parsed.nvme_bw * 1e9) for moved in (2 * state, reads + writes)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,6 +55,25 @@ def check_nvme_path(path: str | os.PathLike) -> Path:
     os.close(fd)
     probe.unlink()
     return directory
+
+
+def mapped_zeros(directory: Path, numel: int) -> Tensor:
+    """A zeroed fp32 tensor of ``numel`` elements that is a shared mapping of a new file under ``directory`` (made
+    whole first), unlinked at once: the kernel writes its pages to the disk under memory pressure and reads them back
+    when touched, so host memory holds what is in use; the file goes with the tensor, even after a kill -9."""
+    path = directory / f"lightning_zero_mapped_{os.getpid()}_{uuid.uuid4().hex[:12]}{SUFFIX}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(numel, 1) * 4)
+    except OSError as error:
+        path.unlink(missing_ok=True)
+        raise OSError(error.errno, f"cannot make a {numel * 4:,}-byte file in {directory}: {error.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        return torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=torch.float32)[:numel]
+    finally:
+        path.unlink()
 
 
 class Requests:

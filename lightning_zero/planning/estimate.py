@@ -176,9 +176,8 @@ def _on_nvme(name: str, groups: list, units: list, n: int, b: int, frozen: int, 
                 device_params + frozen,
                 b * total if stage == 1 else 0,
                 0,
-                host_gradients=4 * total // n,
                 host_optimizer_state=4 * pieces + ring,
-                nvme=sum(records) + shard_files,
+                nvme=sum(records) + shard_files + 4 * total // n,  # (the gradient partition: a mapped file)
             )
         )
     return rows

@@ -80,7 +80,8 @@ def unit_nbytes(unit) -> dict[str, int]:
     training = unit.training
     master = None if training is None or training.master is params else training.master
     flat_grad = training.flat_grad if training is not None else None
-    held = (("parameters", params), ("gradients", flat_grad), ("gradients", training and training.grad_partition))
+    partition = training.grad_partition if training is not None and training.swap is None else None  # (NVMe's: a file)
+    held = (("parameters", params), ("gradients", flat_grad), ("gradients", partition))
     for key, tensor in (*held, ("master", master)):
         if tensor is not None and not tensor.is_meta:
             on_host = unit.offload is not None and tensor is not unit.flat_param and tensor is not flat_grad
@@ -105,7 +106,9 @@ def persistent_bytes(units: list, optimizers: list, module: torch.nn.Module, *, 
             totals["host_optimizer_state" if offloaded else "optimizer_state"] += optimizer.state_nbytes()
     swapped = [u.training.swap for u in units if u.training is not None and u.training.swap is not None]
     swapped += [u.param_swap for u in units if u.param_swap is not None]
-    totals["nvme"] = sum(swap.file.nbytes for swap in swapped)  # the swap files' bytes on the disk (nvme/)
+    mapped = [u.training.grad_partition for u in units if u.training is not None and u.training.swap is not None]
+    # the swap files' bytes on the disk (nvme/), and the gradient partitions mapped from files there
+    totals["nvme"] = sum(swap.file.nbytes for swap in swapped) + sum(g.nbytes for g in mapped if g is not None)
     sharded = {id(p) for u in units for p in u.params}
     totals["parameters"] += sum(p.nbytes for p in module.parameters() if not p.requires_grad and id(p) not in sharded)
     return totals

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lightning_zero.config import HostOffload
 from lightning_zero.nvme.optimizer_swap import UnitSwap
+from lightning_zero.nvme.swap_file import mapped_zeros
 from lightning_zero.sharding.layout import Bucket, Piece
 from lightning_zero.sharding.offload import host_empty
 
@@ -127,9 +128,12 @@ class UnitTraining:
                 self.master_chunk(bucket).copy_(unit.param_chunk(bucket))
 
     def _new_partition(self) -> Tensor:
-        """A zeroed reduced-gradient partition: on the device in ``grad_dtype``, or offloaded in fp32."""
+        """A zeroed reduced-gradient partition: on the device in ``grad_dtype``, or offloaded in fp32 (to NVMe: a
+        shared mapping of a file under ``nvme_path``, whose pages the kernel writes out under memory pressure)."""
         if self.offload is None:
             return torch.zeros(self.layout.partition_numel, dtype=self.grad_dtype, device=self.device)
+        if self.offload.nvme is not None:
+            return mapped_zeros(self.offload.nvme.directory, self.layout.partition_numel)
         return host_empty(self.layout.partition_numel, torch.float32, self.device, self.offload).zero_()
 
     def reduced_partition(self) -> Tensor:

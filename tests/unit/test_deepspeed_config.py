@@ -252,7 +252,8 @@ def test_the_activation_checkpointing_section_maps_cpu_checkpointing_and_names_t
         ),
         (
             {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-            "zero.offload_param must be none unless zero.stage is 3 and zero.offload_optimizer is cpu or nvme, got 'cpu'",
+            "zero.offload_param must be none unless zero.stage is 3 and zero.offload_optimizer is cpu or nvme,"
+            " got 'cpu'",
         ),
         (
             {

@@ -64,20 +64,21 @@ def test_the_zero_paper_memory_figures():
 
 def test_nvme_rows_and_their_io_per_step(capsys):
     """``--offload nvme``: the configurations with the optimizer state (and zero3's shards) on NVMe, their disk bytes
-    per rank (12 bytes a parameter, and the shards' own), the host's (the fp32 gradient partition and the ring of
-    chunks) and the I/O of a step at ``--nvme-bw``, the node's ranks sharing the drives."""
+    per rank (16 bytes a parameter: master, moments and the mapped fp32 gradient partition; and the shards' own), the
+    host's (step counts and the ring of chunks) and the I/O of a step at ``--nvme-bw``, the node's ranks sharing the
+    drives."""
     psi, n = 1 << 24, 2  # (whole chunks: no rounding)
     config = ZeroConfig(nvme_buffer_numel=1 << 22, nvme_buffer_count=3)
     table = estimate(shape_of_count(psi), n, "32-true", config, offload="nvme")
     row, with_params = table["zero3+nvme"][0], table["zero3+nvme_param"][0]
-    assert row.nvme == 12 * psi // n and row.host_gradients == 4 * psi // n
+    assert row.nvme == 16 * psi // n and row.host_gradients == 0
     assert row.host_optimizer_state == 4 + 3 * 12 * (1 << 22)  # a step count and the ring
-    assert (with_params.parameters, with_params.nvme) == (0, 16 * psi // n)
+    assert (with_params.parameters, with_params.nvme) == (0, 20 * psi // n)
     code, out, _ = run_cli(capsys, "estimate", "--params", str(psi), "--devices", "2", "--offload", "nvme",
                            "--nvme-bw", "2", "--micro-batches", "2")  # fmt: skip
     assert code == 0 and "zero3+nvme_param" in out and "NVMe GiB" in out
-    state = 12 * (1 << 24) // 2 / 2**30
-    expected = f"{state:.3f} GiB of optimizer state read and written"
+    state = 16 * (1 << 24) // 2 / 2**30
+    expected = f"{state:.3f} GiB of optimizer state and gradients read and written"
     assert expected in out and f"at 2 GB/s per node: >= {2 * state * 2**30 * 2 / 2e9:.3f} s" in out, out
     code, _, err = run_cli(capsys, "estimate", "--params", "1e6", "--nvme-bw", "2")
     assert code == 2 and "argument --nvme-bw: needs --offload nvme" in err
