@@ -14,14 +14,11 @@ after an error; only a kill -9 leaves it behind."""
 
 from __future__ import annotations
 
-import os
-import uuid
-
 import torch
 from torch import Tensor
 
 from lightning_zero.config import NvmeSwap
-from lightning_zero.nvme.swap_file import Requests, SwapFile, aligned_buffer
+from lightning_zero.nvme.swap_file import Requests, SwapFile, aligned_buffer, scratch_name
 
 RUN_ALIGN = 1024  # elements: 4096 bytes of fp32
 FIELDS = 3  # master, exp_avg, exp_avg_sq
@@ -40,7 +37,7 @@ class UnitSwap:
             self.offsets.append(total)
             total += record_bytes(hi - lo)
         self.buffer_bytes = max((record_bytes(hi - lo) for lo, hi in self.chunks), default=0)
-        name = f"lightning_zero_optimizer_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+        name = scratch_name("optimizer")
         self.file = SwapFile(
             settings.directory, name, max(total, 1), queue_depth=settings.queue_depth, block_size=settings.block_size
         )

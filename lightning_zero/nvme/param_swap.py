@@ -6,33 +6,31 @@ The unit keeps a placeholder (a meta tensor) as ``param_shard``; the values are 
 the whole shard into a new aligned buffer (the unit's gather calls it when the schedule asks for the unit, which is
 ahead of its use when the schedule prefetches it) and returns what waits for it; the buffer lives until the unit's
 all-gather has consumed it. ``write`` stores a run of it (the optimizer step, chunk by chunk; a load or a write of a
-weight, the whole shard) from its own aligned buffer, in flight until the next read, which waits for every write
-first, so a gather never reads what a step is still writing.
+weight, the whole shard) from its own aligned buffer, which goes as soon as it is written; the next read waits for
+every write in flight first, so a gather never reads what a step is still writing.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from lightning_zero.config import NvmeSwap
-from lightning_zero.nvme.swap_file import ALIGN, Requests, SwapFile, aligned_buffer
+from lightning_zero.nvme.swap_file import ALIGN, Requests, SwapFile, aligned_buffer, scratch_name
 
 
 class ParamSwap:
     def __init__(self, settings: NvmeSwap, numel: int, dtype: torch.dtype, *, pin: bool = False) -> None:
         self.numel, self.dtype, self.pin = numel, dtype, pin
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
-        name = f"lightning_zero_params_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+        name = scratch_name("params")
         self.file = SwapFile(
             settings.directory, name, numel * self.itemsize, queue_depth=settings.queue_depth,
             block_size=settings.block_size,
         )  # fmt: skip
-        self._writes: list[tuple[Tensor, Requests]] = []  # (buffer, its write): the buffer lives until written
+        self._writes: list[Requests] = []  # the writes maybe still in flight
 
     def write(self, lo: int, values: Tensor) -> None:
         """Starts storing elements [lo, lo + len(values)) of the shard (cast to its dtype); ``lo`` times the itemsize
@@ -43,7 +41,9 @@ class ParamSwap:
         typed = buffer.view(self.dtype)
         typed[: values.numel()].copy_(values.reshape(-1))
         typed[values.numel() :].zero_()
-        self._writes.append((buffer, self.file.write(lo * self.itemsize, buffer)))
+        # the requests' pieces hold the buffer until each is done (then it goes): no copy outlives its write
+        self._writes = [requests for requests in self._writes if not requests.done()]
+        self._writes.append(self.file.write(lo * self.itemsize, buffer))
 
     def start_read(self) -> Callable[[], Tensor]:
         """Starts reading the whole shard (after every write in flight); the returned function waits for it and gives
@@ -76,6 +76,6 @@ class ParamSwap:
 
     def flush(self) -> None:
         """Waits for every write in flight."""
-        for _, requests in self._writes:
+        for requests in self._writes:
             requests.wait()
         self._writes.clear()

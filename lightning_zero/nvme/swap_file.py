@@ -7,18 +7,23 @@ the cache would hold a second copy of what the tier exists to keep out of host m
 speed until it filled. O_DIRECT wants the buffer's address, the file offset and the length to be multiples of the
 disk's logical block; ``ALIGN`` (4096) is one for every NVMe drive, and ``aligned_buffer`` makes buffers that start
 on it (pinned where a GPU will copy from them). A request of ``n`` bytes is cut into pieces of at most
-``block_size`` bytes, each a positional read or write (``os.preadv`` / ``os.pwritev``, which release the GIL) on a
-pool of ``queue_depth`` threads, so the drive sees that many requests at once, as DeepSpeed's ``aio`` section's
-``queue_depth`` and ``block_size`` set. (io_uring would submit them from one thread; no well-kept binding ships a
-wheel for this Python here, and threads reach the drive's queue the same way.) The file is made whole up front
-(``posix_fallocate``: a disk too small fails there, not in the middle of a step) and removed at ``close``, also when
-training fails: it is scratch, never a checkpoint.
+``block_size`` bytes, each a positional read or write (``os.preadv`` / ``os.pwritev``, which release the GIL) on the
+process's pool of ``queue_depth`` threads (``io_threads``, shared by every file), so the drive sees that many
+requests at once, as DeepSpeed's ``aio`` section's ``queue_depth`` and ``block_size`` set. (io_uring would submit
+them from one thread; no well-kept binding ships a wheel for this Python here, and threads reach the drive's queue
+the same way.) The file is made whole up front and reads as zeros (``posix_fallocate``: a disk too small fails
+there, not in the middle of a step) and removed at ``close``, also when training fails: it is scratch, never a
+checkpoint.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import errno
+import functools
 import os
+import socket
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
@@ -29,6 +34,7 @@ import torch
 from torch import Tensor
 
 ALIGN = 4096  # bytes: a multiple of every NVMe drive's logical block
+MADV_REMOVE = 9  # (linux/mman.h)
 SUFFIX = ".swap"  # (a swap file's name ends so; checkpoints never do)
 
 
@@ -40,8 +46,38 @@ def aligned_buffer(nbytes: int, *, pin: bool = False) -> Tensor:
     return raw[start : start + size]
 
 
+def scratch_name(kind: str) -> str:
+    """A new swap file's name (without ``SUFFIX``): its kind, this host and process (``remove_stale`` reads them)."""
+    return f"lightning_zero_{kind}_{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+
+
+def remove_stale(directory: Path) -> list[Path]:
+    """Removes the swap files that processes of this host which are gone left in ``directory`` (a kill -9 skips the
+    removal at exit); returns them. Files of other hosts (a shared directory) and of live processes stay."""
+    removed = []
+    for path in directory.glob(f"lightning_zero_*{SUFFIX}"):
+        head, pid, _ = path.stem.rsplit("_", 2)
+        if head.endswith(f"_{socket.gethostname()}") and pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host: /proc has it as a process (a thread's id is no process's) that is no
+    zombie."""
+    try:
+        status = dict(
+            line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line
+        )
+    except OSError:
+        return False
+    return status.get("Tgid", "").strip() == str(pid) and not status.get("State", "").startswith("Z")
+
+
 def check_nvme_path(path: str | os.PathLike) -> Path:
-    """``path`` as a directory where this process can make swap files with direct I/O; one line otherwise."""
+    """``path`` as a directory where this process can make swap files with direct I/O; one line otherwise. What
+    processes of this host that are gone left there is removed (``remove_stale``)."""
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"nvme_path {str(path)!r} is not a directory (make it first, on the NVMe drive)")
@@ -54,6 +90,7 @@ def check_nvme_path(path: str | os.PathLike) -> Path:
         raise ValueError(f"nvme_path {str(path)!r}: cannot make a file there ({error.strerror})") from None
     os.close(fd)
     probe.unlink()
+    remove_stale(directory)
     return directory
 
 
@@ -61,7 +98,7 @@ def mapped_zeros(directory: Path, numel: int) -> Tensor:
     """A zeroed fp32 tensor of ``numel`` elements that is a shared mapping of a new file under ``directory`` (made
     whole first), unlinked at once: the kernel writes its pages to the disk under memory pressure and reads them back
     when touched, so host memory holds what is in use; the file goes with the tensor, even after a kill -9."""
-    path = directory / f"lightning_zero_mapped_{os.getpid()}_{uuid.uuid4().hex[:12]}{SUFFIX}"
+    path = directory / f"{scratch_name('mapped')}{SUFFIX}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(numel, 1) * 4)
@@ -74,6 +111,24 @@ def mapped_zeros(directory: Path, numel: int) -> Tensor:
         return torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=torch.float32)[:numel]
     finally:
         path.unlink()
+
+
+def zero_mapped(tensor: Tensor) -> None:
+    """Zeroes a ``mapped_zeros`` tensor without writing it: its whole pages are given back (MADV_REMOVE punches them
+    out of the file, whose reads give zeros again), the rest is written; a plain ``zero_`` where that fails."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    first, last = -(-start // page) * page, end // page * page
+    if last > first and _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_REMOVE) == 0:
+        tensor[: (first - start) // 4].zero_()
+        tensor[(last - start) // 4 :].zero_()
+    else:
+        tensor.zero_()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 class Requests:
@@ -112,9 +167,10 @@ class SwapFile:
             raise OSError(
                 error.errno, f"cannot make a {self.nbytes:,}-byte swap file in {directory}: {error.strerror}"
             ) from None
-        self.pool = ThreadPoolExecutor(queue_depth, thread_name_prefix="lightning_zero_swap")
+        self.pool = io_threads(queue_depth)
+        self.in_flight: set[Future] = set()  # this file's pieces not yet done (``close`` waits for them)
         # removed at close, or when the object goes or the interpreter exits without one (not after a kill -9)
-        self._finalizer = weakref.finalize(self, _discard, self.pool, self.fd, self.path)
+        self._finalizer = weakref.finalize(self, _discard, self.in_flight, self.fd, self.path)
 
     def write(self, offset: int, buffer: Tensor) -> Requests:
         """Starts writing ``buffer`` (from ``aligned_buffer``) at byte ``offset``."""
@@ -133,7 +189,10 @@ class SwapFile:
         pieces = []
         for start in range(0, len(view), self.block_size):
             piece = view[start : start + self.block_size]
-            pieces.append(self.pool.submit(_whole, call, self.fd, piece, offset + start))
+            future = self.pool.submit(_whole, call, self.fd, piece, offset + start)
+            self.in_flight.add(future)
+            future.add_done_callback(self.in_flight.discard)
+            pieces.append(future)
         return Requests(pieces)
 
     def close(self) -> None:
@@ -147,10 +206,20 @@ class SwapFile:
         self.path.unlink(missing_ok=True)
 
 
-def _discard(pool: ThreadPoolExecutor, fd: int, path: Path) -> None:
-    pool.shutdown(wait=True)
+def _discard(in_flight: set[Future], fd: int, path: Path) -> None:
+    concurrent.futures.wait(list(in_flight))
     os.close(fd)
     path.unlink(missing_ok=True)
+
+
+@functools.cache
+def io_threads(queue_depth: int) -> ThreadPoolExecutor:
+    """The threads that serve every swap file's requests in this process: ``queue_depth`` requests in flight at most,
+    whatever the number of files (one per unit). Made again in a forked child (the threads do not follow a fork)."""
+    return ThreadPoolExecutor(queue_depth, thread_name_prefix="lightning_zero_swap")
+
+
+os.register_at_fork(after_in_child=io_threads.cache_clear)
 
 
 def _whole(call, fd: int, piece: memoryview, offset: int) -> None:

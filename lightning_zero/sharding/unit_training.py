@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_zero.config import HostOffload
 from lightning_zero.nvme.optimizer_swap import UnitSwap
-from lightning_zero.nvme.swap_file import mapped_zeros
+from lightning_zero.nvme.swap_file import mapped_zeros, zero_mapped
 from lightning_zero.sharding.layout import Bucket, Piece
 from lightning_zero.sharding.offload import host_empty
 
@@ -116,7 +116,7 @@ class UnitTraining:
             if self.offload.nvme is not None:  # written to its swap file; a placeholder here that holds no data
                 pin = self.offload.pin_memory and self.device.type == "cuda"
                 self.swap = UnitSwap(self.offload.nvme, layout.partition_numel, pin=pin)
-                self.swap.write(self.master)
+                self.swap.write_master(self.master)  # (the moments: zeros, as the new file reads)
                 self.master = torch.empty(layout.partition_numel, device="meta")
         elif shard is not None:  # stage 3: fp32 shards are the master themselves
             self.master = shard if unit.param_dtype == fp32 else shard.to(fp32)
@@ -136,11 +136,19 @@ class UnitTraining:
             return mapped_zeros(self.offload.nvme.directory, self.layout.partition_numel)
         return host_empty(self.layout.partition_numel, torch.float32, self.device, self.offload).zero_()
 
+    def _zeroed(self, partition: Tensor) -> Tensor:
+        """``partition`` zeroed (a file's mapping, offloaded to NVMe: its pages given back, not written)."""
+        if self.offload is not None and self.offload.nvme is not None:
+            zero_mapped(partition)
+        else:
+            partition.zero_()
+        return partition
+
     def reduced_partition(self) -> Tensor:
         """Where reductions add this rank's chunks: stage 2 and 3's partition, or stage 1's for this step (made on
         its first reduction: the persistent offloaded one zeroed, else a transient one)."""
         if self.reduced is None:
-            self.reduced = self._new_partition() if self.grad_partition is None else self.grad_partition.zero_()
+            self.reduced = self._new_partition() if self.grad_partition is None else self._zeroed(self.grad_partition)
         return self.reduced
 
     # --- views -------------------------------------------------------------------------------------
@@ -259,6 +267,6 @@ class UnitTraining:
         if self.flat_grad is not None and self.state in (GradState.FILLING, GradState.ACCUMULATED):
             self.flat_grad.zero_()  # else every bucket's region was zeroed as its reduction consumed it
         if self.grad_partition is not None and self.flat_grad is None:  # (stage 1's is zeroed when next used)
-            self.grad_partition.zero_()
+            self._zeroed(self.grad_partition)
         self.used[:] = bytes(len(self.used))
         self.release_grads()

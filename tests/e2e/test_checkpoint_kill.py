@@ -1,7 +1,8 @@
 """kill -9 inside each phase of the save protocol (kill_target.py's observer of saves, save.py's [Note: observing a
 save], stops a save at a chosen phase; the test kills the process group there): every visible checkpoint is complete
 and intact, the name being replaced (last.ckpt) always holds the old or the new checkpoint, latest()
-returns the newest, and resuming from it cleans up what the killed save left."""
+returns the newest, and resuming from it cleans up what the killed save left. With the optimizer state on NVMe, a
+kill halfway through a step leaves the last checkpoint intact."""
 
 from __future__ import annotations
 
@@ -101,3 +102,24 @@ def test_kill_during_each_phase_of_a_save(ranks, targets, tmp_path, phase, mode)
         ranks(train, 2, str(dirpath), max(visible.values()) + 2, str(newest))
         assert not [p.name for p in dirpath.iterdir() if p.name.startswith(".")]
         assert _visible(dirpath)["last.ckpt"] == max(visible.values()) + 2
+
+
+def test_kill_halfway_through_a_step_with_the_optimizer_state_on_nvme(ranks, targets, tmp_path):
+    """Both ranks killed (SIGKILL) halfway through the third optimizer step, the state's chunks streaming through the
+    swap files: the checkpoints are complete and intact (the last is the second step's), the swap files the kill left
+    are removed by the next run's set-up, which resumes from it to the end."""
+    dirpath, marker = tmp_path / "ckpts", tmp_path / "step.killed"
+    dirpath.mkdir()
+    targets.stdin.write(json.dumps([str(dirpath), "nvme", f"step@2:{marker}"]) + "\n")
+    targets.stdin.flush()
+    pid = int(targets.stdout.readline())
+    deadline = time.time() + 120
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the target was not killed inside its third step"
+    visible = _visible(dirpath)
+    assert visible == {"last.ckpt": 2, "epoch=0-step=2.ckpt": 2}, visible
+    left = set((tmp_path / "nvme").iterdir())
+    assert left  # (a kill -9 skips the removal at exit)
+    ranks(train, 2, str(dirpath), 4, str(latest(dirpath)), "nvme")
+    assert _visible(dirpath)["last.ckpt"] == 4 and not left & set((tmp_path / "nvme").iterdir())

@@ -3,6 +3,9 @@ time), until killed or done: a target ``DIR sync|async PHASE@N:MARKER`` (with "a
 background) stops the N-th save (or removal) in each rank that reaches PHASE there (save.py's [Note: observing a
 save]), writing MARKER first, for test_checkpoint_kill.py to kill it.
 
+With "nvme" (the optimizer state on NVMe) the spec is ``step@N:MARKER``: rank 0 writes MARKER and kills both ranks
+halfway through optimizer step N.
+
 ``kill_target.py --serve`` imports all this once and then forks a target per request line on its stdin (a JSON
 list of those three arguments), answering the target's pid: each in a session of its own, for the test to kill as a
 group, and none paying the imports again (seconds each)."""
@@ -13,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.launch_local import spawn_local_ranks
 
 STEPS = 6
+NVME_SHAPE = (1024, 8)  # (width, depth) with the optimizer state on NVMe: a step long enough to be killed halfway
 
 
 class PauseAt:
@@ -48,6 +53,27 @@ class PauseAt:
                 time.sleep(1)
 
 
+class KillMidStep(pl.Callback):
+    """Optimizer state on NVMe: rank 0 writes ``marker`` and kills its process group (both ranks) halfway through
+    optimizer step ``step``, its chunks streaming, as timed by the step before; ``spec``: "step@<step>:<marker>"."""
+
+    def __init__(self, spec: str) -> None:
+        where, _, self.marker = spec.partition(":")
+        self.step, self.started, self.took = int(where.partition("@")[2]), 0.0, 0.0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.started = time.perf_counter()
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            threading.Timer(self.took / 2, self._kill).start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.took = time.perf_counter() - self.started
+
+    def _kill(self) -> None:
+        Path(self.marker).write_text("in the step")
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
 class Wide(pl.LightningModule):
     def __init__(self, width: int = 64, depth: int = 4) -> None:
         super().__init__()
@@ -67,18 +93,29 @@ class Wide(pl.LightningModule):
         return DataLoader(self.data, batch_size=4)
 
 
-def trainer(world: int, dirpath: str, steps: int, async_save: bool = False, pause: str | None = None) -> pl.Trainer:
-    """``pause``: a ``PauseAt`` spec, watching the saves."""
-    config = ZeroConfig(stage=2, timeout=60, async_save=async_save)
+def trainer(world: int, dirpath: str, steps: int, mode: str = "sync", pause: str | None = None) -> pl.Trainer:
+    """``mode``: "sync", "async" (background saves) or "nvme" (the optimizer state on NVMe, under DIR/../nvme);
+    ``pause``: a ``PauseAt`` spec, watching the saves (a ``KillMidStep`` one with "nvme")."""
+    config = ZeroConfig(stage=2, timeout=60, async_save=mode == "async")
+    watch = None
+    if mode == "nvme":
+        nvme = Path(dirpath).parent / "nvme"
+        nvme.mkdir(exist_ok=True)
+        config = ZeroConfig(
+            stage=2, timeout=60, offload_optimizer="nvme", nvme_path=str(nvme), nvme_buffer_numel=1 << 18
+        )
+    elif pause:
+        watch = PauseAt(pause)
+    callbacks = [ModelCheckpoint(dirpath, every_n_train_steps=1, save_top_k=1, save_last=True)]
     return pl.Trainer(
-        strategy=ZeroStrategy(config, on_save_phase=PauseAt(pause) if pause else None),
+        strategy=ZeroStrategy(config, on_save_phase=watch),
+        callbacks=callbacks + ([KillMidStep(pause)] if mode == "nvme" and pause else []),
         accelerator="cpu",
         devices=world,
         max_steps=steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath, every_n_train_steps=1, save_top_k=1, save_last=True)],
     )
 
 
@@ -88,17 +125,17 @@ def train(
     dirpath: str,
     steps: int,
     ckpt: str | None,
-    async_save: bool = False,
+    mode: str = "sync",
     pause: str | None = None,
 ) -> None:
     pl.seed_everything(0)
-    t = trainer(world, dirpath, steps, async_save, pause)
-    t.fit(Wide(), ckpt_path=ckpt)
+    t = trainer(world, dirpath, steps, mode, pause)
+    t.fit(Wide(*NVME_SHAPE) if mode == "nvme" else Wide(), ckpt_path=ckpt)
     assert t.global_step == steps
 
 
 def run(dirpath: str, mode: str, pause: str) -> None:
-    spawn_local_ranks(train, 2, str(Path(dirpath)), STEPS, None, mode == "async", pause, start_method="fork")
+    spawn_local_ranks(train, 2, str(Path(dirpath)), STEPS, None, mode, pause, start_method="fork")
 
 
 def serve() -> None:

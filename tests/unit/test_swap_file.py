@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -79,3 +81,18 @@ def test_a_stream_reads_ahead_writes_behind_and_holds_only_its_buffers(tmp_path)
     with pytest.raises(ValueError, match="a stream needs >= 3 buffers"):
         next(stream_chunks(swap, 0, ALIGN, ALIGN, buffers=2))
     swap.close()
+
+
+def test_what_a_killed_process_of_this_host_left_is_removed_at_the_next_check(tmp_path):
+    """A kill -9 skips the removal at exit; the next run's ``check_nvme_path`` removes what processes of this host
+    that are gone left, never another host's files (a shared directory) or a live process's."""
+    dead_pid = subprocess.Popen([sys.executable, "-c", "pass"])  # (a process that has ended: its pid is free now)
+    dead_pid.wait()
+    host = socket.gethostname()
+    left = tmp_path / f"lightning_zero_optimizer_{host}_{dead_pid.pid}_0123456789ab.swap"
+    live = tmp_path / f"lightning_zero_params_{host}_{os.getpid()}_0123456789ab.swap"
+    other = tmp_path / f"lightning_zero_optimizer_elsewhere_{dead_pid.pid}_0123456789ab.swap"
+    for path in (left, live, other):
+        path.write_bytes(b"x")
+    assert check_nvme_path(tmp_path) == tmp_path
+    assert not left.exists() and live.exists() and other.exists()
