@@ -1,7 +1,8 @@
 """The run of tests/e2e/test_nvme_memory.py: a stack of square Linear layers trained by two ranks with ZeRO-3, its
 optimizer state and parameters on NVMe (``--offload nvme``) or in host memory (``--offload cpu``); fp32 AdamW, no
-clipping. At the end each rank writes the SHA-256 of its parameter shards (fp32: the master weights), unit by unit,
-to ``OUT/rank<r>.txt`` (its peak RSS beside it), so runs compare bitwise without gathering anything.
+clipping. At the end each rank writes the SHA-256 of its parameter shards (fp32: the master weights) and of its
+optimizer state, unit by unit, to ``OUT/rank<r>.txt`` (its peak RSS beside them), so runs compare bitwise without
+gathering anything.
 
     python tests/support/nvme_target.py --offload nvme --nvme-dir DIR --out DIR [--width 1024 --layers 24 --steps 3]
 """
@@ -18,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
+from lightning_zero.sharding.swapped import resident
 
 
 class Stack(pl.LightningModule):
@@ -51,6 +53,20 @@ def shard_digest(strategy) -> str:
     return digest.hexdigest()
 
 
+def state_digest(strategy) -> str:
+    """SHA-256 over this rank's Adam moments and step counts, piece by piece (one unit's resident at a time)."""
+    digest = hashlib.sha256()
+    (zero,) = strategy.optimizers
+    for unit in zero.units:
+        with resident(unit, zero.optimizer.state):
+            for tensor in unit.training.piece_tensors:
+                for _, value in sorted(
+                    zero.optimizer.state[tensor].items()
+                ):  # (by key: the order they were made in varies)
+                    digest.update(value.numpy().tobytes())
+    return digest.hexdigest()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--offload", choices=["cpu", "nvme"], required=True)
@@ -75,7 +91,8 @@ def main() -> None:
     )  # fmt: skip
     trainer.fit(Stack(args.width, args.layers, args.steps))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    (args.out / f"rank{trainer.global_rank}.txt").write_text(f"{shard_digest(strategy)} {peak}\n")
+    digests = f"{shard_digest(strategy)} {state_digest(strategy)}"
+    (args.out / f"rank{trainer.global_rank}.txt").write_text(f"{digests} {peak}\n")
 
 
 if __name__ == "__main__":
