@@ -26,8 +26,9 @@ NVME = {"nvme_buffer_numel": 1024, "nvme_buffer_count": 3}  # (small chunks: sev
 def _worker(rank: int, world: int, tmp_path) -> None:
     runs = [(f"zero{stage}", precision) for stage, precision in itertools.product((1, 2, 3), ("32-true", "16-mixed"))]
     runs += [(name, precision) for name in OFFLOAD for precision in ("32-true", "16-mixed")]
-    runs += [(name, "32-true") for name in ("zero1+nvme", "zero2+nvme", "zero3+nvme", "zero3+nvme_param")]
-    runs += [("zero3+nvme_param", "16-mixed")]
+    if world == 2:  # (the swap files' sizes are the partitions': world 3 adds nothing to what 2 checks)
+        runs += [(name, "32-true") for name in ("zero1+nvme", "zero2+nvme", "zero3+nvme", "zero3+nvme_param")]
+        runs += [("zero3+nvme_param", "16-mixed")]
     for name, precision in runs:
         stage = int(name[4])
         config = {"reduce_bucket_size": 3000, "param_persistence_threshold": 0}

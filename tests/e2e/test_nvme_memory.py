@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from lightning_zero.launch_local import free_port
 from tests.support.environment import launch_env
 from tests.support.helpers import SUPPORT
 
 MEMORY = Path("/sys/fs/cgroup/memory")
-LIMIT = 896 << 20  # bytes the ranks may use together (768 MiB: the NVMe run is killed too, by Python's own)
+LIMIT = 896 << 20  # bytes the ranks may use together (at 768 MiB the NVMe run is killed too: two Pythons need that)
 WIDTH, LAYERS, STEPS = 2048, 56, 1  # 235M parameters: 2.8 GB of master weights and Adam's moments
 
 pytestmark = pytest.mark.skipif(
@@ -53,34 +54,45 @@ def memory_cgroup(limit: int, name: str) -> Iterator[Path]:
         group.rmdir()
 
 
-def _start(offload: str, root: Path, name: str, group: Path | None) -> subprocess.Popen:
-    """Starts the target (in ``group``, if any); ``_finish`` waits for it."""
+def _start(offload: str, root: Path, name: str, group: Path | None) -> list[subprocess.Popen]:
+    """Starts the target's two ranks at once (in ``group``, if any), as a launcher does (Lightning reads LOCAL_RANK and
+    the rest); ``_finish`` waits for them."""
     out, nvme = root / name, root / f"{name}-nvme"
     out.mkdir()
     nvme.mkdir()
     command = [sys.executable, str(SUPPORT / "nvme_target.py"), "--offload", offload, "--nvme-dir", str(nvme)]
     command += ["--out", str(out), "--width", str(WIDTH), "--layers", str(LAYERS), "--steps", str(STEPS)]
 
-    def join_group() -> None:  # (in the child, before it runs: its ranks are its children, in the group too)
+    def join_group() -> None:  # (in the child, before it runs)
         if group is not None:
             (group / "cgroup.procs").write_text(str(os.getpid()))
 
     # glibc raises its mmap threshold as large buffers are freed, and then keeps what later ones free in its heap: a
     # fixed threshold gives freed buffers back (README: ZeRO-Infinity on a machine without a GPU)
-    env = launch_env(MALLOC_MMAP_THRESHOLD_=str(1 << 16))
-    return subprocess.Popen(command, env=env, preexec_fn=join_group, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    world = {"WORLD_SIZE": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return [
+        subprocess.Popen(
+            command,
+            env=launch_env(MALLOC_MMAP_THRESHOLD_=str(1 << 16), LOCAL_RANK=str(rank), **world),
+            preexec_fn=join_group,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
 
 
-def _finish(run: subprocess.Popen, root: Path, name: str) -> tuple[int, list[str], str]:
-    """The target's exit code, each rank's digests of its shards and of its optimizer state (none if it did not finish)
-    and the end of its stderr."""
-    _, err = run.communicate(timeout=400)
+def _finish(ranks: list[subprocess.Popen], root: Path, name: str) -> tuple[int, list[str], str]:
+    """The ranks' exit code (the first that is not 0), each rank's digests of its shards and of its optimizer state
+    (none if it did not finish) and the end of their stderr."""
+    errors = [rank.communicate(timeout=400)[1] for rank in ranks]
     out, nvme = root / name, root / f"{name}-nvme"
     digests = [(out / f"rank{r}.txt").read_text().split()[:2] for r in range(2) if (out / f"rank{r}.txt").exists()]
     left = sorted(p.name for p in nvme.iterdir())
     assert not left, f"{len(left)} swap files left behind, e.g. {left[:3]}"
-    return run.returncode, digests, err[-3000:]
+    code = next((rank.returncode for rank in ranks if rank.returncode != 0), 0)
+    return code, digests, "".join(error[-1500:] for error in errors)
 
 
 def _oom_kills(group: Path) -> int:
