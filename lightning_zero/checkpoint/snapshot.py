@@ -5,6 +5,7 @@ Lightning's state; with the switch of torch.save's own per-record checksum that 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
@@ -12,8 +13,8 @@ from typing import Any
 import torch
 
 from lightning_zero.checkpoint.format import CheckpointError
+from lightning_zero.nvme.swap_file import mapped_zeros
 from lightning_zero.sharding.flat_unit import FlatUnit
-from lightning_zero.sharding.swapped import resident
 from lightning_zero.sharding.zero_optimizer import ZeroOptimizer
 
 
@@ -30,10 +31,30 @@ def unit_payload(
     keep: Callable[[torch.Tensor], torch.Tensor],
     empty: Callable[[int, torch.dtype, bool], torch.Tensor],
 ) -> dict[str, Any]:
-    """``_unit_payload`` with the unit's state made resident first when it is on NVMe (sharding/swapped.py)."""
-    state = None if optimizer is None or weights_only else optimizer.optimizer.state
-    with resident(unit, state):
-        return _unit_payload(unit, optimizer, weights_only, averaged, keep, empty)
+    """``keep(tensor)``: the host tensor written for ``tensor`` (a copy when the save finishes in the background);
+    ``empty(numel, dtype, pinned)``: a host buffer (reused from save to save in the background; pinned for a
+    device's state), of which whatever no piece fills is zeroed (padding, pieces without state): each byte is
+    written once. A unit on NVMe: ``swapped_payload``."""
+    if unit.training is not None and unit.training.swap is not None:
+        return swapped_payload(unit, None if weights_only else optimizer)
+    return _unit_payload(unit, optimizer, weights_only, averaged, keep, empty)
+
+
+def swapped_payload(unit: FlatUnit, optimizer: ZeroOptimizer | None) -> dict[str, Any]:
+    """The payload of a unit whose state is on NVMe (sharding/swapped.py), in the same format: its master and moments
+    read from the swap file into shared mappings of new files under ``nvme_path`` (swap_file.mapped_zeros), which the
+    save then reads page by page; the kernel writes them out under memory pressure, so no unit, and no rank's shard
+    file, need be whole in host memory. They are copies training does not touch, so a background save keeps them."""
+    swap, directory = unit.training.swap, unit.offload.nvme.directory
+    allocate = functools.partial(mapped_zeros, directory)
+    if optimizer is None:
+        return {"master": swap.read_master(allocate)}
+    state = optimizer.optimizer.state
+    pieces = zip(unit.training.pieces, unit.training.piece_tensors)
+    scalars = {piece.param: {k: v.clone() for k, v in state[t].items()} for piece, t in pieces if state.get(t)}
+    master, exp_avg, exp_avg_sq = swap.read(allocate)
+    moments = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq} if scalars else {}  # (zeros where no piece has state)
+    return {"master": master, "state": moments, "scalars": scalars}
 
 
 def _unit_payload(
@@ -44,10 +65,6 @@ def _unit_payload(
     keep: Callable[[torch.Tensor], torch.Tensor],
     empty: Callable[[int, torch.dtype, bool], torch.Tensor],
 ) -> dict[str, Any]:
-    """``keep(tensor)``: the host tensor written for ``tensor`` (a copy when the save finishes in the background);
-    ``empty(numel, dtype, pinned)``: a host buffer (reused from save to save in the background; pinned for a
-    device's state), of which whatever no piece fills is zeroed (padding, pieces without state): each byte is
-    written once."""
     # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
     master = unit.training.master_partition() if unit.trainable else unit.param_shard
     if master is None:

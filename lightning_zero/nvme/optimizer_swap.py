@@ -14,6 +14,8 @@ after an error; only a kill -9 leaves it behind."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -46,16 +48,17 @@ class UnitSwap:
         """Each chunk's record as ``swap_file.stream`` takes them."""
         return [(self.file, offset, record_bytes(hi - lo)) for (lo, hi), offset in zip(self.chunks, self.offsets)]
 
-    def read(self) -> tuple[Tensor, Tensor, Tensor]:
-        """The whole master partition and both moments, as new fp32 tensors."""
-        return self._read(FIELDS)
+    def read(self, allocate: Callable[[int], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The whole master partition and both moments, as new fp32 tensors (``allocate(numel)``'s: a zeroed tensor)."""
+        return self._read(FIELDS, allocate)
 
-    def read_master(self) -> Tensor:
+    def read_master(self, allocate: Callable[[int], Tensor] | None = None) -> Tensor:
         """The whole master partition, as a new fp32 tensor (a third of the records read: their master runs)."""
-        return self._read(1)[0]
+        return self._read(1, allocate)[0]
 
-    def _read(self, fields: int) -> tuple[Tensor, ...]:
-        out = tuple(torch.zeros(self.numel, pin_memory=self.pin) for _ in range(fields))
+    def _read(self, fields: int, allocate: Callable[[int], Tensor] | None) -> tuple[Tensor, ...]:
+        allocate = allocate or (lambda numel: torch.zeros(numel, pin_memory=self.pin))
+        out = tuple(allocate(self.numel) for _ in range(fields))
         buffer = aligned_buffer(self.buffer_bytes)
         for (lo, hi), (file, offset, nbytes) in zip(self.chunks, self.regions()):
             record = buffer[: nbytes * fields // FIELDS]

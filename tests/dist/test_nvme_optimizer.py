@@ -5,7 +5,8 @@
   gradient accumulation: the weights and Adam's moments after training equal those of the same run offloaded to
   host memory bitwise (AdamW is elementwise and both take the host kernel), ranks identical; the chunks are small,
   so every unit streams through several of them; nothing of the state stays in host memory between steps (the
-  master is a placeholder without data, the optimizer's state holds only step counts).
+  master is a placeholder without data, the optimizer's state holds only step counts); what a save writes of a unit
+  is read into file mappings, equal to the state.
 - A bad ``nvme_path`` is one line, the same on every rank, before anything is built; a disk error in one rank's step
   raises on every rank; AdamW state the optimizer held before set-up goes to the swap files and steps on exactly.
 - A checkpoint written under NVMe offload resumes under zero2 without offload, and one written without offload
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_zero.checkpoint.snapshot import unit_payload
 from lightning_zero.sharding.swapped import resident
 from tests.support.compare import relative_error
 from tests.support.helpers import EquivalenceModule, make_trainer, zero_strategy
@@ -57,6 +59,19 @@ class Moments(pl.Callback):
                     unit.param_shard is not None and unit.param_shard.is_meta
                 )  # (a placeholder: stage 3's on NVMe)
                 assert (unit.param_swap is not None) == on_nvme == (self.offload_param == "nvme")
+                self._check_payload(unit, zero)
+
+    def _check_payload(self, unit, zero) -> None:
+        """What a save writes of a unit on NVMe: its master and moments in file mappings, equal to the resident ones."""
+        payload = unit_payload(unit, zero, False, None, keep=None, empty=None)
+        with resident(unit, zero.optimizer.state):
+            assert torch.equal(payload["master"], unit.training.master) and payload["master"].is_shared()
+            for piece, tensor in zip(unit.training.pieces, unit.training.piece_tensors):
+                lo, hi = piece.partition_offset, piece.partition_offset + piece.numel
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(payload["state"][key][lo:hi], zero.optimizer.state[tensor][key])
+                    assert payload["state"][key].is_shared()
+                assert torch.equal(payload["scalars"][piece.param]["step"], zero.optimizer.state[tensor]["step"])
 
 
 def _fit(world, stage, offload_param, precision, offload, nvme_dir, *, steps=STEPS, **kwargs):

@@ -67,6 +67,28 @@ def state_digest(strategy) -> str:
     return digest.hexdigest()
 
 
+def train(offload: str, nvme_dir: Path, out: Path, width: int, layers: int, steps: int) -> None:
+    """One rank's run (Lightning's environment set: by its launcher, or the test's pool), its digests written to
+    ``out``."""
+    pl.seed_everything(0)
+    config = lightning_zero.ZeroConfig(
+        stage=3, offload_optimizer=offload, offload_param=offload, param_persistence_threshold=0,
+        unit_module_classes=["Linear"], nvme_path=str(nvme_dir), nvme_buffer_numel=1 << 20,
+        prefetch_bucket_size=width * width, max_live_parameters=3 * width * width,
+        reduce_bucket_size=width * width, max_inflight_bytes=1 << 25,
+        timeout=60.0,  # (a rank the limit kills: the other stops within a minute)
+    )  # fmt: skip
+    strategy = lightning_zero.ZeroStrategy(config)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Stack(width, layers, steps))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    digests = f"{shard_digest(strategy)} {state_digest(strategy)}"
+    (out / f"rank{trainer.global_rank}.txt").write_text(f"{digests} {peak}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--offload", choices=["cpu", "nvme"], required=True)
@@ -76,23 +98,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    pl.seed_everything(0)
-    config = lightning_zero.ZeroConfig(
-        stage=3, offload_optimizer=args.offload, offload_param=args.offload, param_persistence_threshold=0,
-        unit_module_classes=["Linear"], nvme_path=str(args.nvme_dir), nvme_buffer_numel=1 << 20,
-        prefetch_bucket_size=args.width * args.width, max_live_parameters=3 * args.width * args.width,
-        reduce_bucket_size=args.width * args.width, max_inflight_bytes=1 << 25,
-        timeout=60.0,  # (a rank the limit kills: the other stops within a minute)
-    )  # fmt: skip
-    strategy = lightning_zero.ZeroStrategy(config)
-    trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(Stack(args.width, args.layers, args.steps))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    digests = f"{shard_digest(strategy)} {state_digest(strategy)}"
-    (args.out / f"rank{trainer.global_rank}.txt").write_text(f"{digests} {peak}\n")
+    train(args.offload, args.nvme_dir, args.out, args.width, args.layers, args.steps)
 
 
 if __name__ == "__main__":
