@@ -37,7 +37,17 @@ def unit_payload(
     written once. A unit on NVMe: ``swapped_payload``."""
     if unit.training is not None and unit.training.swap is not None:
         return swapped_payload(unit, None if weights_only else optimizer)
-    return _unit_payload(unit, optimizer, weights_only, averaged, keep, empty)
+    # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
+    master = unit.training.master_partition() if unit.trainable else unit.param_shard
+    if master is None:
+        raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
+    payload: dict[str, Any] = {"master": keep(master.float())}
+    if averaged is not None:  # see [Note: averaged weights in a checkpoint] in format.py
+        payload["averaged"] = averaged  # (a copy already, taken when the save was called)
+    if weights_only or optimizer is None:
+        return payload
+    payload.update(_state_payload(unit, optimizer, keep, empty))
+    return payload
 
 
 def swapped_payload(unit: FlatUnit, optimizer: ZeroOptimizer | None) -> dict[str, Any]:
@@ -57,23 +67,8 @@ def swapped_payload(unit: FlatUnit, optimizer: ZeroOptimizer | None) -> dict[str
     return {"master": master, "state": moments, "scalars": scalars}
 
 
-def _unit_payload(
-    unit: FlatUnit,
-    optimizer: ZeroOptimizer | None,
-    weights_only: bool,
-    averaged: torch.Tensor | None,
-    keep: Callable[[torch.Tensor], torch.Tensor],
-    empty: Callable[[int, torch.dtype, bool], torch.Tensor],
-) -> dict[str, Any]:
-    # A frozen stage-3 unit has no master: its shard is saved, in fp32 like every master.
-    master = unit.training.master_partition() if unit.trainable else unit.param_shard
-    if master is None:
-        raise CheckpointError("sharded checkpoints are written while fitting (the model has no master weights here)")
-    payload: dict[str, Any] = {"master": keep(master.float())}
-    if averaged is not None:  # see [Note: averaged weights in a checkpoint] in format.py
-        payload["averaged"] = averaged  # (a copy already, taken when the save was called)
-    if weights_only or optimizer is None:
-        return payload
+def _state_payload(unit: FlatUnit, optimizer: ZeroOptimizer, keep: Callable, empty: Callable) -> dict[str, Any]:
+    """The optimizer state of ``unit``'s pieces: elementwise entries assembled partition-sized, scalars per piece."""
     state: dict[str, torch.Tensor] = {}
     filled: dict[str, list[tuple[int, int]]] = {}  # state key -> (offset, numel) of the pieces written into it
     scalars: dict[int, dict[str, Any]] = {}
@@ -96,8 +91,7 @@ def _unit_payload(
             buffer[end:offset].zero_()
             end = max(end, offset + numel)
         buffer[end:].zero_()
-    payload.update(state=state, scalars=scalars)
-    return payload
+    return {"state": state, "scalars": scalars}
 
 
 def copy_tensors(value: Any, keep: Callable[[torch.Tensor], torch.Tensor], memo: dict | None = None) -> Any:
