@@ -1,5 +1,6 @@
 """The run of tests/e2e/test_nvme_memory.py: a stack of square Linear layers trained by two ranks with ZeRO-3, its
-optimizer state and parameters on NVMe (``--offload nvme``) or in host memory (``--offload cpu``); fp32 AdamW, no
+optimizer state and parameters on NVMe (``--offload nvme``) or in host memory (``--offload cpu``), forked from this
+process once it has imported everything; fp32 AdamW, no
 clipping. At the end each rank writes the SHA-256 of its parameter shards (fp32: the master weights) and of its
 optimizer state, unit by unit, to ``OUT/rank<r>.txt`` (its peak RSS beside them), so runs compare bitwise without
 gathering anything.
@@ -10,6 +11,7 @@ gathering anything.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import resource
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
+from lightning_zero.launch_local import spawn_local_ranks
 from lightning_zero.sharding.swapped import resident
 
 
@@ -98,7 +101,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    train(args.offload, args.nvme_dir, args.out, args.width, args.layers, args.steps)
+    # the ranks forked from this process once it has imported everything: they share those pages (as torch's fork
+    # start method does), and the memory cgroup it runs in counts every page they use once
+    launch = (args.offload, args.nvme_dir, args.out, args.width, args.layers, args.steps)
+    spawn_local_ranks(_rank, 2, *launch, timeout_s=60.0, start_method="fork")
+
+
+def _rank(rank: int, world: int, *launch) -> None:
+    train(*launch)
+    gc.collect()  # (the units go, and their swap files: a forked rank ends with os._exit, skipping what exit runs)
 
 
 if __name__ == "__main__":
