@@ -22,10 +22,10 @@ import concurrent.futures
 import ctypes
 import errno
 import functools
+import multiprocessing.util
 import os
 import socket
 import uuid
-import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -169,8 +169,11 @@ class SwapFile:
             ) from None
         self.pool = io_threads(queue_depth)
         self.in_flight: set[Future] = set()  # this file's pieces not yet done (``close`` waits for them)
-        # removed at close, or when the object goes or the interpreter exits without one (not after a kill -9)
-        self._finalizer = weakref.finalize(self, _discard, self.in_flight, self.fd, self.path)
+        # removed at close, or when the object goes, or at exit without one: multiprocessing's finalizers also run
+        # in a forked rank, which ends with os._exit (not after a kill -9: see ``remove_stale``)
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _discard, args=(self.in_flight, self.fd, self.path), exitpriority=0
+        )
 
     def write(self, offset: int, buffer: Tensor) -> Requests:
         """Starts writing ``buffer`` (from ``aligned_buffer``) at byte ``offset``."""

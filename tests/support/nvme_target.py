@@ -11,7 +11,6 @@ gathering anything.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import resource
 from pathlib import Path
@@ -109,7 +108,6 @@ def main() -> None:
 
 def _rank(rank: int, world: int, *launch) -> None:
     train(*launch)
-    gc.collect()  # (the units go, and their swap files: a forked rank ends with os._exit, skipping what exit runs)
 
 
 if __name__ == "__main__":
