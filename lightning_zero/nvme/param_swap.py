@@ -79,3 +79,12 @@ class ParamSwap:
         for requests in self._writes:
             requests.wait()
         self._writes.clear()
+
+
+def read_or_zeros(read: Callable[[], Tensor], numel: int, dtype: torch.dtype) -> tuple[Tensor, OSError | None]:
+    """``read()``, or ``numel`` zeros and the OSError it raised (a disk's): the collective they feed still runs on this
+    rank, which raises the error after it, so that no peer waits for this one."""
+    try:
+        return read(), None
+    except OSError as error:
+        return torch.zeros(numel, dtype=dtype), error

@@ -19,6 +19,7 @@ checkpoint.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import functools
@@ -48,7 +49,7 @@ def aligned_buffer(nbytes: int, *, pin: bool = False) -> Tensor:
 
 def scratch_name(kind: str) -> str:
     """A new swap file's name (without ``SUFFIX``): its kind, this host and process (``remove_stale`` reads them)."""
-    return f"lightning_zero_{kind}_{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+    return f"lightning_zero_{kind}_{scratch_host()}_{os.getpid()}_{uuid.uuid4().hex[:12]}"
 
 
 def remove_stale(directory: Path) -> list[Path]:
@@ -57,10 +58,17 @@ def remove_stale(directory: Path) -> list[Path]:
     removed = []
     for path in directory.glob(f"lightning_zero_*{SUFFIX}"):
         head, pid, _ = path.stem.rsplit("_", 2)
-        if head.endswith(f"_{socket.gethostname()}") and pid.isdigit() and not _alive(int(pid)):
-            path.unlink(missing_ok=True)
-            removed.append(path)
+        if head.endswith(f"_{scratch_host()}") and pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):  # (another user's, in a shared directory: theirs to remove)
+                if path.stat().st_uid == os.getuid():
+                    path.unlink()
+                    removed.append(path)
     return removed
+
+
+def scratch_host() -> str:
+    """This host and its pid namespace (two containers may share a host name, never a namespace and its pids)."""
+    return f"{socket.gethostname()}-{os.stat('/proc/self/ns/pid').st_ino}"
 
 
 def _alive(pid: int) -> bool:

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_zero.config import HostOffload
-from lightning_zero.nvme.param_swap import ParamSwap
+from lightning_zero.nvme.param_swap import ParamSwap, read_or_zeros
 from lightning_zero.sharding import collectives
 from lightning_zero.sharding.layout import Bucket, FlatLayout
 from lightning_zero.sharding.offload import copy_to, host_empty
@@ -185,15 +185,18 @@ class FlatUnit:
             self.wait_gathered()
 
     def _gather_from(self, shard: Callable[[], Tensor], quantize_block: int | None, group, *, async_op: bool = False):
-        """Starts the all-gather of ``shard()`` (offloaded: brought to the device first) into the flat buffer."""
-        shard = shard()
+        """Starts the all-gather of ``shard()`` into the flat buffer (unreadable: zeros, its error raised after)."""
+        shard, failed = read_or_zeros(shard, self.layout.partition_numel, self.param_dtype)
         if shard.device != self.flat_param.device:
             shard = shard.to(self.flat_param.device, non_blocking=shard.is_pinned())
         if quantize_block is None:
-            return collectives.all_gather(self.flat_param, shard, async_op=async_op, group=group)
-        gather = self._gather_quantized(shard, quantize_block, group=group)
-        if not async_op:
-            gather.wait()
+            gather = collectives.all_gather(self.flat_param, shard, async_op=async_op, group=group)
+        else:
+            gather = self._gather_quantized(shard, quantize_block, group=group)
+            if not async_op:
+                gather.wait()
+        if failed is not None:
+            raise failed
         return gather
 
     def keep_secondary(self, node_rank: int, node_size: int) -> None:
@@ -237,8 +240,11 @@ class FlatUnit:
             self.state = UnitState.GATHERED
 
     def abandon_gather(self) -> None:
-        """After an error: forgets the gather in flight without waiting on peers (see the Note)."""
-        if self.state is UnitState.GATHERING:
+        """After an error: forgets the gather in flight without waiting on peers (see the Note); a deferred one (a shard
+        on NVMe) never ran: that unit counts as sharded."""
+        if self.state is UnitState.GATHERING and self.param_swap is not None:
+            self.forget_values()
+        elif self.state is UnitState.GATHERING:
             self._gather, self.state = None, UnitState.GATHERED
 
     def forget_values(self) -> None:
@@ -370,17 +376,17 @@ class FlatUnit:
 
 
 def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
-    """Stage 3: gathers ``units`` with one all-gather per dtype: every rank's shards back to back, then
-    each unit's rows copied into its flat buffer. For the persistent units, small by definition, so the
-    copy costs less than a collective per unit."""
+    """Stage 3: gathers ``units`` with one all-gather per dtype: every rank's shards back to back, then each unit's rows
+    copied into its flat buffer. For the persistent units, small by definition, so the copy costs less than a
+    collective per unit. A shard on NVMe that cannot be read is sent as zeros and the error raised after."""
     by_dtype: dict[torch.dtype, list[FlatUnit]] = {}
     for unit in units:
         by_dtype.setdefault(unit.param_dtype, []).append(unit)
-    for unit in units:
         unit.wait_gathered()
     for same in by_dtype.values():
-        shards = [u.param_swap.read() if u.param_swap is not None else u.param_shard for u in same]
-        packed = torch.cat(shards).to(same[0].flat_param.device)  # this rank's shards
+        readers = [u.param_swap.read if u.param_swap is not None else partial(getattr, u, "param_shard") for u in same]
+        reads = [read_or_zeros(read, u.layout.partition_numel, u.param_dtype) for read, u in zip(readers, same)]
+        packed = torch.cat([shard for shard, _ in reads]).to(same[0].flat_param.device)  # this rank's shards
         world = same[0].layout.world_size
         rows = packed.new_empty(world * packed.numel())
         collectives.all_gather(rows, packed, async_op=False, group=group)
@@ -390,3 +396,5 @@ def unshard_together(units: Sequence[FlatUnit], *, group=None) -> None:
             numel = unit.param_shard.numel()
             unit.gathered_from(rows[:, start : start + numel])
             start += numel
+        if any(failed is not None for _, failed in reads):
+            raise next(failed for _, failed in reads if failed is not None)

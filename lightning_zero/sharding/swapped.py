@@ -190,6 +190,9 @@ class NvmeStep:
         try:
             self._make_ring(units)
             self._step([unit for unit in units if unit.training.step_grad is not None], float(multiplier))
+            for unit in units:  # (the shards' writes end inside the agreement: a failed one is agreed too)
+                if unit.param_swap is not None:
+                    unit.param_swap.flush()
         except OSError as error:  # (a disk's: agreed below, so that no rank goes on to collectives alone)
             problem = f"rank {dist.get_rank()}: the optimizer step on NVMe failed: {error}"
         failed = torch.tensor([problem is not None], dtype=torch.uint8)

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from lightning_zero.nvme.swap_file import ALIGN, SwapFile, aligned_buffer, check_nvme_path, stream_chunks
+from lightning_zero.nvme.swap_file import ALIGN, SwapFile, aligned_buffer, check_nvme_path, scratch_host, stream_chunks
 
 
 def test_buffers_start_on_the_alignment_and_round_up_to_it():
@@ -88,7 +87,7 @@ def test_what_a_killed_process_of_this_host_left_is_removed_at_the_next_check(tm
     that are gone left, never another host's files (a shared directory) or a live process's."""
     dead_pid = subprocess.Popen([sys.executable, "-c", "pass"])  # (a process that has ended: its pid is free now)
     dead_pid.wait()
-    host = socket.gethostname()
+    host = scratch_host()
     left = tmp_path / f"lightning_zero_optimizer_{host}_{dead_pid.pid}_0123456789ab.swap"
     live = tmp_path / f"lightning_zero_params_{host}_{os.getpid()}_0123456789ab.swap"
     other = tmp_path / f"lightning_zero_optimizer_elsewhere_{dead_pid.pid}_0123456789ab.swap"
