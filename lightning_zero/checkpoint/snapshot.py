@@ -73,7 +73,7 @@ def _state_payload(unit: FlatUnit, optimizer: ZeroOptimizer, keep: Callable, emp
     filled: dict[str, list[tuple[int, int]]] = {}  # state key -> (offset, numel) of the pieces written into it
     scalars: dict[int, dict[str, Any]] = {}
     for piece, tensor in zip(unit.training.pieces, unit.training.piece_tensors):
-        if tensor not in optimizer.optimizer.state:
+        if not optimizer.optimizer.state.get(tensor):  # (never stepped: an empty entry, which a read may have made)
             continue
         scalars[piece.param] = {}
         for key, value in optimizer.optimizer.state[tensor].items():
