@@ -132,8 +132,8 @@ class ZeroConfig:
             on every rank at set-up; the files are removed at the end and on errors.
         nvme_buffer_count: chunks of optimizer state in host memory at once (>= 3; DeepSpeed's ``buffer_count``).
         nvme_buffer_numel: elements per chunk: a chunk's buffer is 12 bytes per element (master and both moments).
-        aio_block_size, aio_queue_depth: bytes per read or write request, and requests in flight at once
-            (DeepSpeed's ``aio.block_size`` and ``aio.queue_depth``).
+        aio_block_size: bytes per NVMe read or write request (DeepSpeed's ``aio.block_size``).
+        aio_queue_depth: NVMe requests in flight at once (DeepSpeed's ``aio.queue_depth``).
         fused_step: AdamW steps each unit's partition with one fused kernel pass per bucket (unscale, clip,
             update, and the 16-bit parameter copy; see sharding/fused_step.py): "auto" (default) where the
             CUDA kernels run and, for offloaded units, the host AdamW kernel (kernels/host.py); "always"
@@ -168,6 +168,17 @@ class ZeroConfig:
             step, compare the ranks' sequences since the last step (one all-gather of a digest, and of
             the sequences when they differ): a rank that would issue a different collective fails with
             an error naming the first difference instead of hanging later.
+
+    Raises:
+        ValueError: a field has a value it does not allow, or one that does not fit with another field (e.g.
+            ``secondary_partition`` below stage 3, ``offload_param`` without ``offload_optimizer``, ``nvme``
+            without ``nvme_path``); the message names the key (``zero.<field>``), the value and what is allowed.
+
+    Example:
+        ```python
+        config = ZeroConfig(stage=3, offload_optimizer="cpu")
+        trainer = Trainer(strategy=ZeroStrategy(config), precision="bf16-mixed")
+        ```
     """
 
     # what is sharded
@@ -266,6 +277,15 @@ class LossScaleConfig:
         skip_on_device: decide a step's skip on the device, without a host sync (see front/loss_scaler.py's
             [Note: skipping on the device]); needs the fused AdamW step. Off (default): the host reads the
             overflow flag once a step, as DeepSpeed does.
+
+    Raises:
+        ValueError: a field has a value it does not allow (the message names the key ``fp16.<field>``), or
+            ``min_loss_scale`` is above the starting scale.
+
+    Example:
+        ```python
+        plugin = ZeroPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale_power=12))
+        ```
     """
 
     static_loss_scale: float = 0.0

@@ -17,6 +17,7 @@ ACTIVATION_CHECKPOINTING = ("none", "units", "selective")
 
 
 def check(ok: bool, key: str, value: object, allowed: str) -> None:
+    """Raises ValueError ``<key> must be <allowed>, got <value>`` unless ``ok``."""
     if not ok:
         raise ValueError(f"{key} must be {allowed}, got {value!r}")
 
@@ -39,6 +40,8 @@ Row = tuple[str, Predicate, str]
 
 
 def validate(config: object, section: str, rows: tuple[Row, ...]) -> None:
+    """Checks ``config`` against ``rows`` in order (see [Note: validation tables]); the first failing row raises a
+    ValueError naming the field as ``<section>.<field>``."""
     for key, ok, allowed in rows:
         value = getattr(config, key)
         check(ok(value, config), f"{section}.{key}", value, allowed)

@@ -6,15 +6,14 @@ sharding needs (the units, the post-step gathers, the gradient reducer, the plac
 README's "How it works") and saves and loads their sharded state for every door.
 
 [Note: the step's boundaries]
-Sharding needs to know where a training step starts and ends, which only the front door knows: stage 3 gathers
-the root unit for a whole step and serves the units this rank did not run once the forward ends; stage 1 reduces
-in the backward of a step's last micro-batch; buffers are broadcast before a forward that follows a synchronized
-training forward (sharding/buffer_sync.py). So a front door calls, per micro-batch: ``begin_training_forward``
-before the forward, ``end_training_forward`` after it, ``before_backward`` / ``after_backward`` around the
-backward, and enters ``no_sync`` for the micro-batches before a step's last; forward-only work (evaluation) goes
-through ``forward_only``. Each call moves the engine's ``StepState`` (sharding/step_state.py's [Note: the step's
-phases]), which raises on a call out of order; the same events on every rank give the same collectives on every
-rank.
+Sharding needs to know where a training step starts and ends, which only the front door knows: stage 3 gathers the root
+unit for a whole step and serves the units this rank did not run once the forward ends; stage 1 reduces in the backward
+of a step's last micro-batch; buffers are broadcast before a forward that follows a synchronized training forward
+(sharding/buffer_sync.py). So a front door calls, per micro-batch: ``begin_training_forward`` before the forward,
+``end_training_forward`` after it, ``before_backward`` / ``after_backward`` around the backward, and enters ``no_sync``
+for the micro-batches before a step's last; forward-only work (evaluation) goes through ``forward_only``. Each call
+moves the engine's ``StepState`` (sharding/step_state.py's [Note: the step's phases]), which raises on a call out of
+order; the same events on every rank give the same collectives on every rank.
 """
 
 from __future__ import annotations
@@ -94,7 +93,8 @@ class ZeroEngine:
         check_nvme_path(config, topology.host_world)  # (before anything is built: one line on every rank)
 
     @property
-    def units(self) -> list[FlatUnit]:  # (the unit set's, which grows as parameters join training)
+    def units(self) -> list[FlatUnit]:
+        """The flat units: the unit set's, which grows as parameters join training."""
         return self.unit_set.units
 
     # --- set-up ------------------------------------------------------------------------------------
@@ -136,11 +136,13 @@ class ZeroEngine:
         self.placement = Sharded(runtime)
 
     @property
-    def stage3(self) -> Stage3Runtime | None:  # stage 3's runtime while sharded (introspection: memory, tests)
+    def stage3(self) -> Stage3Runtime | None:
+        """Stage 3's runtime while sharded, else None (introspection: memory, tests)."""
         return self.placement.runtime
 
     @property
-    def gathers(self) -> ParamGathers | None:  # stages 1 and 2 while training: the post-step all-gathers
+    def gathers(self) -> ParamGathers | None:
+        """Stages 1 and 2 while training: the post-step all-gathers, else None."""
         return self.placement.gathers
 
     def wrap(
@@ -151,11 +153,10 @@ class ZeroEngine:
         marks_micro_batches: bool = True,
         make_average: Callable[..., WeightAverage | None] | None = None,
     ) -> list:
-        """Flat units for the optimizers' parameters (stages 1 and 2; stage 3's come from ``shard``), one
-        gradient reducer, and a ZeroOptimizer around each optimizer, returned. ``marks_micro_batches``: the
-        front door enters ``no_sync`` for the micro-batches before a step's last (else stage 1 cannot know
-        which backward is a step's last, and reduces at the step). ``make_average(units, settle=...)``: the
-        weight average a callback keeps (sharding/averaging.py), if any."""
+        """Flat units for the optimizers' parameters (stages 1 and 2; stage 3's come from ``shard``), one gradient
+        reducer and a ZeroOptimizer around each optimizer, returned. ``marks_micro_batches``: the front door enters
+        ``no_sync`` before a step's last micro-batch (else stage 1 cannot tell a step's last backward, and reduces at
+        the step). ``make_average(units, settle=...)``: a callback's weight average, if any (sharding/averaging.py)."""
         self.module = module
         self.buffer_sync = BufferSync(module) if self.config.broadcast_buffers else None
         names = check_optimizer_params(module, optimizers, rank=self.rank)
@@ -196,8 +197,8 @@ class ZeroEngine:
         every rank raises one error naming the first difference and ``where`` (e.g. "before global step 3")."""
         self.collective_check.check(where)
 
-    # --- steps (see [Note: the step's boundaries]) -------------------------------------------------
     def begin_training_forward(self) -> None:
+        """Before each training micro-batch's forward (see [Note: the step's boundaries])."""
         if self.background is not None:  # a failed background save raises here, on every rank alike
             self.background.poll()
         if self.buffer_sync is not None:  # see [Note: when buffers are broadcast] in sharding/buffer_sync.py
@@ -222,6 +223,7 @@ class ZeroEngine:
         self.step.advance(event)
 
     def before_backward(self, loss: torch.Tensor) -> None:
+        """Before the backward of ``loss``: the end-of-backward callback is armed on it."""
         self.backward_end.forget_raised()  # (a backward that raised left its reductions half done)
         self.step.advance("before_backward")
         self.backward_end.arm_on(loss)  # the end-of-backward callback belongs to this backward
@@ -342,10 +344,9 @@ class ZeroEngine:
         self, path: Any, *, module: Module | None, optimizers: Sequence[ZeroOptimizer], trusted: bool = False
     ) -> Restore:
         """Opens the checkpoint ``path`` (a directory of any world size and stage, a plain Lightning file or a DCP
-        directory) for ``module`` and ``optimizers``, once a save in flight has finished: every rank checks it and
-        all raise the first problem (collective; checkpoint/io.py). Returns what restores their sharded state from
-        it, each part when the front door asks (checkpoint/restore.py). Pickled state is loaded with
-        ``weights_only`` unless ``trusted``."""
+        directory) for ``module`` and ``optimizers`` once a save in flight has finished: every rank checks it, all raise
+        the first problem (collective; checkpoint/io.py). Returns what restores their sharded state, each part when the
+        front door asks (checkpoint/restore.py). Pickled state is loaded with ``weights_only`` unless ``trusted``."""
         self.finish_saves()
         self.settle()
         model_names = list(module.state_dict(keep_vars=True)) if module is not None else None
@@ -372,9 +373,8 @@ class ZeroEngine:
         totals = engine_bytes(self.units, self.optimizers, self.module, self.average, offloaded, node_size)
         return totals | (self.activations.memory_bytes() if self.activations is not None else {})
 
-    # --- the end -----------------------------------------------------------------------------------
     def teardown(self) -> None:
-        """Releases hooks; a stage-3 module stays sharded where it is (nothing is gathered, even after an
+        """At the end: releases hooks; a stage-3 module stays sharded where it is (nothing is gathered, even after an
         error): ``full_state_dict`` or ``gather_module`` make it whole when asked. A background save in flight
         is finished first; its error is raised once everything is released."""
         try:

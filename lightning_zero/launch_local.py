@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick), for the ranks' rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

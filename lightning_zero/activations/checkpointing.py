@@ -91,6 +91,7 @@ class UnitCheckpoints:
         return {"host_activations": self.offload.pool.capacity} if self.offload is not None else {}
 
     def remove(self) -> None:
+        """Removes the hooks from the modules, which run their plain forward from then on."""
         for handle in self._handles:
             handle.remove()
         self._handles = []

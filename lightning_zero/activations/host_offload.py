@@ -59,6 +59,7 @@ class HostPool:
 
     @property
     def capacity(self) -> int:
+        """Bytes the pool's chunks hold in all, in use or not."""
         return sum(chunk.buffer.numel() for chunk in self._chunks)
 
     def take(self, nbytes: int) -> tuple[Tensor, _Chunk]:
@@ -84,6 +85,7 @@ class HostPool:
         return chunk.buffer[offset : offset + nbytes], chunk
 
     def release(self, chunk: _Chunk, nbytes: int) -> None:
+        """Gives back ``nbytes`` taken from ``chunk`` by ``take``; the chunk is reused from its start once empty."""
         chunk.live -= 1
         self.live -= 1
         self._held -= _aligned(nbytes)

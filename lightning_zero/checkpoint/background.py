@@ -58,6 +58,7 @@ class BackgroundSaves:
 
     @property
     def in_flight(self) -> bool:
+        """Whether a save's writing thread has been started and not yet waited for."""
         return self._thread is not None
 
     def release(self) -> None:

@@ -146,6 +146,7 @@ def _write_torch(f: BinaryIO, sources: list[tuple[str, Source]], head: dict[str,
 
 
 def _write_safetensors(f: BinaryIO, sources: list[tuple[str, Source]]) -> None:
+    """The state dict into the new file ``f`` in safetensors' layout, one tensor at a time."""
     header, offset = {}, 0
     for key, (_, _, shape, dtype) in sources:  # safetensors has no shared tensors: tied keys get a copy each
         nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -167,11 +168,29 @@ SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 
 
 def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike, *, weights_only: bool = True) -> Path:
-    """Writes the fp32 weights of a sharded checkpoint to ``output`` (.ckpt, .pt or .safetensors: see the
-    module's docstring), atomically.
+    """Writes the fp32 weights of a sharded checkpoint to one file that loads without lightning_zero.
 
-    ``weights_only=False`` unpickles the checkpoint's Lightning state without restrictions: only for a
-    checkpoint you trust. Bad input raises a one-line CheckpointError before anything is written."""
+    The whole checkpoint is checked first (every file's size and checksum), then the weights are streamed
+    parameter by parameter into a new file that takes ``output``'s name only once complete: peak memory is
+    about one parameter. A weight average that the checkpoint presents as its weights (Lightning's
+    WeightAveraging) is written instead of the trained weights.
+
+    Args:
+        checkpoint: The sharded checkpoint directory.
+        output: The file to write, which must not exist; its suffix picks the format (see the module's
+            docstring): ``.ckpt`` a Lightning checkpoint for ``load_from_checkpoint``, ``.pt``, ``.pth`` or
+            ``.bin`` the state dict for ``torch.load``, ``.safetensors`` the state dict in safetensors.
+        weights_only: False unpickles the checkpoint's Lightning state without restrictions: only for a
+            checkpoint you trust.
+
+    Returns:
+        The path written, ``output``.
+
+    Raises:
+        CheckpointError: ``output`` is a link, a directory or an existing file, its directory does not exist
+            or its suffix is none of the above; or the checkpoint is incomplete, invalid or corrupted, or (for a
+            ``.ckpt``) its hyper-parameters hold tensors. Raised, as one line, before anything is written.
+    """
     directory, output = Path(checkpoint), Path(output)
     check_not_a_link(output)
     if output.is_dir():

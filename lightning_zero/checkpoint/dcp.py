@@ -56,6 +56,7 @@ class DcpSource:
         }
 
     def shape(self, key: str) -> tuple[int, ...]:
+        """The saved shape of the tensor ``key``."""
         return tuple(self.tensors[key].size)
 
     def load(self, wanted: dict[str, Any], offsets: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
@@ -173,9 +174,12 @@ class DcpReader:
         self.shapes = {name: source.shape(key) for name, key in keys.items()}
 
     def read(self, name: str, lo: int, hi: int, out: Tensor, key: str | None = None, *, averaged: bool = False) -> None:
+        """Copies elements [lo, hi) of ``name``'s flattened tensor, or with ``key`` of that optimizer state of it,
+        into ``out``; ``averaged`` is ignored (the signature is ``ShardReader.read``'s)."""
         self.source.read(self.keys[name] if key is None else self.state[name][key], lo, hi, out)
 
     def state_of(self, name: str) -> tuple[dict[str, Any], list[str]] | None:
+        """The saved non-elementwise optimizer state of ``name`` and its elementwise keys, or None if it has none."""
         if name not in self.state:
             return None
         scalars = self.scalars.get(name, {})

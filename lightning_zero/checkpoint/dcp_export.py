@@ -109,7 +109,36 @@ def export_dcp(
     """Writes the sharded checkpoint ``checkpoint`` as the new DCP directory ``out_dir`` (see the module's
     docstring): the weights and, with ``optimizer`` where the checkpoint has it, the optimizer's state.
     ``weights_only=False`` unpickles the checkpoint's Lightning state without restrictions (only for one you
-    trust). Bad input raises a one-line CheckpointError before anything is written."""
+    trust). Bad input raises a one-line CheckpointError before anything is written.
+
+    Use it to continue a run with FSDP2 (or torchtitan), which loads the directory at any world size as its own:
+    ``get_state_dict(model, optimizer)``'s layout, ``{"model": ..., "optim": ...}``, names by parameter. One
+    process writes it, streaming one tensor at a time from the ranks' shards; the directory appears only once
+    complete (a failed export leaves nothing behind). The command ``lightning-zero consolidate CKPT OUT_DIR
+    --dcp`` does the same.
+
+    Args:
+        checkpoint: a sharded checkpoint directory of lightning_zero (any world size and stage).
+        out_dir: the DCP directory to create; it must not exist, its parent must.
+        strip_prefix: removed from every name (``"model."`` for a LightningModule's ``self.model``), so that the
+            names are the plain module's; every name must start with it.
+        optimizer: include the optimizer's state (``"optim"``) when the checkpoint holds it; False: the weights.
+        weights_only: unpickle the checkpoint's Lightning state safely (True), or without restrictions (False).
+
+    Returns:
+        ``out_dir``, as a Path.
+
+    Raises:
+        CheckpointError: ``out_dir`` exists or is a link, or its parent is missing; ``checkpoint`` is missing,
+            incomplete or damaged (a file's size or checksum), holds a name that does not start with
+            ``strip_prefix``, holds several optimizers (with ``optimizer``), or holds objects that safe unpickling
+            refuses; DCP fails to write (then nothing is left behind).
+
+    Example:
+        ```python
+        lightning_zero.export_dcp("ckpts/last.ckpt", "dcp-out", strip_prefix="model.")
+        ```
+    """
     directory, out_dir = Path(checkpoint), Path(out_dir)
     check_new_directory(out_dir)
     meta = read_metadata(directory)

@@ -48,6 +48,7 @@ _DTYPE_NAMES = (
 
 
 def is_dcp(path: Path) -> bool:
+    """Whether ``path`` is a directory holding a DCP ``.metadata`` file."""
     return path.is_dir() and (path / DCP_METADATA).is_file()
 
 

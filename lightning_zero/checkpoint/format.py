@@ -80,10 +80,12 @@ def averaged_exported(lightning: dict[str, Any], path: Any) -> bool:
 
 
 def rank_file(rank: int) -> str:
+    """The name of saved rank ``rank``'s file in a checkpoint directory (``rank-00003.pt``)."""
     return f"rank-{rank:05d}.pt"
 
 
 def partial_dir(path: Path) -> Path:
+    """The hidden directory beside ``path`` in which a save assembles the checkpoint before publishing it."""
     return path.parent / f".{path.name}.partial"
 
 
@@ -93,6 +95,8 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class ParamEntry:
+    """One sharded parameter in the metadata: its name, state-dict keys, shape and dtype."""
+
     name: str  # the first name under which the module registers it
     keys: list[str]  # every state-dict key that holds it (tied parameters have several)
     shape: list[int]
@@ -101,12 +105,17 @@ class ParamEntry:
 
 @dataclass
 class UnitEntry:
+    """One unit in the metadata: its parameters in flat order and its buckets' bounds."""
+
     params: list[ParamEntry]
     buckets: list[list[int]]  # [first_param, end_param) of each bucket
 
 
 @dataclass
 class Metadata:
+    """``metadata.json``: what was saved (stage, world size, step, epoch), every unit's parameters and buckets, the
+    optimizers' param groups by name, the LightningModule's state-dict keys and each file's size and checksum."""
+
     stage: int
     world_size: int
     global_step: int
@@ -120,6 +129,7 @@ class Metadata:
     version: int = VERSION
 
     def to_json(self) -> str:
+        """The metadata as the JSON text of ``metadata.json``."""
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
@@ -274,6 +284,7 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def file_digest(path: Path, algorithm: str = WRITTEN_DIGEST) -> str:
+    """The hexadecimal checksum of the file at ``path`` with ``algorithm`` (a key of ``DIGESTS``)."""
     digest = DIGESTS[algorithm][0]()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -304,6 +315,8 @@ def check_files(directory: Path, meta: Metadata, *, checksum: bool, share: tuple
 
 
 def read_metadata(directory: Path) -> Metadata:
+    """The validated metadata of the checkpoint ``directory``; raises a CheckpointError if ``directory`` does not
+    exist, is not a lightning_zero checkpoint, is incomplete (no ``COMPLETE``) or its metadata is invalid."""
     if not directory.exists():
         raise CheckpointError(
             f"{directory}: no such checkpoint (on a multi-node run: is it on a filesystem every node shares?)"
@@ -318,9 +331,22 @@ def read_metadata(directory: Path) -> Metadata:
 
 
 def latest(dirpath: str | os.PathLike, *, excluding: Path | None = None) -> Path | None:
-    """The complete checkpoint with the highest global step under ``dirpath`` (other than ``excluding``): partial
-    saves, hidden directories, links (``last.ckpt``: their targets are the checkpoints) and checkpoints whose files
-    are missing or of the wrong size are skipped."""
+    """The complete checkpoint with the highest global step under ``dirpath``: the one to resume from.
+
+    Partial saves, hidden directories, links (``last.ckpt``: their targets are the checkpoints) and checkpoints
+    whose metadata is invalid or whose files are missing or of the wrong size are skipped (checksums are not
+    computed); of two at the same step, the one modified last is taken.
+
+    Args:
+        dirpath: The directory the checkpoints are saved in.
+        excluding: A checkpoint directory under ``dirpath`` not to return (one about to be replaced or removed).
+
+    Returns:
+        The checkpoint directory, or None if ``dirpath`` holds no complete checkpoint.
+
+    Raises:
+        OSError: ``dirpath`` cannot be listed (it does not exist or is not a directory).
+    """
     best: tuple[int, float, Path] | None = None
     for child in Path(dirpath).iterdir():
         if child.name.startswith(".") or child.is_symlink() or child == excluding or not (child / COMPLETE).is_file():

@@ -115,7 +115,36 @@ def export_hugging_face(
     weights_only: bool = True,
 ) -> Path:
     """Writes the Hugging Face model of a sharded checkpoint to the new directory ``out_dir`` (see the module's
-    docstring), atomically. Bad input raises a one-line CheckpointError before anything is written."""
+    docstring), atomically. Bad input raises a one-line CheckpointError before anything is written.
+
+    For a LightningModule that holds a transformers ``PreTrainedModel``: the output is what ``save_pretrained``
+    writes (``config.json`` and safetensors weights in fp32, the master weights), which
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads with no lightning_zero installed. The weights are
+    streamed from the ranks' shards one parameter at a time, and a tied parameter is written once. The command
+    ``lightning-zero consolidate CKPT OUT_DIR --hf`` does the same.
+
+    Args:
+        checkpoint: a sharded checkpoint directory of lightning_zero (any world size and stage) saved from a
+            module that held a Hugging Face model.
+        out_dir: the directory to create; it must not exist, its parent must.
+        max_shard_bytes: the most bytes of one safetensors file (``save_pretrained``'s 5 GB by default); one
+            ``model.safetensors`` when the weights fit, else numbered files with their index.
+        weights_only: unpickle the checkpoint's Lightning state safely (True), or without restrictions (False).
+
+    Returns:
+        ``out_dir``, as a Path.
+
+    Raises:
+        CheckpointError: ``out_dir`` exists or is a link, or its parent is missing; ``max_shard_bytes`` is not an
+            integer > 0; ``checkpoint`` is missing, incomplete or damaged (a file's size or checksum), holds no
+            Hugging Face model (or a malformed description of it), or holds objects that safe unpickling refuses.
+
+    Example:
+        ```python
+        lightning_zero.export_hugging_face("ckpts/last.ckpt", "my-model")
+        # then, anywhere: AutoModelForCausalLM.from_pretrained("my-model")
+        ```
+    """
     directory, out_dir = Path(checkpoint), Path(out_dir)
     check_new_directory(out_dir)
     if not (isinstance(max_shard_bytes, int) and max_shard_bytes > 0):

@@ -51,6 +51,9 @@ def lacking_keys(saved_groups: list[dict[str, Any]], defaults: dict[str, Any]) -
 
 @dataclass
 class LoadedCheckpoint:
+    """An opened checkpoint (``open_checkpoint``'s): its path, its metadata, Lightning's state and a reader of
+    its tensors."""
+
     path: Path
     meta: Metadata
     lightning: dict[str, Any]

@@ -34,10 +34,14 @@ class PlainReader:
         return [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel]
 
     def read(self, name: str, lo: int, hi: int, out: Tensor, key: str | None = None) -> None:
+        """Copies elements [lo, hi) of the flattened parameter ``name``, or with ``key`` of that optimizer state of
+        it, into ``out``."""
         source = self.state_dict[name] if key is None else self.optimizer_state[name][key]
         out.copy_(source.reshape(-1)[lo:hi])
 
     def state_of(self, name: str) -> tuple[dict[str, Any], list[str]] | None:
+        """The saved optimizer state of ``name`` that is not elementwise, and its elementwise keys (tensors of the
+        parameter's size), or None if it has none."""
         if name not in self.optimizer_state:
             return None
         elementwise = self._elementwise(name)

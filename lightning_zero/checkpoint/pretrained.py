@@ -13,9 +13,9 @@ written where it lives, reading only what this rank keeps:
 
 One tensor at a time, so memory stays near the largest tensor. Names are matched exactly (a
 ``prefix`` is prepended to the module's names), but for a DCP checkpoint's, whose prefix is found as
-``fit(ckpt_path=...)`` finds it (a LightningModule's ``self.model``); with ``strict`` a mismatch is one
-error listing every missing and unexpected name and every shape that differs, raised before anything is
-written.
+``fit(ckpt_path=...)`` finds it (a LightningModule's ``self.model``). A shape that differs, and with
+``strict`` a missing or unexpected name, is one error listing every missing and unexpected name and every
+shape that differs, raised before anything is written.
 """
 
 from __future__ import annotations
@@ -112,9 +112,45 @@ class _Source:
 def load_pretrained(
     module: Module, source: Mapping[str, Tensor] | str | os.PathLike, *, strict: bool = True, prefix: str = ""
 ) -> None:
-    """Loads ``source`` into ``module``'s parameters and persistent buffers (see the module docstring).
+    """Loads pretrained (unsharded) weights into ``module``'s parameters and persistent buffers, wherever they live,
+    reading only what this rank keeps, one tensor at a time (memory stays near the largest tensor):
 
-    Call it on every rank (under stage 3 it is part of the collective construction or set-up)."""
+    - inside ``configure_model`` (or ``fabric.init_module()``) under stage 3: this rank's slice of each parameter,
+      read as a slice of the file;
+    - after stage-3 set-up: this rank's pieces of each unit;
+    - anywhere else (stages 1-2, no strategy, buffers): the whole tensor, copied in.
+
+    Call it on every rank (under stage 3 it is part of the collective construction or set-up). Names are matched
+    exactly (``prefix`` prepended to the module's), but for a DCP checkpoint's, whose prefix is found as
+    ``fit(ckpt_path=...)`` finds it. A shape that differs (and, with ``strict``, a missing or unexpected name) is
+    one error listing every missing and unexpected name and every shape that differs, raised before anything is
+    written.
+
+    Args:
+        module: the model (or a submodule, such as a LightningModule's ``self.model``) to load into.
+        source: a state dict; a ``.safetensors`` file; a ``.pt``/``.bin`` file (loaded with ``weights_only=True``,
+            memory-mapped); a Hugging Face checkpoint directory (``model.safetensors``, sharded ``*.safetensors``
+            with ``model.safetensors.index.json``, or ``pytorch_model.bin``); or a torch.distributed.checkpoint
+            directory (FSDP2's or torchtitan's model).
+        strict: whether names of the module missing from ``source``, or names of ``source`` not in the module,
+            are an error (shapes that differ always are); False loads the names they share.
+        prefix: prepended to the module's names to find them in ``source`` (``"model."`` when ``source`` names
+            the parameters of the LightningModule that holds ``module`` as ``self.model``).
+
+    Raises:
+        ValueError: a shape differs, or (with ``strict``) a name is missing or unexpected.
+        FileNotFoundError: ``source`` is no file or directory, or a directory without the files above.
+        CheckpointError: a DCP directory that cannot be read (its metadata or a tensor's data), or in which several
+            sections hold the module's names equally well.
+        pickle.UnpicklingError: a ``.pt``/``.bin`` file holding objects that ``weights_only=True`` refuses.
+
+    Example:
+        ```python
+        def configure_model(self):  # a LightningModule under zero3: each rank reads its slices
+            self.model = GPT(self.cfg)
+            lightning_zero.load_pretrained(self.model, "path/to/checkpoint")
+        ```
+    """
     entries = module.state_dict(keep_vars=True)
     reader = _Source(source, [prefix + k for k in entries])
     names_of: dict[int, list[str]] = {}

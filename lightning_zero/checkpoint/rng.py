@@ -40,6 +40,7 @@ def capture() -> dict[str, Any]:
 
 
 def restore(state: dict[str, Any]) -> None:
+    """Sets this rank's generators to ``state`` (``capture``'s); the CUDA one only if saved and CUDA is available."""
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

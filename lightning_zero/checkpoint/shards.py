@@ -21,6 +21,9 @@ from lightning_zero.sharding.layout import FlatLayout, layout_from_buckets
 
 
 class ShardReader:
+    """Reads parameters, optimizer state and weight averages out of a sharded checkpoint's per-rank files by
+    element range, whatever world size they were saved at (see the module's docstring)."""
+
     def __init__(self, directory: Path, meta: Metadata, *, keep_open: bool = True) -> None:
         """``keep_open=False`` maps a rank's file anew for every read, so pages read are released
         right after (for streaming the whole model with little memory); otherwise it stays mapped."""
@@ -32,6 +35,7 @@ class ShardReader:
 
     @cached_property
     def layouts(self) -> list[FlatLayout]:
+        """Each saved unit's flat layout at the saved world size, rebuilt from the metadata's sizes and buckets."""
         sizes = [[math.prod(p.shape) for p in unit.params] for unit in self.meta.units]
         return [layout_from_buckets(n, self.meta.world_size, u.buckets) for n, u in zip(sizes, self.meta.units)]
 
@@ -46,6 +50,7 @@ class ShardReader:
         return out
 
     def rank_data(self, rank: int) -> dict[str, Any]:
+        """Saved rank ``rank``'s file, memory-mapped (kept mapped for later reads with ``keep_open``)."""
         if rank in self._files:
             return self._files[rank]
         path = self.directory / rank_file(rank)

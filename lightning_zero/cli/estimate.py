@@ -42,6 +42,8 @@ def _positive_int(text: str) -> int:
 
 
 def estimate_main(args: list[str]) -> None:
+    """``lightning-zero estimate``: parses ``args`` (the arguments after the command's name) and prints the
+    tables; bad arguments raise an InputError, reported by ``main`` as one line."""
     parsed = _parser().parse_args(args)
     world, shard, capacity = _sizes(parsed)
     if parsed.params is not None:

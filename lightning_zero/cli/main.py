@@ -72,6 +72,9 @@ def _setup_errors_are_input_errors():
 
 
 class ZeroCLI(LightningCLI):
+    """Lightning's CLI with the ``--zero.*`` options and ``--deepspeed_config``, which checks its input before
+    anything is built or launched and trains with a ZeroStrategy when ``--trainer.strategy`` names a stage."""
+
     def init_parser(self, **kwargs) -> LightningArgumentParser:
         # A parse error raises instead of printing the usage block: main() reports it in one line.
         return super().init_parser(exit_on_error=False, **kwargs)
@@ -216,6 +219,8 @@ def _checkpoint_command(
 
 
 def consolidate_main(args: list[str]) -> None:
+    """``lightning-zero consolidate``: parses ``args`` (the arguments after the command's name), writes the export
+    and prints its path; a CheckpointError is raised as an InputError."""
     _checkpoint_command(
         args,
         prog="lightning-zero consolidate",
@@ -255,6 +260,8 @@ def _consolidate(source: str, output: str, trust: bool, *, hf: bool, dcp: bool, 
 
 
 def convert_deepspeed_main(args: list[str]) -> None:
+    """``lightning-zero convert-deepspeed``: parses ``args`` (the arguments after the command's name), converts the
+    DeepSpeed checkpoint and prints its summary; a CheckpointError is raised as an InputError."""
     _checkpoint_command(
         args,
         prog="lightning-zero convert-deepspeed",
@@ -303,7 +310,19 @@ def _run(argv: list[str], cli_args: list[str] | None) -> None:
 
 
 def main(args: list[str] | None = None) -> None:
-    """The console script (``args`` None: the command line), or in-process with ``main([...])``."""
+    """The ``lightning-zero`` console script, or the same in-process with ``main([...])``.
+
+    Runs ``fit | validate | test | predict`` (Lightning's CLI), ``estimate``, ``consolidate`` or
+    ``convert-deepspeed`` (see the module's docstring). ``--debug`` anywhere in the arguments (or
+    ``LIGHTNING_ZERO_DEBUG=1``) raises bad input with its traceback instead of reporting it in one line.
+
+    Args:
+        args: The arguments after the program's name; None reads them from ``sys.argv``.
+
+    Raises:
+        SystemExit: With code 2 on bad input (an argument, a config, a checkpoint), after rank 0 printed
+            ``lightning-zero <command>: error: ...`` to stderr; with code 0 after a command's ``--help``.
+    """
     argv = sys.argv[1:] if args is None else list(args)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV) == "1"
     if "--debug" in argv:

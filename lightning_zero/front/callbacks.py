@@ -34,6 +34,7 @@ def _tokens(batch: Any) -> int:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """The most bytes held so far: the CUDA allocator's peak on a CUDA ``device``, else the process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -44,7 +45,10 @@ class StepProgressBar(RichProgressBar):
 
     With ``max_steps`` and no ``max_epochs`` Lightning sets ``max_epochs = -1`` (no bound), which
     RichProgressBar (Lightning 2.6) prints as "Epoch 4/-2". Here the epoch has no bound then, and the
-    metrics start with ``step: 480/600``.
+    metrics start with ``step: 480/600`` whenever ``max_steps`` is set. The bar stops at the end of training,
+    so that ``ZeroMetrics``' summary table is printed after its last frame.
+
+    It takes ``RichProgressBar``'s arguments (``refresh_rate``, ``leave``, ``theme``, ``console_kwargs``).
     """
 
     def _get_train_description(self, current_epoch: int) -> str:  # Lightning's only hook for this text
@@ -66,8 +70,23 @@ class StepProgressBar(RichProgressBar):
 
 
 class ZeroMetrics(ThroughputMonitor):
+    """Lightning's ``ThroughputMonitor`` for the ZeRO strategies, with memory and an end-of-fit summary.
+
+    Batches are ``(x, y)`` whose ``x`` is (batch, tokens): samples and tokens are counted from ``x`` (each
+    rank of a sequence-parallel group counts its share). After each optimizer step rank 0 shows
+    ``tokens_per_sec``, ``mfu`` (when the peak FLOP/s is known) and ``peak_mem_GiB`` in the progress bar, and
+    logs the peak memory. At the end of ``fit`` each rank's persistent bytes are gathered (under a
+    ``ZeroStrategy``: every rank takes part) and rank 0's logged; rank 0 prints a table of every rank's bytes
+    against the ZeRO formula, the throughput over the run, the first and last training loss (``train_loss``)
+    and, with fp16, the loss scale and the steps skipped.
+
+    Args:
+        peak_flops: the device's peak FLOP/s for MFU, where Lightning does not know it (CPUs); given, it is
+            used instead of Lightning's figure.
+        window_size: the number of batches the throughput is averaged over (``ThroughputMonitor``'s).
+    """
+
     def __init__(self, peak_flops: float | None = None, window_size: int = 50) -> None:
-        """``peak_flops``: the device's peak FLOP/s for MFU where Lightning does not know it (CPUs)."""
         super().__init__(batch_size_fn=self._samples, length_fn=self._tokens, window_size=window_size)
         self.share = 1  # the ranks sharing each sample (a sequence-parallel group): each counts its part
         self.peak_flops = peak_flops

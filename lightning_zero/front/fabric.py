@@ -1,11 +1,5 @@
-"""ZeroFabricStrategy: the ZeRO engine behind Lightning Fabric (``Fabric(strategy="zero1"|"zero2"|"zero3")``).
-
-A Fabric program marks the step's boundaries itself (engine.py's [Note: the step's boundaries]): each call
-of the model set up by ``fabric.setup`` is a forward (a training one when gradients are enabled),
-``fabric.backward`` the backward, ``optimizer.step()`` the step, and
-``fabric.no_backward_sync(model, enabled=...)`` the micro-batches before a step's last. Forward-only calls
-(under ``torch.no_grad()``) must run as many times on every rank under stage 3 (as under FSDP): Fabric has
-no loop that could tell when a rank ran out of batches.
+"""ZeroFabricStrategy: the ZeRO engine behind Lightning Fabric (``Fabric(strategy="zero1"|"zero2"|"zero3")``); the
+step's boundaries a Fabric program marks (engine.py's [Note]) and its checkpoints: the class's docstring.
 
 [Note: several models]
 Each model set up (``fabric.setup`` or ``fabric.setup_module``: a student and its frozen teacher) gets an engine
@@ -18,11 +12,6 @@ made through none of them: the engines with optimizers); ``no_backward_sync``, `
 and the state dict go to the model's or optimizer's own engine. A checkpoint holds one model, with its own
 optimizers (as Lightning's FSDP and DeepSpeed strategies for Fabric): a checkpoint directory is one model's
 shards, which the Trainer, ``consolidate`` and ``load_pretrained`` read as that model.
-
-Checkpoints are the Trainer's format (checkpoint/format.py): ``fabric.save(path, {"model": model,
-"optimizer": optimizer, "step": 3})`` writes each rank's shards and the other entries into ``lightning.pt``,
-with the keys a Trainer resumes from (``optimizer_states``, the precision plugin's state); ``fabric.load``
-reads a checkpoint of either, at any world size and stage, and returns what it did not restore.
 """
 
 from __future__ import annotations
@@ -106,7 +95,41 @@ def _zero(optimizer: Any) -> ZeroOptimizer:
 
 
 class ZeroFabricStrategy(DDPStrategy):
-    """ZeRO data parallelism for Fabric. Args: as ``ZeroStrategy``'s (``config``, ``stage``, ``start_method``)."""
+    """ZeRO data parallelism for Lightning Fabric: ``Fabric(strategy="zero2")``, or this class for options.
+
+    A Fabric program marks the step's boundaries itself: each call of the model ``fabric.setup`` returns is a
+    forward (a training one when gradients are enabled), ``fabric.backward`` the backward, ``optimizer.step()`` the
+    step, and ``fabric.no_backward_sync(model, enabled=...)`` the micro-batches before a step's last. Forward-only
+    calls (under ``torch.no_grad()``) must run as many times on every rank under stage 3 (as under FSDP): Fabric has
+    no loop that could tell when a rank ran out of batches. Each model set up (``fabric.setup``, or
+    ``fabric.setup_module`` for a frozen teacher) gets an engine of its own (the module's [Note: several models]).
+
+    Checkpoints are the Trainer's format: ``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})``
+    writes each rank's shards and the other entries (with the keys a Trainer resumes from); ``fabric.load`` reads
+    a Fabric or Trainer checkpoint at any world size and stage, restores ``state``'s objects and returns the other
+    entries. A checkpoint holds one model, with its own optimizers. Both are collective: every rank calls them.
+
+    Args:
+        config: the typed configuration; ``ZeroConfig()`` by default (its ``timeout`` is the process group's).
+        stage: shortcut that overrides ``config.stage``.
+        accelerator: as ``DDPStrategy``'s (Fabric sets it).
+        parallel_devices: as ``DDPStrategy``'s (Fabric sets them).
+        cluster_environment: as ``DDPStrategy``'s (Fabric sets it).
+        checkpoint_io: as ``DDPStrategy``'s; the sharded checkpoints are written and read without it.
+        precision: a ``ZeroPrecision``; Fabric's, from ``Fabric(precision=...)``, is converted to one.
+        process_group_backend: as ``DDPStrategy``'s (None: "nccl" on CUDA, else "gloo").
+        start_method: how the processes are started: "popen" (re-runs the script) or "spawn", "fork", "forkserver".
+
+    Raises:
+        TypeError: ``config`` is not a ``ZeroConfig``; ``fabric.save`` given ``storage_options`` or a ``filter``;
+            an optimizer not set up by ``fabric.setup`` under this strategy.
+        ValueError: a bad ``stage`` or precision; at set-up, a model, optimizer or group size it cannot run, or a
+            model sharing parameters with one set up before; ``fabric.save``/``load`` of several models at once;
+            ``clip_gradients`` with a ``norm_type`` other than 2.
+        RuntimeError: ``clip_gradients(max_norm=...)`` on a non-finite norm (with ``error_if_nonfinite``).
+        CheckpointError: a checkpoint that cannot be saved or loaded: the same one line on every rank.
+        KeyError: ``fabric.load(path, state)`` (``strict=True``) of a checkpoint lacking an entry of ``state``.
+    """
 
     def __init__(
         self,
@@ -145,6 +168,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @property
     def precision(self) -> ZeroPrecision:
+        """Ours: the plugin Fabric builds from ``Fabric(precision=...)`` is turned into a ZeroPrecision."""
         if not isinstance(self._precision, ZeroPrecision):
             self._precision = ZeroPrecision("32-true")
         return self._precision
@@ -171,7 +195,8 @@ class ZeroFabricStrategy(DDPStrategy):
         self.engine = self._new_engine()
 
     @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:  # (fabric.setup_dataloaders: one replica per group)
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """``fabric.setup_dataloaders``' sampler's ``num_replicas`` and ``rank``: a sequence-parallel group is one."""
         return self.sequence_parallel.sampler_kwargs() if self.sequence_parallel else super().distributed_sampler_kwargs
 
     def _new_engine(self) -> ZeroEngine:
@@ -368,6 +393,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Registers ``zero1``, ``zero2`` and ``zero3`` (this class at that stage); ``import lightning_zero`` does."""
         for stage in (1, 2, 3):
             strategy_registry.register(
                 f"zero{stage}", cls, description=f"ZeRO stage {stage} (lightning_zero)", stage=stage

@@ -58,7 +58,28 @@ def _holder(module: pl.LightningModule) -> dict[int, ZeroOptimizer]:
 
 
 def grad_norm(module: pl.LightningModule, norm_type: float | int | str = 2.0) -> dict[str, Tensor]:
-    """Like ``lightning.pytorch.utilities.grad_norm`` for a LightningModule trained with a ZeRO strategy."""
+    """Like ``lightning.pytorch.utilities.grad_norm`` for a LightningModule trained with a ZeRO strategy: each
+    parameter's gradient norm and their total, computed from the shards with one all-reduce, nothing gathered.
+    Collective: call it on every rank, inside a step once the gradients exist (``on_before_optimizer_step``).
+
+    Args:
+        module: the LightningModule being trained.
+        norm_type: the p of the p-norm (a number, or a string ``float`` reads, such as "2").
+
+    Returns:
+        ``grad_{p}_norm/<name>`` -> the norm of each parameter the ZeRO optimizers train, and
+        ``grad_{p}_norm_total``; empty where no optimizer is a ZeRO one.
+
+    Raises:
+        ValueError: ``norm_type`` is not a number, or (with ZeRO optimizers) not a finite number > 0.
+        RuntimeError: ``module`` is not attached to a Trainer.
+
+    Example:
+        ```python
+        def on_before_optimizer_step(self, optimizer):
+            self.log_dict(lightning_zero.grad_norm(self, norm_type=2))
+        ```
+    """
     norm_type = float(norm_type)
     holders = _holder(module)
     out: dict[str, Tensor] = {}

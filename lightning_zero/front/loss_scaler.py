@@ -39,7 +39,7 @@ HOST_LAG = 2  # updates between the state and the host's view of it, skipping on
 
 
 class LossScaleAtMinimumError(RuntimeError):
-    pass
+    """Gradients overflowed with the loss scale already at its minimum (with ``raise_at_min_scale``)."""
 
 
 def advance(state: Tensor, overflow: Tensor, config: LossScaleConfig) -> Tensor:
@@ -65,6 +65,10 @@ def advance(state: Tensor, overflow: Tensor, config: LossScaleConfig) -> Tensor:
 
 
 class DynamicLossScaler:
+    """fp16's loss scale as a state machine (see the module's docstring): the scale, the hysteresis left,
+    the good steps in a row, the steps skipped and the overflows at the minimum scale, in one fp64 tensor.
+    ``config``: its settings; a static scale (``static_loss_scale``) never changes."""
+
     def __init__(self, config: LossScaleConfig) -> None:
         self.config = config
         start = float(config.static_loss_scale or 2.0**config.initial_scale_power)
@@ -77,19 +81,23 @@ class DynamicLossScaler:
 
     @property
     def dynamic(self) -> bool:
+        """Whether the scale changes (no ``static_loss_scale``)."""
         return not self.config.static_loss_scale
 
     # the exact state, read on the host (a sync when it lives on the device: for checkpoints and tests)
     @property
     def scale(self) -> float:
+        """The current scale (read from the state: a sync when it lives on the device)."""
         return float(self.state[SCALE])
 
     @property
     def hysteresis(self) -> int:
+        """The hysteresis left: at 1 the next overflow backs the scale off; above, it is tolerated and takes one off."""
         return int(self.state[HYSTERESIS])
 
     @property
     def skipped_steps(self) -> int:
+        """The optimizer steps skipped for an overflow so far (read from the state)."""
         return int(self.state[SKIPPED_STEPS])
 
     def scale_tensor(self, device: torch.device | None = None) -> Tensor:
@@ -152,10 +160,12 @@ class DynamicLossScaler:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def state_dict(self) -> dict[str, Any]:
+        """The exact state for a checkpoint: ``scale``, ``hysteresis``, ``good_steps`` and ``skipped_steps``."""
         scale, hysteresis, good, skipped, _ = self.state.tolist()
         return {"scale": scale, "hysteresis": int(hysteresis), "good_steps": int(good), "skipped_steps": int(skipped)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Sets the state from ``state`` (``state_dict``'s), on the device the state is on; the host's view is it."""
         values = [
             float(state["scale"]),
             int(state["hysteresis"]),

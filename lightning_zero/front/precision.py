@@ -47,19 +47,39 @@ GRAD_NORM_KEY = "zero/grad_norm"  # the global gradient norm, logged in steps th
 
 
 def validate_precision(precision: str) -> None:
+    """Raises a ValueError naming the supported precisions unless ``precision`` is one of them."""
     if precision not in SUPPORTED_PRECISION:
         raise ValueError(f"the ZeRO strategies support precision {', '.join(SUPPORTED_PRECISION)}; got {precision!r}")
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside Lightning's ``LightningOptimizer`` wrapper; any other object as it is."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class ZeroPrecision(Precision):
-    """Args:
-    precision: "32-true", "bf16-mixed" or "16-mixed".
-    device: the autocast device type; the strategy fills it in when None.
-    loss_scale: fp16 loss scaling; only for "16-mixed" (``LossScaleConfig()`` by default).
+    """The precision plugin of the ZeRO strategies (Trainer and Fabric): it owns backward's loss scaling, gradient
+    clipping and the optimizer step.
+
+    ``Trainer(precision="bf16-mixed")`` (or ``Fabric(precision=...)``) under a ZeRO strategy becomes one of these;
+    make one yourself for fp16's loss scaling: ``Trainer(strategy="zero2", plugins=[ZeroPrecision("16-mixed",
+    loss_scale=LossScaleConfig(...))])``. "32-true" is fp32 everywhere; "bf16-mixed" computes under bf16 autocast
+    with fp32 gradients and masters (and fp32 parameters, but stage 3's bf16 shards with ``gather_dtype="compute"``);
+    "16-mixed" is DeepSpeed's fp16 mode: fp16 parameters and gradients, fp32 masters and optimizer state, a dynamic
+    loss scale, and a step whose gradients overflowed on any rank skipped on every rank. Under the Trainer it logs
+    ``loss_scale`` and ``skipped_steps`` (fp16) at every step, and ``zero/grad_norm`` at each step that clips by norm.
+
+    Args:
+        precision: "32-true", "bf16-mixed" or "16-mixed".
+        device: the autocast device type ("cuda", "cpu"); None: the strategy fills in its device's.
+        loss_scale: fp16 loss scaling; only for "16-mixed" (``LossScaleConfig()`` by default).
+
+    Raises:
+        ValueError: ``precision`` is none of the three, or ``loss_scale`` is given with another precision; at
+            set-up, ``LossScaleConfig(skip_on_device=True)`` without the fused AdamW step (an optimizer it does
+            not step, such as AdamW with ``amsgrad``, or ``ZeroConfig(fused_step="never")``).
+        LossScaleAtMinimumError: (a RuntimeError, from lightning_zero/front/loss_scaler.py) under "16-mixed", when
+            gradients still overflow at ``min_loss_scale`` and ``raise_at_min_scale`` is set (else a warning).
     """
 
     def __init__(
@@ -274,6 +294,7 @@ class SkipAwareScheduler:
         self.zero_optimizer = optimizer
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        """Steps the scheduler, unless the optimizer's last step was skipped for an fp16 overflow."""
         if not self.zero_optimizer.last_step_skipped:
             self.scheduler.step(*args, **kwargs)
 

@@ -1,10 +1,5 @@
-"""ZeroStrategy: the ZeRO engine (engine.py) behind Lightning's Trainer.
-
-A thin strategy: it reuses Lightning's DDP machinery for what is the same (launchers, process group, barrier,
-broadcast, distributed sampler), replaces the DDP wrapper with the engine, tells the engine the step's
-boundaries (engine.py's [Note: the step's boundaries]) and answers Lightning's checkpoint hooks through
-``TrainerCheckpoints`` (trainer_checkpoints.py).
-"""
+"""ZeroStrategy: the ZeRO engine (engine.py) behind the Trainer, on DDP's machinery where it is the same (launchers,
+process group, sampler), told the step's boundaries (engine.py's Note); checkpoint hooks: trainer_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -51,17 +46,25 @@ from lightning_zero.sharding.topology import Topology, topology_for
 
 
 class ZeroStrategy(DDPStrategy):
-    """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded.
+    """ZeRO data parallelism for the Trainer: optimizer state (stage 1), gradients (2) and parameters (3) sharded.
 
     Args:
-        config: the typed configuration; ``ZeroConfig()`` by default.
+        config: the typed configuration; ``ZeroConfig()`` by default (its ``timeout`` is the process group's).
         stage: shortcut that overrides ``config.stage``.
+        accelerator: as ``DDPStrategy``'s (the Trainer sets it).
+        parallel_devices: as ``DDPStrategy``'s (the Trainer sets them).
+        cluster_environment: as ``DDPStrategy``'s (the Trainer sets it).
+        checkpoint_io: as ``DDPStrategy``'s; the sharded checkpoints are written and read without it.
+        precision_plugin: a ``ZeroPrecision``; Lightning's, from ``Trainer(precision=...)``, is converted to one.
+        process_group_backend: as ``DDPStrategy``'s (None: "nccl" on CUDA, else "gloo").
         start_method: how Lightning starts the processes: "popen" (re-runs the script, as ddp) or "spawn" (tests).
-        on_save_phase: ``on_save_phase(phase, path)`` at each point a checkpoint's save or removal reaches
-            (checkpoint/save.py's [Note: observing a save]): to watch saves (the kill tests stop one there).
-        The others are Lightning's ``DDPStrategy``'s (the timeout is ``config.timeout``; ddp's own options,
-        such as ``find_unused_parameters``, do not apply and are not taken).
-    """
+        on_save_phase: ``on_save_phase(phase, path)`` at each point a save or removal reaches (checkpoint/save.py).
+
+    Raises:
+        TypeError: ``config`` is not a ``ZeroConfig``, or a ddp option (``find_unused_parameters``) is given.
+        ValueError: a bad ``stage`` or precision; at set-up, a model, optimizer or group size it cannot run (says why).
+        CheckpointError: a checkpoint that cannot be saved or loaded: the same one line on every rank.
+        RuntimeError: with ``config.check_collectives``, ranks that issued different collectives (on every rank)."""
 
     strategy_name = "zero"
 
@@ -101,26 +104,26 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def from_deepspeed_config(cls, source: Any, *, ignore: tuple[str, ...] = ()) -> ZeroStrategy:
-        """The strategy a DeepSpeed JSON config (path or dict) describes, its fp16 loss scaling included."""
+        """The strategy (fp16 loss scaling included) the DeepSpeed JSON ``source`` (path or dict) describes, less
+        the top-level keys in ``ignore``; a key it does not support or a bad value raises a ValueError naming it."""
         return deepspeed.strategy(cls, source, ignore=ignore)
 
     @classmethod
     def trainer_kwargs_from_deepspeed(cls, source: Any, *, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
-        """Keyword arguments for ``Trainer`` from a DeepSpeed JSON config (the strategy and fp16 plugin included)."""
+        """``Trainer`` kwargs (strategy, precision or fp16 plugin, clipping, accumulation) from ``source``, as above."""
         return deepspeed.trainer_kwargs(cls, source, ignore=ignore)
 
     @property
     def precision_plugin(self) -> ZeroPrecision:
+        """Ours: the plugin Lightning builds from ``Trainer(precision=...)`` is turned into a ZeroPrecision."""
         if self._precision_plugin is None:
             self._precision_plugin = ZeroPrecision("32-true")
         return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        """Accepts the plugin Lightning builds from ``Trainer(precision=...)`` and turns it into ours."""
         self._precision_plugin = as_zero_precision(plugin)
 
-    # --- set-up -----------------------------------------------------------------------------------
     def setup_distributed(self) -> None:
         """Lightning's, except under torchrun's agent store: one store prefix per attempt (resilience/elastic.py)."""
         self.set_world_ranks()
@@ -185,10 +188,8 @@ class ZeroStrategy(DDPStrategy):
         with self._construction:
             yield
 
-    # --- steps (see [Note: the step's boundaries] in engine.py) ------------------------------------
-    # A step ends after its backward under automatic optimization, and with the step's call under manual
-    # optimization, whose backward calls happen inside it.
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """A step ends after its backward, or under manual optimization with this call ([Note] in engine.py)."""
         self.engine.check_collectives(f"before global step {self.lightning_module.trainer.global_step}")
         self.engine.begin_training_forward()
         output = super().training_step(*args, **kwargs)
@@ -244,8 +245,7 @@ class ZeroStrategy(DDPStrategy):
             and not trainer.fit_loop.epoch_loop._should_accumulate()  # Lightning's condition for the hook
             and not is_overridden("on_validation_model_zero_grad", self.lightning_module)
         ):
-            # Lightning's default hook has just released ddp's gradients (module.zero_grad): ours too, so that a
-            # step with no backward after validation (SWA's BatchNorm epoch) applies none, as under ddp.
+            # as Lightning's default hook released ddp's gradients: ours too (SWA's BatchNorm epoch applies none)
             self.engine.release_gradients()
 
     def on_validation_end(self) -> None:
@@ -263,13 +263,14 @@ class ZeroStrategy(DDPStrategy):
         end_on_signal_outside_training(self.lightning_module.trainer)
 
     @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:  # (the ranks of a sequence-parallel group: one replica)
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The sampler's ``num_replicas`` and ``rank``: the ranks of a sequence-parallel group are one replica."""
         return self.sequence_parallel.sampler_kwargs() if self.sequence_parallel else super().distributed_sampler_kwargs
 
-    # --- checkpoints (trainer_checkpoints.py) ------------------------------------------------------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return True  # a sharded checkpoint is loaded into the units, which exist after set-up
+        """True: a sharded checkpoint is loaded into the units, which exist after set-up."""
+        return True
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}  # sharded: each rank writes its own part in save_checkpoint; nothing is gathered
@@ -304,27 +305,27 @@ class ZeroStrategy(DDPStrategy):
         self.checkpoints.remove(self.engine, filepath, rank=self.global_rank)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded checkpoint directory (saved at any world size and stage), a plain Lightning checkpoint file
-        (from ``ddp`` or one device) or a torch.distributed.checkpoint directory (FSDP2's); pickled state is
-        loaded with ``weights_only=True`` (the module's own hyper-parameter dataclasses allowed) unless Lightning says
-        it is trusted (it passes no ``trainer.fit(weights_only=...)`` to a strategy that restores after set-up)."""
+        """Opens a sharded checkpoint directory (any world size and stage), a plain Lightning checkpoint file (ddp's,
+        one device's) or a DCP directory (FSDP2's). Pickled state: ``weights_only=True`` (the module's hyper-parameter
+        dataclasses allowed) unless ``weights_only=False`` (Lightning does not pass on ``trainer.fit``'s)."""
         module, trusted = self.lightning_module, weights_only is False
         return self.checkpoints.open(
             self.engine, checkpoint_path, module=module, optimizers=self.optimizers, trusted=trusted
         )
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """The weights (and weight average) of the checkpoint ``load_checkpoint`` opened; the arguments are unused."""
         self.checkpoints.load_model(self.lightning_module)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """The optimizers' sharded state from the checkpoint ``load_checkpoint`` opened (``checkpoint`` unused)."""
         self.checkpoints.load_optimizers(self.optimizers)
 
-    # --- reading the model --------------------------------------------------------------------------
     @contextmanager
     def gathered_parameters(
         self, *targets: Module | Parameter, modifier_rank: int | None = None
     ) -> Generator[list[Parameter], None, None]:
-        """The parameters of ``targets`` whole inside the block (collective; see ``ZeroEngine.gathered_parameters``)."""
+        """The parameters of ``targets`` whole inside the block (collective; see lightning_zero.gathered_parameters)."""
         with self.engine.gathered_parameters(targets, modifier_rank) as params:
             yield params
 
@@ -336,7 +337,7 @@ class ZeroStrategy(DDPStrategy):
         return module.to(device)
 
     def parameter_norms(self, norm_type: float = 2.0) -> dict[str, Any]:
-        """Each parameter's norm and the total, from the shards, nothing gathered (collective; anywhere)."""
+        """Each parameter's ``norm_type``-norm and the total, from the shards (collective; anywhere)."""
         return self.engine.parameter_norms(self.lightning_module, norm_type)
 
     def memory_bytes(self) -> dict[str, int]:
@@ -353,7 +354,6 @@ class ZeroStrategy(DDPStrategy):
         """Stage 3 built sharded: the most bytes whole at once while building (construct.py)."""
         return self.engine.sharded_init_peak_bytes if self.engine is not None else None
 
-    # --- the end ----------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
         """A lost peer ends this rank with one line (resilience/peer_failure.py); other errors go on to teardown."""
         loggers = self.lightning_module.trainer.loggers if self.lightning_module is not None else ()
@@ -381,8 +381,7 @@ class ZeroStrategy(DDPStrategy):
         if module is None or not (sharded or any(p.is_meta for p in module.parameters())):
             super().teardown()
             return
-        # Lightning would move the module to the CPU: a sharded module stays put, and one whose set-up failed
-        # before materializing has nothing to move ("Cannot copy out of meta tensor").
+        # Lightning moves it to the CPU: not a sharded one (it stays put), nor one a failed set-up left on meta
         self._lightning_module = None
         try:
             super().teardown()
@@ -391,6 +390,7 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Registers ``zero1``, ``zero2`` and ``zero3`` (this class at that stage); ``import lightning_zero`` does."""
         for stage, what in ((1, "optimizer state"), (2, "optimizer state and gradients"), (3, "everything")):
             strategy_registry.register(
                 f"zero{stage}",

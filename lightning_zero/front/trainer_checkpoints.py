@@ -79,6 +79,7 @@ def _write_after_validation(paths: list[Path], record: dict[str, Any]) -> None:
 
 
 def zero_optimizers(optimizers: list) -> list[ZeroOptimizer]:
+    """The ZeroOptimizers among ``optimizers``, in order."""
     return [o for o in optimizers if isinstance(o, ZeroOptimizer)]
 
 
@@ -153,15 +154,19 @@ class TrainerCheckpoints:
         return lightning
 
     def training_batch_starts(self) -> None:
+        """As a training batch starts: a resumed run's generators are set (the first time), and the checkpoints
+        saved since the last training step are forgotten: no validation followed them (see the Note)."""
         if self.pending_rng is not None:
             rng.restore(self.pending_rng)
             self.pending_rng = None
         self.step_ended, self.before_validation = False, []
 
     def training_step_ended(self) -> None:
+        """After a training step: a checkpoint saved from now may be followed by a validation (see the Note)."""
         self.step_ended = True
 
     def fit_validation_starts(self) -> None:
+        """As a validation while fitting starts: checkpoints saved during it are not remembered (see the Note)."""
         self.validating = True
 
     def fit_validation_ended(self, engine: ZeroEngine, world_size: int) -> None:
@@ -183,10 +188,12 @@ class TrainerCheckpoints:
         self.restore.model(module, exported_average_as_weights=True)
 
     def load_optimizers(self, optimizers: list) -> None:
+        """The optimizer state of ``optimizers``' ZeroOptimizers from the opened checkpoint, which is then let go."""
         self.restore.optimizers(zero_optimizers(optimizers))
         self.restore = None
 
     def clear(self) -> None:
+        """Forgets everything kept between calls (at teardown): the opened checkpoint, generators, saves."""
         self.restore = self.pending_rng = None
         self.before_validation = []
         self.step_ended = self.validating = False

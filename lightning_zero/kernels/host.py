@@ -100,6 +100,7 @@ def _flat_host(t: Tensor, n: int) -> bool:
 
 
 def source() -> Path:
+    """The C source of the host AdamW kernel: installed inside the package, or in a source checkout used in place."""
     try:
         return Path(str(importlib.resources.files("lightning_zero.cpu_kernels"))) / "adamw.c"
     except ModuleNotFoundError:  # a source checkout used in place

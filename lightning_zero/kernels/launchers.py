@@ -109,6 +109,8 @@ def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple
 def layer_norm_bwd(
     dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, bias_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias) from the forward's ``mean`` and ``rstd``: in one pass when a row fits a team, else
+    dx by one kernel and the parameters' gradients by a column reduction."""
     x, dy, w = x.contiguous(), dy.contiguous(), weight.float().contiguous()
     cols = x.shape[-1]
     rows = x.numel() // cols
@@ -146,6 +148,7 @@ def _pack(n: int, *tensors: Tensor) -> int:
 
 
 def bias_gelu_fwd(x: Tensor, bias: Tensor, tanh: bool) -> Tensor:
+    """GELU(x + bias) in ``x``'s dtype, of the tanh approximation with ``tanh``, else the exact one."""
     x, b = x.contiguous(), bias.float().contiguous()
     y = torch.empty_like(x)
     pack = _pack(x.numel(), x, y)
@@ -164,6 +167,7 @@ def bias_gelu_fwd(x: Tensor, bias: Tensor, tanh: bool) -> Tensor:
 
 
 def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool) -> tuple[Tensor, Tensor]:
+    """(dx, dbias) of ``bias_gelu_fwd``: dx in ``x``'s dtype, dbias its column sum in ``bias``' dtype."""
     x, dy, b = x.contiguous(), dy.contiguous(), bias.float().contiguous()
     dx = torch.empty_like(x)
     pack = _pack(x.numel(), dy, x, dx)
@@ -213,6 +217,7 @@ def softmax_dropout_fwd(
 
 
 def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, stream: Tensor | None) -> Tensor:
+    """The scores' gradient from the forward's probabilities ``probs``, through dropout with ``stream``'s mask."""
     dout = dout.contiguous()
     dscores = torch.empty_like(probs)
     k_len = probs.shape[-1]
@@ -230,6 +235,7 @@ def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, str
 
 
 def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, stream: Tensor | None) -> Tensor:
+    """residual + dropout(x + bias), in ``x``'s dtype (``residual`` must have it too)."""
     x, residual, b = x.contiguous(), residual.contiguous(), bias.float().contiguous()
     y = torch.empty_like(x)
     pack = _pack(x.numel(), x, residual, y)

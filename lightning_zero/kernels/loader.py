@@ -57,6 +57,7 @@ def source_dir() -> Path:
 
 
 def sources_hash() -> str:
+    """A SHA-1 of every source and header in cuda_kernels/ (names and contents; see [Note: compile cache])."""
     digest = hashlib.sha1()
     for path in sorted(source_dir().glob("*.cu*")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -74,6 +75,7 @@ def cuda_include_dirs() -> list[str]:
 
 
 def compile_options() -> tuple[str, ...]:
+    """NVRTC's options: C++17, the include directories and the sources' hash (see [Note: compile cache])."""
     includes = [str(source_dir()), *cuda_include_dirs()]
     return ("--std=c++17", *(f"-I{d}" for d in includes), f"-DLZ_SOURCES={sources_hash()}")
 
@@ -104,6 +106,7 @@ def available() -> bool:
 
 
 def use_kernels(tensor: Tensor) -> bool:
+    """Whether an op on ``tensor`` runs the CUDA kernel (the kernels can run here and it is on a CUDA device)."""
     return available() and tensor.is_cuda
 
 
@@ -115,9 +118,19 @@ def _module(source: str, device: int) -> Any:
 
 
 def compile_all(device: int | None = None) -> None:
-    """Compiles (or loads from CuPy's disk cache) every kernel of every source for ``device``, the sources in
-    parallel: NVRTC is thread-safe and CuPy releases the GIL while it compiles (on 2 cores here, NVRTC took
-    8.0 s for the seven sources one after another, 4.4 s in threads; the slowest source alone takes 2.4 s)."""
+    """Compiles every CUDA source for ``device`` now, rather than on the first call of each of its kernels.
+
+    Each source's module is compiled (or loaded from CuPy's disk cache, see [Note: compile cache]) in a thread of
+    its own: NVRTC is thread-safe and CuPy releases the GIL while it compiles (on 2 cores here, NVRTC took 8.0 s
+    for the seven sources one after another, 4.4 s in threads; the slowest source alone takes 2.4 s). Needs CuPy
+    and a CUDA device (see ``available``).
+
+    Args:
+        device: the CUDA device's index; None: the current device.
+
+    Raises:
+        cupy.cuda.compiler.CompileException: a source does not compile (the first such error, from its thread).
+    """
     device = torch.cuda.current_device() if device is None else device
 
     def compile_one(source: str) -> None:
@@ -142,10 +155,12 @@ def tensor(t: Tensor, name: str, *, dtypes: tuple[torch.dtype, ...], like: Tenso
 
 
 def i64(value: int) -> np.int64:
+    """``value`` as a kernel's ``long long`` argument."""
     return np.int64(value)
 
 
 def f32(value: float) -> np.float32:
+    """``value`` as a kernel's ``float`` argument."""
     return np.float32(value)
 
 

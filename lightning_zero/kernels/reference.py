@@ -70,17 +70,20 @@ def _seed_offset(stream: Tensor | None) -> tuple[int, int]:
 
 
 def dropout(x: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    """Inverted dropout of ``x`` with probability ``p``, its mask drawn from the stream (``seed``, ``offset``)."""
     if p == 0.0:
         return x
     return torch.where(_keep(x.shape, p, seed, offset, x.device), x / (1.0 - p), torch.zeros_like(x))
 
 
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
+    """GELU(x + bias) in fp32, in ``x``'s dtype; ``approximate`` as torch's ("tanh" or "none")."""
     return F.gelu(x.float() + bias.float(), approximate=approximate).to(x.dtype)
 
 
 # --- forward and backward apart, as the kernels split them (launchers.py): fp32 inside, their dtypes out ---
 def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm over ``x``'s last dimension, in ``x``'s dtype, and each row's mean and rstd in fp32."""
     rows = x.float().reshape(-1, x.shape[-1])
     mean = rows.mean(-1)
     rstd = torch.rsqrt((rows - mean[:, None]).square().mean(-1) + eps)  # two passes, as the kernels
@@ -91,6 +94,8 @@ def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple
 def layer_norm_bwd(
     dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, bias_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm's (dx, dweight, dbias) from ``layer_norm_fwd``'s ``mean`` and ``rstd``, in the dtypes of ``x``,
+    ``weight`` and ``bias_dtype``."""
     dx, dy_rows, xhat = _layer_norm_grads(dy, x, weight, mean, rstd)
     return dx.view(x.shape).to(x.dtype), (dy_rows * xhat).sum(0).to(weight.dtype), dy_rows.sum(0).to(bias_dtype)
 
@@ -142,6 +147,7 @@ def residual_layer_norm_bwd(
 
 
 def gelu_derivative(u: Tensor, tanh: bool) -> Tensor:
+    """d GELU(u) / du, of the tanh approximation with ``tanh``, else of the exact (erf) GELU."""
     if tanh:  # in torch's own order of operations
         k, u2 = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5, u * u
         t = torch.tanh(k * (u + 0.044715 * (u2 * u)))
@@ -150,11 +156,13 @@ def gelu_derivative(u: Tensor, tanh: bool) -> Tensor:
 
 
 def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool) -> tuple[Tensor, Tensor]:
+    """``bias_gelu``'s (dx, dbias): dx in ``x``'s dtype, dbias its column sum in ``bias``' dtype."""
     dx = (dy.float() * gelu_derivative(x.float() + bias.float(), tanh)).to(x.dtype)
     return dx, column_sum(dx, bias.dtype)
 
 
 def column_sum(data: Tensor, dtype: torch.dtype) -> Tensor:
+    """The sum of ``data`` over every dimension but the last, in fp32, as ``dtype``."""
     return data.float().reshape(-1, data.shape[-1]).sum(0).to(dtype)
 
 
@@ -196,6 +204,7 @@ def softmax_dropout_fwd(
 
 
 def softmax_dropout_bwd(dout: Tensor, probs: Tensor, scale: float, p: float, stream: Tensor | None) -> Tensor:
+    """The scores' gradient through ``softmax_dropout_fwd`` from its ``probs`` (the dropout's mask from ``stream``)."""
     d = dropout_bwd(dout.float(), p, stream)
     pf = probs.float()
     return (scale * pf * (d - (d * pf).sum(-1, keepdim=True))).to(probs.dtype)
@@ -210,6 +219,7 @@ def dropout_bwd(dy: Tensor, p: float, stream: Tensor | None) -> Tensor:
 
 
 def bias_dropout_residual_fwd(x: Tensor, bias: Tensor, residual: Tensor, p: float, stream: Tensor | None) -> Tensor:
+    """residual + dropout(x + bias) in fp32, in the promoted dtype of ``x`` and ``residual``."""
     dtype = torch.promote_types(x.dtype, residual.dtype)
     return (residual.float() + dropout(x.float() + bias.float(), p, *_seed_offset(stream))).to(dtype)
 

@@ -18,6 +18,27 @@ if TYPE_CHECKING:  # (annotations only: the plain model imports no distributed m
 
 @dataclass(kw_only=True)
 class GPTConfig:
+    """The GPT's shape and options, checked when the config is made.
+
+    Attributes:
+        vocab_size: the tokens of the vocabulary (the rows of the token embedding and of the output head).
+        block_size: the longest sequence, in tokens (the rows of the learned position embedding).
+        n_layer: the transformer blocks.
+        n_head: the attention heads; they must divide ``n_embd``.
+        n_embd: the width of the residual stream (the MLP's hidden layer is four times it).
+        dropout: the dropout probability, in [0, 1), of the embeddings, the attention and the MLP's output.
+        bias: biases in the Linear and LayerNorm layers, as GPT-2; False is a bit faster and better.
+        fused: the blocks computed with lightning_zero's fused kernels (models/fused_block.py); not with
+            ``mlp_tiles`` > 1, nor with sequence parallelism.
+        mlp_tiles: each block's MLP run over this many sequence tiles, so that its hidden activations are never
+            whole (activations/tiled.py; for long sequences).
+        loss_tiles: the loss likewise, over this many tiles: the [batch, seq, vocab] logits are never whole.
+
+    Raises:
+        ValueError: a size or a tile count that is not an integer >= 1, ``n_embd`` not divisible by ``n_head``,
+            ``dropout`` outside [0, 1), or ``fused`` with ``mlp_tiles`` > 1.
+    """
+
     vocab_size: int = 64
     block_size: int = 64
     n_layer: int = 4
@@ -43,6 +64,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``, dropout on its probabilities."""
+
     def __init__(self, cfg: GPTConfig, sequence: SequenceParallel | None = None) -> None:
         """``sequence``: attention across a sequence-parallel group, each rank holding a slice (sequence/)."""
         super().__init__()
@@ -66,6 +89,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
+    """The pre-LayerNorm transformer block: x + attention(LN(x)), then x + MLP(LN(x)) (GELU, 4x wide)."""
+
     def __init__(self, cfg: GPTConfig, sequence: SequenceParallel | None = None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)

@@ -20,6 +20,9 @@ from lightning_zero.resilience.resumable_data import resumable_loader
 
 
 class SyntheticLanguage:
+    """The language of the module's docstring: ``num_words`` random words over the letters 1 .. ``vocab_size`` - 1,
+    each followed by one of ``branching`` words, all drawn from ``seed``. Sizes it cannot make raise ValueError."""
+
     def __init__(self, vocab_size: int = 32, num_words: int = 128, branching: int = 4, seed: int = 1234) -> None:
         if vocab_size < 3 or num_words < 2 or not 1 <= branching <= num_words:
             raise ValueError(
@@ -56,7 +59,26 @@ class SyntheticLanguage:
 
 
 class SyntheticTextDataModule(pl.LightningDataModule):
-    """Next-token pairs (x, y) of ``block_size`` tokens cut from the synthetic language."""
+    """Next-token pairs (x, y) of ``block_size`` tokens cut from the synthetic language.
+
+    The text is made in the constructor, on every rank alike: ``num_train + num_val`` sequences of
+    ``block_size + 1`` tokens cut from one stream, each giving x (its first ``block_size`` tokens) and y (its
+    last ``block_size``). ``loss_floor`` is the lowest loss (nats per token) a model can reach on the text,
+    which ``ZeroMetrics``' summary prints. The training loader is shuffled and resumable mid-epoch.
+
+    Args:
+        vocab_size: the tokens: the space between words (token 0) and the letters; at least 3.
+        block_size: the tokens of a sample.
+        batch_size: the samples of a batch, in training and validation.
+        num_train: the training samples.
+        num_val: the validation samples.
+        num_words: the words of the lexicon; at least 2, at most (``vocab_size`` - 1) ** 2.
+        branching: the words that can follow each word, in [1, ``num_words``].
+        seed: the seed of the language (its words and chain); the text is drawn with ``seed + 1``.
+
+    Raises:
+        ValueError: ``vocab_size``, ``num_words`` or ``branching`` out of the ranges above.
+    """
 
     def __init__(
         self,

@@ -23,6 +23,8 @@ def _bias(module: nn.Module, size: int, like: Tensor) -> Tensor:
 
 
 class FusedBlock(Block):
+    """A ``Block`` whose forward runs lightning_zero's fused ops (see the module's docstring): same parameters."""
+
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
         attn, n_head = self.attn, self.attn.n_head

@@ -24,9 +24,25 @@ __all__ = ["GPT", "Block", "CausalSelfAttention", "GPTConfig", "GPTModule"]  # (
 
 
 class GPT(nn.Module):
+    """The GPT: token and position embeddings, ``n_layer`` pre-LayerNorm blocks, a final LayerNorm and an output
+    head tied to the token embedding.
+
+    Built on a real device it is initialized at once (``init_weights``, from a generator seeded with
+    ``torch.initial_seed()``); built on the meta device, the ZeRO-3 strategy initializes it shard by shard
+    through ``init_module``.
+
+    Args:
+        cfg: the model's shape and options.
+        sequence: each rank of a sequence-parallel group runs its slice of the sequence, with global positions
+            and attention across the group (sequence/parallel.py); its input is that slice. None: the whole
+            sequence.
+
+    Raises:
+        ValueError: ``sequence`` with ``cfg.fused`` (the fused blocks take no sequence parallelism), or a
+            sequence-parallel size that does not divide ``cfg.n_head``.
+    """
+
     def __init__(self, cfg: GPTConfig, sequence: SequenceParallel | None = None) -> None:
-        """``sequence``: each rank of a sequence-parallel group runs its slice of the sequence, with global
-        positions and attention across the group (sequence/parallel.py); its input is that slice."""
         super().__init__()
         if sequence is not None and cfg.fused:
             raise ValueError("model.fused blocks do not take sequence parallelism: set model.fused: false")
@@ -95,6 +111,7 @@ class GPT(nn.Module):
         return total / count if self.sequence is None else self.sequence.slice_mean(total, count)
 
     def num_params(self) -> int:
+        """The number of parameters (the tied embedding and head counted once)."""
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self) -> float:
@@ -104,7 +121,21 @@ class GPT(nn.Module):
 
 
 class GPTModule(pl.LightningModule):
-    """Next-token prediction with AdamW (decay on matrices only) and warmup + cosine LR."""
+    """Next-token prediction with AdamW (decay on matrices only) and warmup + cosine LR.
+
+    The GPT is built in ``configure_model``, so that ZeRO-3 can build it on the meta device and initialize it
+    sharded. Batches are ``(x, y)``: token ids ``[B, T]`` and the next tokens; ``train_loss`` and ``val_loss``
+    are logged. The learning rate rises linearly over ``warmup_steps`` optimizer steps, then falls along a
+    cosine to a tenth of ``lr`` at ``max_steps``, and stays there.
+
+    Args:
+        model: the GPT's config; None: ``GPTConfig()``.
+        lr: the peak learning rate.
+        weight_decay: AdamW's weight decay, applied to the parameters of two or more dimensions only.
+        betas: AdamW's betas.
+        warmup_steps: the optimizer steps of the linear warmup.
+        max_steps: the optimizer step at which the cosine decay ends.
+    """
 
     def __init__(
         self,
@@ -130,6 +161,7 @@ class GPTModule(pl.LightningModule):
             self.gpt = GPT(self.cfg, sequence=self.sequence)
 
     def init_module(self, module: nn.Module, generator: torch.Generator) -> None:
+        """Initializes ``module``'s own parameters as ``GPT.init_module`` does (ZeRO-3 calls it, shard by shard)."""
         self.gpt.init_module(module, generator)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:

@@ -27,6 +27,9 @@ FIELDS = 3  # master, exp_avg, exp_avg_sq
 
 
 class UnitSwap:
+    """One unit's fp32 master partition and Adam moments in a swap file of its own, as records of chunks (see
+    [Note: a unit's swap file]); ``pin``: the partitions it reads come in pinned memory."""
+
     def __init__(self, settings: NvmeSwap, numel: int, *, pin: bool = False) -> None:
         """A swap file for a partition of ``numel`` elements under ``settings.directory`` (made whole now)."""
         self.numel, self.pin = numel, pin
@@ -110,6 +113,7 @@ def width(numel: int) -> int:
 
 
 def record_bytes(numel: int) -> int:
+    """Bytes of the record of a chunk of ``numel`` elements: its three fp32 runs of ``width(numel)`` elements."""
     return FIELDS * 4 * width(numel)
 
 

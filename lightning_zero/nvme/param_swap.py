@@ -22,6 +22,9 @@ from lightning_zero.nvme.swap_file import ALIGN, Requests, SwapFile, aligned_buf
 
 
 class ParamSwap:
+    """One stage-3 unit's parameter shard of ``numel`` elements of ``dtype`` in a swap file of its own (see [Note: a
+    shard on NVMe]); ``pin``: the shards it reads come in pinned memory (for a CUDA device)."""
+
     def __init__(self, settings: NvmeSwap, numel: int, dtype: torch.dtype, *, pin: bool = False) -> None:
         self.numel, self.dtype, self.pin = numel, dtype, pin
         self.itemsize = torch.empty(0, dtype=dtype).element_size()

@@ -146,6 +146,7 @@ class Requests:
         self.pieces = pieces
 
     def done(self) -> bool:
+        """Whether every piece has finished (with or without an error), without waiting."""
         return all(piece.done() for piece in self.pieces)
 
     def wait(self) -> None:

@@ -192,6 +192,7 @@ LONGEST = 1 << 24  # tokens: the longest sequence the search tries
 
 
 def mode_name(mode: str, offload: bool) -> str:
+    """The row name of an activation checkpointing ``mode`` (``+offload`` with its checkpoints on the host)."""
     return f"{mode}+offload" if offload else mode
 
 

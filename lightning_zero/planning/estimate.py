@@ -53,6 +53,7 @@ class RankBytes:
 
     @property
     def host_total(self) -> int:
+        """Host bytes (with offload)."""
         return self.host_parameters + self.host_gradients + self.host_optimizer_state
 
 
@@ -67,16 +68,34 @@ class ModelShape:
 
     @property
     def psi(self) -> int:
+        """The number of trainable parameters, over every param group."""
         return sum(map(sum, self.groups))
 
 
 def shape_of_count(psi: int) -> ModelShape:
-    """A model known only by its parameter count: one parameter group, one stage-3 unit."""
+    """A model known only by its parameter count: one parameter group, one stage-3 unit, nothing frozen.
+
+    Args:
+        psi: the number of trainable parameters.
+
+    Returns:
+        The model's shape, for ``estimate``.
+    """
     return ModelShape([[psi]], [[psi]], 0)
 
 
 def shape_of_module(module: Module, groups: Sequence[Sequence[torch.Tensor]], config: ZeroConfig) -> ModelShape:
-    """The shape of a (meta or real) module whose optimizer has these param groups."""
+    """The shape of a (meta or real) module whose optimizer has these param groups: each group's trainable
+    parameters, the stage-3 units as the strategy cuts them, and the elements of the frozen parameters.
+
+    Args:
+        module: the model, on the meta device or a real one.
+        groups: the optimizer's param groups, each as its list of parameters.
+        config: the ZeRO config, whose ``unit_module_classes`` choose the stage-3 units.
+
+    Returns:
+        The model's shape, for ``estimate``.
+    """
     params = list(dict.fromkeys(module.parameters()))
     trainable_groups = [[p.numel() for p in g if p.requires_grad] for g in groups]
     units = [
@@ -95,15 +114,26 @@ def _owned(layouts: Sequence[FlatLayout], rank: int) -> tuple[int, int]:
 def estimate(
     shape: ModelShape, world_size: int, precision: str, config: ZeroConfig, *, offload: str = "none"
 ) -> dict[str, list[RankBytes]]:
-    """Bytes per rank (index = rank) for each strategy, with ``offload`` "cpu" for each of ``OFFLOADED`` too, and with
-    "nvme" also for each of ``ON_NVME``; the ZeRO strategies' parameters are in fp32 unless precision is 16-mixed,
-    ddp's always.
+    """Bytes per rank of each strategy, as the strategies allocate them (see the module's docstring).
 
     Offloaded (sharding/offload.py): the fp32 master (a copy of its own even for fp32 parameters, except
     fp32 shards offloaded with offload_param, which are the master), the optimizer state and the reduced
     gradient partition in fp32 are on the host; stage 1's full gradient stays on the device. On NVMe
     (nvme/optimizer_swap.py): the master and moments in the swap files, chunk by chunk; the host holds the
-    gradient partition, the step counts and the step's ring of ``nvme_buffer_count`` chunk buffers."""
+    gradient partition, the step counts and the step's ring of ``nvme_buffer_count`` chunk buffers.
+
+    Args:
+        shape: the model (``shape_of_count`` or ``shape_of_module``).
+        world_size: the ranks the state is sharded over (the shard group's size).
+        precision: Lightning's precision: the ZeRO strategies' parameters are in fp32 unless it is "16-mixed",
+            ddp's always.
+        config: the ZeRO config: its bucket size and NVMe settings.
+        offload: "none"; "cpu" adds each configuration of ``OFFLOADED``; "nvme" adds those and each of ``ON_NVME``.
+
+    Returns:
+        Configuration name -> one RankBytes per rank (index = rank): "ddp", "zero1", "zero2", "zero3", then
+        the offloaded ones, in that order (least sharding and offload first).
+    """
     b = 2 if precision == "16-mixed" else 4
     n = world_size
     frozen = shape.frozen_elements * b
@@ -184,7 +214,18 @@ def _on_nvme(name: str, groups: list, units: list, n: int, b: int, frozen: int, 
 
 
 def parse_bytes(text: str) -> int:
-    """'80GB' (10^9), '80GiB' (2^30), '512MB', '1e9' ..."""
+    """The bytes of a size as it is written: '80GB' (10^9), '80GiB' (2^30), '512MB', '1e9' ...
+
+    Args:
+        text: a number, then optionally B, KB, MB, GB or TB (powers of 1000) or KiB, MiB, GiB or TiB (powers
+            of 1024).
+
+    Returns:
+        The number of bytes, rounded down.
+
+    Raises:
+        ValueError: ``text`` is not such a size.
+    """
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
     if not match:
         raise ValueError(f"device memory must look like 80GB, 80GiB or 1e9 (bytes), got {text!r}")
@@ -194,7 +235,15 @@ def parse_bytes(text: str) -> int:
 
 
 def smallest_fitting(table: dict[str, list[RankBytes]], capacity: int) -> str | None:
-    """The first configuration, in the table's order (least sharding and offload first), whose device bytes fit."""
+    """The first configuration, in the table's order (least sharding and offload first), whose device bytes fit.
+
+    Args:
+        table: ``estimate``'s.
+        capacity: the bytes of one device.
+
+    Returns:
+        The configuration's name, or None if no configuration fits on any rank.
+    """
     for name, rows in table.items():
         if max(r.total for r in rows) <= capacity:
             return name
@@ -202,6 +251,15 @@ def smallest_fitting(table: dict[str, list[RankBytes]], capacity: int) -> str | 
 
 
 def format_table(table: dict[str, list[RankBytes]], capacity: int | None = None) -> str:
+    """The table as text: a line per configuration, with the GiB of its rank that needs the most.
+
+    Args:
+        table: ``estimate``'s.
+        capacity: the bytes of one device: a column says whether each configuration fits; None: no such column.
+
+    Returns:
+        The lines, a header first; the host and NVMe columns appear when some configuration uses them.
+    """
     gib = 2**30
     host = any(r.host_total for rows in table.values() for r in rows)
     disk = any(r.nvme for rows in table.values() for r in rows)

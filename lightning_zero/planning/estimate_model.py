@@ -24,6 +24,7 @@ from lightning_zero.sharding.stage3_setup import unit_modules
 
 
 def read_config(path: str) -> dict:
+    """The YAML config at ``path``, checked to be a mapping with a ``model`` section; else a ValueError naming it."""
     try:
         with open(path) as f:
             raw = yaml.safe_load(f)

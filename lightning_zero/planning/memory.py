@@ -41,11 +41,23 @@ import torch
 
 
 def formula_bytes(strategy: str, psi: int, world_size: int, param_bytes: int = 4) -> dict[str, float]:
-    """Per-rank bytes by category for ``strategy`` in ("ddp", "zero1", "zero2", "zero3", "zero1+offload",
-    "zero2+offload", "zero3+offload", "zero3+offload_param") with Adam; offloaded categories are ``host_*``.
+    """Per-rank bytes by category with Adam, from the formulas of the module's docstring (padding not counted).
 
-    ``param_bytes`` is 4 for fp32 parameters and 2 for fp16 ones (``16-mixed``); ddp ignores it: its
-    parameters and gradients are fp32 under every precision.
+    Args:
+        strategy: "ddp", "zero1", "zero2", "zero3", "zero1+offload", "zero2+offload", "zero3+offload" or
+            "zero3+offload_param".
+        psi: the number of trainable parameters (Psi).
+        world_size: the ranks the state is sharded over (N).
+        param_bytes: bytes per parameter and gradient element (B): 4 for fp32 parameters, 2 for fp16 ones
+            (``16-mixed``); ddp ignores it: its parameters and gradients are fp32 under every precision.
+
+    Returns:
+        "parameters", "gradients" and "optimizer_state" (the master, where there is one, and Adam's moments)
+        on the device and, for the offloaded strategies, ``host_parameters``, ``host_gradients`` and
+        ``host_optimizer_state``: bytes, as floats (Psi / N need not be whole).
+
+    Raises:
+        ValueError: ``strategy`` is none of the above.
     """
     n, b = world_size, param_bytes
     if strategy in ("zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_param"):
@@ -151,10 +163,12 @@ class SavedBytes:
         return tensor
 
     def start(self) -> None:
+        """Starts recording the tensors saved for backward (forgetting any recorded before)."""
         self._storages.clear()
         self._hooks.__enter__()
 
     def stop(self) -> int:
+        """Stops recording; returns the bytes of the storages recorded since ``start``, each once, as they are now."""
         self._hooks.__exit__(None, None, None)
         total = sum(storage.nbytes() for storage in self._storages.values())
         self._storages.clear()

@@ -70,6 +70,9 @@ CLUSTERS = {
 
 @dataclass(frozen=True)
 class StepTime:
+    """One rank's optimizer step, in seconds (see [Note: the step-time model]): its compute, its communication over
+    each link (intra-node, inter-node) and the part of that communication that compute does not hide."""
+
     compute: float
     intra: float  # seconds of intra-node communication
     inter: float
@@ -77,6 +80,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
+        """The step time: compute plus the exposed communication."""
         return self.compute + self.exposed
 
 

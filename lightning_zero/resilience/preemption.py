@@ -42,7 +42,9 @@ SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
 class Preempted(SystemExit):
-    """Raised on every rank after the preemption checkpoint; ``code`` is the process's exit status."""
+    """Raised on every rank after the preemption checkpoint (``PreemptionCheckpoint``); ``code`` is the process's
+    exit status (128 + the signal's number by default), so a launcher counts the run as not finished. A
+    ``SystemExit``: ``except Exception`` does not catch it, and the interpreter exits with that status."""
 
 
 def _signal_number(name: str | int) -> int:
@@ -63,7 +65,30 @@ class PreemptionCheckpoint(Callback):
     ``SLURMEnvironment``) the checkpoint goes where Lightning's requeued job looks for it
     (``default_root_dir/hpc_ckpt_N.ckpt``, whichever signal came), and on the requeue signal rank 0
     requeues the job. ``save=False`` stops the same way
-    without writing. The ZeRO strategies add one with the defaults when the trainer has none."""
+    without writing. The ZeRO strategies add one with the defaults when the trainer has none
+    (``save=ZeroConfig.checkpoint_on_signal``); pass your own in ``callbacks`` to choose where or how it stops.
+
+    The ranks agree whether any of them was signalled at the end of every optimizer step (one 4-byte all-reduce),
+    so all of them stop at the same step even when only one got the signal. The next launch resumes with
+    ``ckpt_path="last"`` (under SLURM, Lightning's own requeued-job resume finds the checkpoint).
+
+    Args:
+        dirpath: the directory of the checkpoint; None: the trainer's ModelCheckpoint directory, else
+            ``default_root_dir/checkpoints``.
+        filename: the checkpoint's name, without ``.ckpt``.
+        signals: the signals that stop the run, by name (``"SIGTERM"``) or number.
+        exit_code: the exit status of every rank; None: 128 + the signal's number (143 for SIGTERM).
+        save: write the checkpoint before stopping (False: stop at the same step boundary without writing).
+
+    Raises:
+        ValueError: a name in ``signals`` that is no signal's.
+        Preempted: (a SystemExit) on every rank at the step boundary after a signal (with ``save``: once saved).
+
+    Example:
+        ```python
+        trainer = Trainer(strategy="zero2", callbacks=[lightning_zero.PreemptionCheckpoint(dirpath="ckpts")])
+        ```
+    """
 
     def __init__(
         self,

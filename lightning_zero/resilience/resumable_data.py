@@ -40,7 +40,25 @@ class ResumableSampler(DistributedSampler):
 
     Lightning leaves it in place (it is a DistributedSampler) and calls ``set_epoch``. The rank, world size
     and seed default to the process group's (one process without one) and ``PL_GLOBAL_SEED``, read when the
-    sampler is used, so it can be made before the process group exists."""
+    sampler is used, so it can be made before the process group exists.
+
+    Use it (usually through ``resumable_loader``) for a training loader that a checkpoint taken in the middle
+    of an epoch resumes exactly, at the same or another world size: its ``state_dict`` is the whole world's
+    position in the epoch's permutation, which a torchdata ``StatefulDataLoader`` saves in the checkpoint.
+    With nothing resumed, its order is ``DistributedSampler``'s own.
+
+    Args:
+        dataset: the dataset to sample (sized).
+        shuffle: draw each epoch's permutation from ``seed + epoch``, as DistributedSampler; False: in order.
+        seed: the permutations' seed; None: ``PL_GLOBAL_SEED`` (what ``seed_everything`` set), else 0.
+        drop_last: drop the tail that does not divide evenly over the ranks; False: pad it from the front.
+        num_replicas: the ranks sharing the data; None: the process group's world size (1 without one).
+        rank: this process's rank among them; None: its rank in the process group (0 without one).
+
+    Raises:
+        ValueError: ``load_state_dict`` of a state saved for another dataset size or seed (a different order),
+            or of a position outside the dataset.
+    """
 
     def __init__(
         self,
@@ -62,28 +80,33 @@ class ResumableSampler(DistributedSampler):
         self._epoch_set = False  # set_epoch was called: a loaded state of another epoch has nothing to resume
 
     @property
-    def seed(self) -> int:  # default: the one Lightning's seed_everything exported, as its DistributedSampler
+    def seed(self) -> int:
+        """The permutations' seed: the one given, else ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0."""
         return self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     @property
     def num_replicas(self) -> int:
+        """The ranks sharing the data: the one given, else the process group's world size (1 without one)."""
         if self._replicas is not None:
             return self._replicas
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     @property
     def rank(self) -> int:
+        """This process's rank among them: the one given, else its process group rank (0 without one)."""
         if self._rank is not None:
             return self._rank
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     @property
-    def num_samples(self) -> int:  # per rank, in a whole epoch (Lightning counts an epoch's batches from it)
+    def num_samples(self) -> int:
+        """Indices per rank in a whole epoch (Lightning counts an epoch's batches from it)."""
         n = len(self.dataset)  # type: ignore[arg-type]
         return n // self.num_replicas if self.drop_last else -(-n // self.num_replicas)
 
     @property
     def total_size(self) -> int:
+        """Indices per epoch over all the ranks (padding included, as DistributedSampler's)."""
         return self.num_samples * self.num_replicas
 
     def __len__(self) -> int:
@@ -120,12 +143,24 @@ class ResumableSampler(DistributedSampler):
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, int]:
+        """The world's position: the epoch, the indices of its permutation consumed by all the ranks together,
+        the dataset's size and the seed (a loaded state not yet iterated: that state)."""
         if self._resume is not None:  # loaded, not iterated yet
             return dict(self._resume)
         consumed = min(self._begin + self._taken * self.num_replicas, len(self.dataset))  # type: ignore[arg-type]
         return {"epoch": self.epoch, "consumed": consumed, "dataset_size": len(self.dataset), "seed": self.seed}  # type: ignore[arg-type]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes the next iteration of ``state``'s epoch where the world left it, at any world size; a state of
+        an epoch other than the one ``set_epoch`` has already set is ignored (that epoch starts afresh).
+
+        Args:
+            state: what ``state_dict`` returned.
+
+        Raises:
+            ValueError: ``state`` was saved for another dataset size or seed, or its position is outside the
+                dataset.
+        """
         size = len(self.dataset)  # type: ignore[arg-type]
         if state.get("dataset_size") != size or state.get("seed") != self.seed:
             raise ValueError(
@@ -188,7 +223,30 @@ def resumable_loader(
     ``drop_last`` applies to the sampler (the tail that does not divide evenly over the ranks) and to the
     batches, so every rank runs the same number of steps. The loader draws its workers' base seed from a
     generator of its own, not from torch's global one, so that making an iterator (Lightning makes one at
-    set-up and at each epoch) draws nothing that a resumed run would draw at another point."""
+    set-up and at each epoch) draws nothing that a resumed run would draw at another point.
+
+    Args:
+        dataset: the training dataset (sized).
+        batch_size: samples per batch on each rank.
+        shuffle: a new permutation every epoch (from ``seed + epoch``); False: in order.
+        seed: the permutations' seed; None: ``PL_GLOBAL_SEED``, else 0. The loader's own generator (the workers'
+            base seed) starts from it (0 for None) unless ``loader_kwargs`` gives a ``generator``.
+        drop_last: drop the tail that does not divide evenly over the ranks and the last incomplete batch.
+        **loader_kwargs: more arguments of the loader (``num_workers``, ``collate_fn``, ``generator``, ...).
+
+    Returns:
+        The loader, to return from ``train_dataloader`` (Lightning leaves its sampler in place).
+
+    Raises:
+        TypeError: ``loader_kwargs`` holds ``sampler`` (this function makes it).
+        ValueError: ``loader_kwargs`` holds ``batch_sampler``, which excludes ``batch_size`` and ``sampler``.
+
+    Example:
+        ```python
+        def train_dataloader(self):
+            return lightning_zero.resumable_loader(self.dataset, batch_size=8, num_workers=2)
+        ```
+    """
     loader_kwargs.setdefault("generator", torch.Generator().manual_seed(0 if seed is None else seed))
     sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)  # type: ignore[arg-type]
     return ResumableDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs)

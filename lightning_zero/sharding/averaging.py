@@ -156,6 +156,7 @@ class WeightAverage:
 
     @property
     def n_averaged(self) -> Tensor:
+        """How many updates the average has taken (``AveragedModel``'s counter, a tensor updated in place)."""
         return self.averaged.n_averaged
 
     # --- into the model ----------------------------------------------------------------------------
@@ -235,6 +236,7 @@ class WeightAverage:
     # What Lightning's callbacks call on the object they hold as their averaged model (the state travels in
     # the checkpoint's shards, written by the strategy, not in the callback's state).
     def state_dict(self) -> dict[str, Any]:
+        """Nothing: the average is saved in the checkpoint's shards by the strategy, not in the callback's state."""
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -243,7 +245,9 @@ class WeightAverage:
             self.load(lambda name, lo, hi, out: out.copy_(state_dict[name].reshape(-1)[lo:hi]), state_dict)
 
     def to(self, device: Any) -> WeightAverage:
+        """Itself, unmoved: the average stays where it was built (``device``), whatever a callback asks."""
         return self
 
     def nbytes(self) -> int:
+        """This rank's share of the average in bytes, as ``state`` holds it (the memory report's ``weight_average``)."""
         return sum(t.numel() * t.element_size() for t in self.state().values())

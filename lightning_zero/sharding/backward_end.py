@@ -36,6 +36,9 @@ class BackwardWork(enum.IntEnum):
 
 
 class BackwardEnd:
+    """Runs the registered work when a backward starts and ends, and when one that raised is forgotten (see the
+    Note above)."""
+
     def __init__(self) -> None:
         self._begin: dict[BackwardWork, list[Callable[[], None]]] = {work: [] for work in BackwardWork}
         self._end: dict[BackwardWork, list[Callable[[], None]]] = {work: [] for work in BackwardWork}
@@ -57,6 +60,7 @@ class BackwardEnd:
                 callbacks[work].append(fn)
 
     def unregister(self, *callbacks: Callable[[], None]) -> None:
+        """Removes ``callbacks`` wherever they were registered (begin, end or raised)."""
         for registered in (*self._begin.values(), *self._end.values(), *self._raised.values()):
             for fn in callbacks:
                 if fn in registered:

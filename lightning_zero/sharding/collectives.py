@@ -123,6 +123,7 @@ class Traffic:
         self.bytes_by_group[role, op] += nbytes
 
     def copy(self) -> Traffic:
+        """A copy of the counts so far, to pass to ``since`` later."""
         return Traffic(self.elements.copy(), self.bytes.copy(), self.bytes_by_group.copy())
 
     def since(self, earlier: Traffic) -> Traffic:
@@ -181,6 +182,7 @@ class Pending:
         self.then = then  # called once every work is done
 
     def wait(self) -> None:
+        """Waits on every work, then runs ``then``; waiting again does nothing."""
         for work in self.works:
             wait(work)
         self.works = []
@@ -320,5 +322,6 @@ def gather_object(obj: object, *, dst: int = 0, group=None) -> list | None:
 
 
 def wait(work: dist.Work | Pending | None) -> None:
+    """Waits on ``work``, what an asynchronous collective returned (None, a synchronous one's result: nothing)."""
     if work is not None:
         work.wait()

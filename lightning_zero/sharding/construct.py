@@ -71,6 +71,17 @@ class _MaterializingParameters(dict):
 
 
 class ShardedConstruction:
+    """The context in which a model is built with at most ``max_whole_numel`` of its elements whole (see the
+    Note above); afterwards it holds the evicted parameters' slices until ``materialize`` takes them.
+
+    Args:
+        rank: this rank's index in ``group``: which slice of an evicted parameter it keeps.
+        world_size: the number of ranks of ``group``, into which each evicted parameter is sliced.
+        device: where the model is built (the context makes it the default device).
+        max_whole_numel: elements that may be whole at once (0: only the module in use).
+        group (ProcessGroup | None): the group the slices are gathered over (None: the default group).
+    """
+
     active: ShardedConstruction | None = None  # the one whose context is open (load_pretrained writes into it)
 
     def __init__(
@@ -197,6 +208,7 @@ class ShardedConstruction:
                 param.data = param.data.to(dtype)
 
     def owns(self, param: Parameter) -> bool:
+        """Whether ``param`` was adopted during construction and is still managed (not yet materialized)."""
         return id(param) in self.managed
 
     def write(self, param: Parameter, read) -> None:

@@ -9,8 +9,7 @@ param group, stage 3 one per module subtree. It owns
   all-gather (with fp32 parameters it is also the master weights); with ``offload.params`` a host buffer;
 - ``state``: where the parameter values are (``UnitState``);
 - ``training`` (unit_training.py, made by ``make_trainable``): the master weights, the gradients and the
-  pieces the optimizer steps; None for frozen and evaluation-only units.
-"""
+  pieces the optimizer steps; None for frozen and evaluation-only units."""
 
 from __future__ import annotations
 
@@ -36,16 +35,14 @@ class UnitState(enum.Enum):
     """Where a unit's parameter values are.
 
     [Note: a unit's states]
-    Stages 1 and 2 keep every unit ``WHOLE`` for its life. A stage-3 unit is ``SHARDED`` (only this rank's
-    shard; its parameters are placeholders, sharded_param.py) until ``unshard`` starts the all-gather into
-    its flat buffer (``GATHERING``: the buffer exists, its values are valid once the gather is waited on),
-    ``wait_gathered`` makes it ``GATHERED``, and ``reshard`` frees the buffer (``SHARDED`` again). After an
-    error a gather in flight is forgotten without waiting for peers that may never come: a unit the
-    schedule keeps gathered for the whole run (``abandon_gather``) counts as ``GATHERED``, any other
-    (``forget_values``) as ``SHARDED`` again, so that the next run's schedule gathers it on every rank alike;
-    its buffer is left allocated (freeing it under a gather still in flight is unsafe) until that gather
-    reuses it.
-    """
+    Stages 1 and 2 keep every unit ``WHOLE`` for its life. A stage-3 unit is ``SHARDED`` (only this rank's shard; its
+    parameters are placeholders, sharded_param.py) until ``unshard`` starts the all-gather into its flat buffer
+    (``GATHERING``: the buffer exists, its values are valid once the gather is waited on), ``wait_gathered`` makes it
+    ``GATHERED``, and ``reshard`` frees the buffer (``SHARDED`` again). After an error a gather in flight is forgotten
+    without waiting for peers that may never come: a unit the schedule keeps gathered for the whole run
+    (``abandon_gather``) counts as ``GATHERED``, any other (``forget_values``) as ``SHARDED`` again, so that the next
+    run's schedule gathers it on every rank alike; its buffer is left allocated (freeing it under a gather still in
+    flight is unsafe) until that gather reuses it."""
 
     WHOLE = "whole"
     SHARDED = "sharded"
@@ -54,6 +51,8 @@ class UnitState(enum.Enum):
 
 
 class FlatUnit:
+    """One flat, padded buffer of parameters sharded over the data-parallel ranks, and what it owns (see above)."""
+
     def __init__(
         self,
         params: Sequence[Parameter],
@@ -68,12 +67,10 @@ class FlatUnit:
         grad_dtype: torch.dtype | None = None,
         offload: HostOffload | None = None,
     ) -> None:
-        """``full_grad``: stage 1's full gradient buffer, else a gradient partition (stages 2 and 3).
-        ``shard_params``: stage 3; needs a one-bucket layout. ``trainable``: False when only evaluating
-        (no master weights, gradients or pieces). Parameters on the meta device are replaced by new
-        Parameter objects (``replaced`` maps old to new) whose values come later through
-        ``write_owned``; other parameters are re-pointed into the flat buffer in place.
-        """
+        """``full_grad``: stage 1's full gradient buffer, else a gradient partition (stages 2 and 3). ``shard_params``:
+        stage 3; needs a one-bucket layout. ``trainable``: False when only evaluating (no master weights, gradients or
+        pieces). Parameters on the meta device are replaced by new Parameter objects (``replaced`` maps old to new)
+        whose values come later (``write_owned``); other parameters are re-pointed into the flat buffer in place."""
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1 or len({p.device for p in params}) > 1:
             raise ValueError(
@@ -128,8 +125,7 @@ class FlatUnit:
     def _point_into_buffer(self, params: Sequence[Parameter], on_meta: bool) -> None:
         for p, view in zip(params, self._views):
             if on_meta:
-                # From ``.data``: the new parameter must not share the flat buffer's version counter,
-                # which every all-gather into the buffer bumps (autograd would see a modified input).
+                # .data: a Parameter sharing the buffer's version counter (bumped by every gather) would look modified
                 self.replaced[p] = Parameter(view.data, requires_grad=p.requires_grad)
             else:
                 view.copy_(p.detach())
@@ -150,14 +146,17 @@ class FlatUnit:
 
     @property
     def requires_grad(self) -> bool:
+        """Whether any of the unit's parameters requires a gradient."""
         return any(p.requires_grad for p in self.params)
 
     # --- views -------------------------------------------------------------------------------------
     def param_chunk(self, bucket: Bucket) -> Tensor:
+        """This rank's chunk of ``bucket`` in the flat buffer (a view)."""
         lo, hi = bucket.chunk_range(self.rank)
         return self.flat_param[lo:hi]
 
     def partition_slice(self, bucket: Bucket) -> slice:
+        """Where this rank's chunk of ``bucket`` sits in its partition."""
         return slice(bucket.partition_offset, bucket.partition_offset + bucket.chunk_numel)
 
     # --- stage 3: gathered only while in use (see [Note: a unit's states]) ---------------------------
@@ -205,6 +204,7 @@ class FlatUnit:
         self.secondary = self.flat_param[node_rank * part : (node_rank + 1) * part].clone()
 
     def drop_secondary(self) -> None:
+        """hpZ: forgets this rank's part of the unit kept by ``keep_secondary``."""
         self.secondary = None
 
     def unshard_within_node(self, *, group=None) -> None:
@@ -234,6 +234,7 @@ class FlatUnit:
         return collectives.Pending(works, partial(dequantize_into, *rows, block))
 
     def wait_gathered(self) -> None:
+        """Waits on the gather in flight (``GATHERING`` becomes ``GATHERED``); in any other state does nothing."""
         if self.state is UnitState.GATHERING:
             work, self._gather = self._gather, None
             collectives.wait(work)
@@ -341,8 +342,7 @@ class FlatUnit:
 
     # --- after a step -------------------------------------------------------------------------------
     def follow_master(self, *, group=None) -> None:
-        """Makes the parameters follow the master, now (after a load, or a write of weight averaging's).
-        Collective."""
+        """Makes the parameters follow the master, now (after a load, or a write of weight averaging's). Collective."""
         self.training.forget_params_written()  # the last step's copies are not the master now
         if self.param_shard is None:
             for work in [self.publish(bucket, group=group) for bucket in self.layout.buckets]:

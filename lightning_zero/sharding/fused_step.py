@@ -56,6 +56,13 @@ def supports(optimizer: Optimizer) -> bool:
 
 
 class FusedAdamWStep:
+    """Steps the eligible units by the fused AdamW kernels, instead of ``optimizer``'s own step (see the Notes).
+
+    Args:
+        optimizer: the wrapped optimizer, one ``supports``: its param groups and per-piece state.
+        mode: ``ZeroConfig.fused_step``, "auto" or "always" (see [Note: the fused ZeRO step]).
+    """
+
     def __init__(self, optimizer: Optimizer, mode: str) -> None:
         self.optimizer = optimizer
         self.mode = mode  # "auto" or "always"

@@ -38,11 +38,13 @@ class BucketSlot:
 
     @classmethod
     def of(cls, unit: FlatUnit, bucket: Bucket) -> BucketSlot:
+        """The slot of ``unit``'s ``bucket``, every parameter expected until a backward says otherwise."""
         params = [unit.params[i] for i in range(bucket.first_param, bucket.end_param)]
         return cls(unit, bucket, params, expected=[True] * len(params))
 
     @property
     def key(self) -> tuple[int, int]:
+        """``(id(unit), bucket.start)``: how the reducer finds the slot of a parameter's bucket."""
         return id(self.unit), self.bucket.start
 
     @property
@@ -51,6 +53,7 @@ class BucketSlot:
         return self.unit.training.flat_grad is not None
 
     def ready(self) -> bool:
+        """Whether every gradient expected in this backward has arrived (its reduce-scatter may launch)."""
         return self.arrived >= self.expected_count
 
     def expect(self, flags: list[bool]) -> None:
@@ -64,20 +67,25 @@ class BucketSlot:
         return self.expected[position]
 
     def mark_launched(self) -> None:
+        """Its reduce-scatter was launched (or promised, coalescing at stage 3): a later gradient is an error."""
         self.launched = True
 
     def use_buffer(self, buffer: Tensor) -> Tensor:
+        """Makes ``buffer`` the slot's gradient buffer; returns it."""
         self.buffer = buffer
         return buffer
 
     def take_buffer(self) -> Tensor:
+        """Hands the slot's buffer over (None if it has none), leaving the slot without one."""
         buffer, self.buffer = self.buffer, None
         return buffer
 
     def end_backward(self) -> None:
+        """The backward ended: no gradient has arrived in the next one yet."""
         self.arrived = 0
 
     def end_reduction(self) -> None:
+        """Its reduction was waited for (or dropped): the next backward may launch it again."""
         self.launched = False
 
 
@@ -90,6 +98,9 @@ class BucketPool:
         self.allocated = 0  # buffers ever allocated (the pool reuses them)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A buffer of ``numel`` elements of ``dtype`` on ``device``: a free one, else a new one; not zeroed.
+
+        A reused buffer's pending copy to the host is waited for first (``wait_for_copy``)."""
         free = self._free.setdefault((numel, dtype, device), [])
         if not free:
             free.append(torch.empty(numel, dtype=dtype, device=device))
@@ -99,6 +110,7 @@ class BucketPool:
         return buffer
 
     def give_back(self, buffer: Tensor) -> None:
+        """Returns ``buffer``, taken from this pool, for the next ``take`` of its size, dtype and device."""
         self._free[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
 
     def copying(self, buffer: Tensor, event: object) -> None:
@@ -106,7 +118,10 @@ class BucketPool:
         self._copying[id(buffer)] = event
 
     def wait_for_copy(self, buffer: Tensor) -> None:
+        """Makes the compute stream wait for ``buffer``'s pending copy to the host, if any (``copying``), so it may be
+        overwritten; the host does not wait."""
         wait_for_copy(buffer, self._copying.pop(id(buffer), None))
 
     def free_bytes(self) -> int:
+        """Bytes of the buffers in the pool now (taken ones not counted)."""
         return sum(buffer.nbytes for free in self._free.values() for buffer in free)

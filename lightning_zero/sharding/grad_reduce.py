@@ -55,6 +55,15 @@ class ReduceSettings:
 
 
 class GradReducer:
+    """Reduces the gradients of the units' parameters into this rank's gradient partitions, bucket by bucket, from
+    each parameter's gradient hook (see the module docstring).
+
+    Args:
+        units: the trainable units whose gradients it reduces (more join with ``add_units``).
+        model_position: each parameter's position in the model; buckets whose parameters come later launch first.
+        settings: how the gradients travel (``ReduceSettings``).
+    """
+
     def __init__(
         self,
         units: Sequence[FlatUnit],
@@ -122,6 +131,7 @@ class GradReducer:
         ]
 
     def remove_hooks(self) -> None:
+        """Removes its gradient hooks, its launch policy's hooks and its backward callbacks."""
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -76,15 +76,18 @@ class OrderedLaunch:
         self.launch_ready(slots)
 
     def arrived(self, slot: BucketSlot, position: int, slots: Sequence[BucketSlot]) -> None:
+        """A gradient of ``slot``'s parameter ``position`` arrived: launches the buckets now ready, in order."""
         if slot.arrive(position):
             self.launch_ready(slots)
 
     def launch_ready(self, slots: Sequence[BucketSlot]) -> None:
+        """Launches the buckets from the next one on in ``slots``' order, as long as each is ready."""
         while self._next < len(slots) and slots[self._next].ready():
             self._launch(slots[self._next])
             self._next += 1
 
     def flush(self) -> None:
+        """Nothing to do: every bucket launches on its own once ready."""
         pass  # (every bucket launches on its own)
 
     def abandon(self) -> None:
@@ -111,6 +114,7 @@ class OrderedLaunch:
         return [slots[k] for k in order.tolist()]
 
     def remove_hooks(self) -> None:
+        """Removes the forward hooks that watch the modules."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -132,9 +136,11 @@ class ScheduledLaunch:
         self._coalescing: list[BucketSlot] = []  # released slots waiting to fill a reduction bucket
 
     def expect(self, slots: Sequence[BucketSlot]) -> None:
+        """Nothing to do: the schedule knows when a unit's gradients are complete."""
         pass  # (the schedule knows when a unit is complete)
 
     def arrived(self, slot: BucketSlot, position: int, slots: Sequence[BucketSlot]) -> None:
+        """Nothing to do: a gradient's arrival launches nothing (``release`` does)."""
         pass
 
     def release(self, slots: Sequence[BucketSlot]) -> None:
@@ -156,6 +162,7 @@ class ScheduledLaunch:
                 self.flush()
 
     def flush(self) -> None:
+        """Launches the released slots waiting to fill a reduction bucket, together (or alone, if one)."""
         slots, self._coalescing = self._coalescing, []
         if len(slots) == 1:
             self._launch(slots[0])
@@ -163,10 +170,13 @@ class ScheduledLaunch:
             self._launch_together(slots)
 
     def end_backward(self, slots: list[BucketSlot]) -> list[BucketSlot]:
+        """The backward ended: the launch order stays ``slots``."""
         return slots
 
     def abandon(self) -> None:
+        """The backward raised: forgets the released slots not launched yet."""
         self._coalescing = []  # (released, never launched: the reducer drops their gradients)
 
     def remove_hooks(self) -> None:
+        """Nothing to do: it registers no hooks."""
         pass

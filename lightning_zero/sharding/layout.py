@@ -33,6 +33,7 @@ class Bucket:
 
     @property
     def chunk_numel(self) -> int:
+        """Elements of each rank's chunk of the bucket (its padded size split evenly)."""
         return self.numel // self.world_size
 
     def chunk_range(self, rank: int) -> tuple[int, int]:
@@ -52,11 +53,24 @@ class Piece:
 
     @property
     def numel(self) -> int:
+        """Elements in the piece."""
         return self.hi - self.lo
 
 
 @dataclass(frozen=True)
 class FlatLayout:
+    """Where every parameter of a flat unit sits in its flat buffer, and its buckets (see the Note above).
+
+    Built by ``build_layout`` or ``layout_from_buckets``; the same on every rank.
+
+    Attributes:
+        numels: each parameter's number of elements, in the unit's order.
+        offsets: each parameter's flat offset.
+        param_bucket: each parameter's bucket index.
+        buckets: the buckets, in flat order.
+        world_size: the number of ranks the unit is sharded over.
+    """
+
     numels: tuple[int, ...]
     offsets: tuple[int, ...]  # flat offset of each parameter
     param_bucket: tuple[int, ...]  # bucket index of each parameter
@@ -65,18 +79,22 @@ class FlatLayout:
 
     @property
     def total_numel(self) -> int:
+        """Elements of the flat buffer, padding included."""
         last = self.buckets[-1]
         return last.start + last.numel
 
     @property
     def partition_numel(self) -> int:
+        """Elements of one rank's partition (its chunk of every bucket)."""
         return self.total_numel // self.world_size
 
     @property
     def padding_numel(self) -> int:
+        """Elements of the flat buffer that belong to no parameter (the buckets' padding)."""
         return self.total_numel - sum(self.numels)
 
     def bucket_bounds(self) -> list[list[int]]:
+        """Each bucket's ``[first_param, end_param)``, as ``layout_from_buckets`` takes them."""
         return [[b.first_param, b.end_param] for b in self.buckets]
 
     def pieces(self, rank: int) -> list[Piece]:

@@ -41,6 +41,9 @@ from lightning_zero.sharding.layout import Bucket
 
 
 class ParamGathers:
+    """Stages 1 and 2's post-step all-gathers: launched after a step, each waited on where its bucket is first read
+    (see the Notes above)."""
+
     def __init__(self, units: Sequence[FlatUnit], *, overlap: bool, group=None) -> None:
         """``overlap``: ZeroConfig.overlap_param_gather, unless the model runs compiled code (see the Note)."""
         self.group = group
@@ -52,6 +55,7 @@ class ParamGathers:
         self.add_units(units)
 
     def add_units(self, units: Sequence[FlatUnit]) -> None:
+        """Maps the parameters of ``units`` to their buckets, so reading one waits for its bucket's gather."""
         for unit in units:
             for index, p in enumerate(unit.params):
                 self._key_of[id(p)] = (id(unit), unit.layout.buckets[unit.layout.param_bucket[index]].start)
@@ -72,6 +76,8 @@ class ParamGathers:
             self._mode.__enter__()
 
     def wait_used(self, args: tuple, kwargs: dict | None) -> None:
+        """Waits for the pending gathers of the buckets of the parameters among an op's ``args`` and ``kwargs`` (also
+        inside a list or tuple)."""
         for arg in (*args, *(kwargs or {}).values()):
             for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
                 key = self._key_of.get(id(tensor))
@@ -81,6 +87,7 @@ class ParamGathers:
                         collectives.wait(work)
 
     def wait_all(self) -> None:
+        """Waits for every pending gather and leaves the mode (see [Note: the mode's lifetime])."""
         pending, self._pending = self._pending, {}
         for work in pending.values():
             collectives.wait(work)
@@ -100,6 +107,7 @@ class ParamGathers:
             )
 
     def remove_hooks(self) -> None:
+        """Waits for every pending gather and leaves the mode (``wait_all``): nothing is left to watch."""
         self.wait_all()
 
 

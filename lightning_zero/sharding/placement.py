@@ -64,6 +64,7 @@ class Replicated:
         self.step, self.gathers = step, gathers
 
     def add_units(self, units: Sequence[FlatUnit]) -> None:
+        """Units added to training (``add_param_group``): their post-step gathers are waited for on use too."""
         if self.gathers is not None:
             self.gathers.add_units(units)
 
@@ -73,21 +74,27 @@ class Replicated:
             self.gathers.wait_all()
 
     def begin_step(self) -> None:
+        """Before a training forward: nothing to gather, every parameter is whole."""
         pass
 
     def end_forward(self, *, step_ends: bool) -> None:
+        """After a training forward: waits for the post-step gathers it did not read (``settle``)."""
         self.settle()  # what the forward did not read (see [Note: post-step gathers])
 
     def end_step(self) -> None:
+        """After the step's backward (or a forward that gave none): nothing to free."""
         pass
 
     def forward_only(self, step: Callable, args: tuple, kwargs: dict, *, join: Join | None) -> Any:
+        """Runs ``step(*args, **kwargs)``: with every parameter whole there is nothing to gather (``join`` unused)."""
         return step(*args, **kwargs)
 
     def holding(self, unit: FlatUnit) -> AbstractContextManager:
+        """A context that does nothing: ``unit`` is whole already."""
         return contextlib.nullcontext()
 
     def checkpoint_state_dict(self, module: Module) -> dict[str, Any]:
+        """``module``'s own state dict (every parameter is whole here)."""
         return module.state_dict()
 
     @contextmanager
@@ -116,6 +123,7 @@ class Replicated:
             yield params
 
     def teardown(self, module: Module | None) -> None:
+        """Waits for the post-step gathers and stops watching; drops ``module``'s unit index unless it stays sharded."""
         if self.gathers is not None:
             self.gathers.remove_hooks()  # waits for the gathers still running
             self.gathers = None
@@ -147,20 +155,26 @@ class Sharded:
         self.gathers = None
 
     def add_units(self, units: Sequence[FlatUnit]) -> None:
+        """Nothing to do: units made trainable are the runtime's already."""
         pass  # (frozen units made trainable: the runtime has them already)
 
     def settle(self) -> None:
+        """Nothing to wait for: stage 3 has no post-step gathers."""
         pass
 
     def begin_step(self) -> None:
+        """Before a training forward: the runtime gathers the root unit for the step."""
         self.runtime.begin_step()
 
     def end_forward(self, *, step_ends: bool) -> None:
+        """After a training forward: the runtime serves the units this rank did not run, and ends the step if
+        ``step_ends`` (its backward ran inside the forward)."""
         self.runtime.end_forward()
         if step_ends:
             self.runtime.end_step()
 
     def end_step(self) -> None:
+        """After the step's backward (or a forward that gave none): the runtime frees what is not persistent."""
         self.runtime.end_step()
 
     def forward_only(self, step: Callable, args: tuple, kwargs: dict, *, join: Join | None) -> Any:
@@ -181,6 +195,7 @@ class Sharded:
         return output
 
     def holding(self, unit: FlatUnit) -> AbstractContextManager:
+        """A context that keeps ``unit`` gathered inside it (``Stage3Runtime.gathered``)."""
         return self.runtime.gathered(unit)
 
     def checkpoint_state_dict(self, module: Module) -> dict[str, Any]:

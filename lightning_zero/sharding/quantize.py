@@ -25,6 +25,7 @@ INT4_LEVELS = 7
 
 
 def scales_numel(numel: int, block: int) -> int:
+    """How many scales ``numel`` elements have in blocks of ``block``: ``ceil(numel / block)``."""
     return -(-numel // block)
 
 

@@ -70,13 +70,19 @@ _VALUES = {"data", "T", "mT", "H", "mH", "real", "imag"}
 
 
 class Reader(Protocol):
-    def can_read(self) -> bool: ...  # whether ``read`` would gather (in a step) rather than raise
+    """What a sharded parameter's class asks when its values are used (``Stage3Runtime``)."""
 
-    def read(self, param: Tensor) -> None: ...  # makes ``param``'s values valid here, or raises
+    def can_read(self) -> bool:
+        """Whether ``read`` would gather (in a step) rather than raise."""
 
-    def replace(self, param: Tensor, value: Tensor) -> bool: ...  # ``param.data = value``: True if kept as a write
+    def read(self, param: Tensor) -> None:
+        """Makes ``param``'s values valid here, or raises."""
 
-    def describe(self, param: Tensor) -> str: ...  # the parameter's name
+    def replace(self, param: Tensor, value: Tensor) -> bool:
+        """``param.data = value``: True if kept as a write."""
+
+    def describe(self, param: Tensor) -> str:
+        """The parameter's name."""
 
 
 class ShardedParameter(Parameter):
@@ -115,11 +121,14 @@ class ShardedParameter(Parameter):
 
 
 def original_class(param: Tensor) -> type:
+    """``param``'s own class: the one it had before it took a sharded class, or its class if it has none."""
     cls = type(param)
     return cls.original if issubclass(cls, ShardedParameter) else cls
 
 
 def read_error(name: str, where: str) -> RuntimeError:
+    """The error (returned, not raised) for a read of parameter ``name``'s values ``where`` it is not gathered, naming
+    the ways to read or write it."""
     return RuntimeError(
         f"{name!r} is sharded across ranks by the ZeRO strategy (stage 3) and is not gathered {where}: its values"
         " can be read inside a training/validation/test/predict step, inside `with"

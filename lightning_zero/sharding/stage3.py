@@ -1,23 +1,20 @@
 """Stage 3 at run time: each unit's parameters exist in full only around the code that uses them.
 
-Every rank keeps only its shard of every unit (``FlatUnit.param_shard``). Module hooks report the
-events of a step (a unit's forward starts or ends, the first gradient reaches a unit's outputs, a
-parameter is read outside its unit, backward ends) to the ``Schedule`` of stage3_schedule.py, which
-decides from them alone which unit to gather, free or reduce, identically on every rank (see
-[Note: one schedule on every rank] there); this module carries those decisions out.
+Every rank keeps only its shard of every unit (``FlatUnit.param_shard``). Module hooks report the events of a step (a
+unit's forward starts or ends, the first gradient reaches a unit's outputs, a parameter is read outside its unit,
+backward ends) to the ``Schedule`` of stage3_schedule.py, which decides from them alone which unit to gather, free or
+reduce, identically on every rank (see [Note: one schedule on every rank] there); this module carries them out.
 
 [Note: what a freed parameter looks like]
-While its unit is freed, the flat buffer has no storage and a parameter's ``.data`` is one NaN
-expanded to the parameter's shape (stride 0), and its class a ``ShardedParameter``: code that looks at
-shapes (param groups by ``p.dim()``, parameter counts) works as on the whole model, and code that reads
-its values gathers it inside a step or gets one clear error elsewhere (sharded_param.py's [Note: reading
-a sharded parameter]); never NaN, stale or plausible numbers. Autograd holds the parameter objects and
-views of the flat buffer, whose storage is the same object again (resized) once the schedule gathers the
-unit for its backward.
+While its unit is freed, the flat buffer has no storage and a parameter's ``.data`` is one NaN expanded to the
+parameter's shape (stride 0), and its class a ``ShardedParameter``: code that looks at shapes (param groups by
+``p.dim()``, parameter counts) works as on the whole model, and code that reads its values gathers it inside a step or
+gets one clear error elsewhere (sharded_param.py's [Note: reading a sharded parameter]); never NaN, stale or plausible
+numbers. Autograd holds the parameter objects and views of the flat buffer, whose storage is the same object again
+(resized) once the schedule gathers the unit for its backward.
 
 [Note: when a unit is gathered]
-- the root unit (parameters of no unit module, e.g. embeddings tied to the output head) for a whole
-  step, from ``begin_step`` to ``end_step``;
+- the root unit (parameters of no unit module, e.g. tied embeddings) from ``begin_step`` to ``end_step``;
 - a unit no larger than ``param_persistence_threshold`` for the whole run;
 - any other unit from its forward until the schedule's next entry, and in backward from the first
   gradient reaching its outputs (or its recomputation by activation checkpointing) until backward
@@ -26,14 +23,13 @@ Prefetching never takes more than ``max_live_parameters`` elements of gathered u
 persistent units not counted); a unit that is about to run is gathered regardless.
 
 [Note: a secondary partition]
-With ``ZeroConfig(secondary_partition=True)`` (ZeRO++'s hpZ) a unit gathered for a training forward (from
-the shards of every rank, across nodes) leaves each rank a copy of its 1/K of the whole unit, K being the
-ranks of its node (``FlatUnit.secondary``), and the unit's later gathers in the same step (its backward, a
-recomputation) all-gather those parts inside the node: the same values the forward computed with, so it is
-exact, and only the forward's gathers cross nodes. Whether a gather keeps a part or reads one follows from
-the schedule's events, the same on every rank; the parts are dropped when the step ends and whenever the
-shards change (a step of the optimizer, a write). Each rank holds up to Psi/K elements of them between a
-forward and its backward.
+With ``ZeroConfig(secondary_partition=True)`` (ZeRO++'s hpZ) a unit gathered for a training forward (from the shards of
+every rank, across nodes) leaves each rank a copy of its 1/K of the whole unit, K being the ranks of its node
+(``FlatUnit.secondary``), and the unit's later gathers in the same step (its backward, a recomputation) all-gather those
+parts inside the node: the same values the forward computed with, so it is exact, and only the forward's gathers cross
+nodes. Whether a gather keeps a part or reads one follows from the schedule's events, the same on every rank; the parts
+are dropped when the step ends and whenever the shards change (a step of the optimizer, a write). Each rank holds up to
+Psi/K elements of them between a forward and its backward.
 
 [Note: compiled models]
 The module hooks run eagerly (``torch._dynamo.disable``): a unit compiled with ``torch.compile`` breaks its
@@ -49,8 +45,7 @@ Validation, test and predict loops can give ranks different numbers of batches (
 sampler does not pad). A rank that has run out keeps issuing what the others' forwards issue until
 all are done, like torch's ``Join``: before each forward-only step every rank all-reduces whether it
 still has a batch; a rank without one replays the collectives of its own last step (``shadow_step``): its
-gathers, and the agreements of ``gathered_parameters`` on whether a rank wrote (param_writes.py).
-"""
+gathers, and the agreements of ``gathered_parameters`` on whether a rank wrote (param_writes.py)."""
 
 from __future__ import annotations
 
@@ -74,6 +69,8 @@ from lightning_zero.sharding.step_state import StepState
 
 
 class Stage3Runtime:
+    """Carries out stage 3's schedule for ``units``: gathers, frees and reduces them from module hooks (see above)."""
+
     def __init__(
         self,
         units: Sequence[FlatUnit],
@@ -89,13 +86,12 @@ class Stage3Runtime:
         quantize_block: int | None = None,
         node: tuple[int, int, Any] | None = None,
     ) -> None:
-        """``modules[i]`` is the module whose forward uses ``units[i]`` (several units may share one: its
-        trainable and frozen parameters); None marks the root. Modules come in registration order (the
-        schedule's ``S``). ``quantize_block``: the step's gathers travel as int8 in blocks of that many
-        elements (quantize.py's [Note: quantized weight gathers]); other gathers are exact. ``node``: hpZ's
-        (node rank, node size, node group), see [Note: a secondary partition]. ``step``: the engine's step state
-        (step_state.py), which says whether a step is on and whether it trains. ``reducer``: while training, reduces
-        the units the schedule releases."""
+        """``modules[i]`` is the module whose forward uses ``units[i]`` (several units may share one: its trainable and
+        frozen parameters); None marks the root. Modules come in registration order (the schedule's ``S``).
+        ``quantize_block``: the step's gathers travel as int8 in blocks of that many elements (quantize.py's
+        [Note: quantized weight gathers]); other gathers are exact. ``node``: hpZ's (node rank, node size, node group),
+        see [Note: a secondary partition]. ``step``: the engine's step state (step_state.py), which says whether a step
+        is on and whether it trains. ``reducer``: while training, reduces the units the schedule releases."""
         self.units = list(units)
         self.group = group
         self.quantize_block = quantize_block
@@ -120,9 +116,8 @@ class Stage3Runtime:
         self.reducer, self.step = reducer, step
         self.backward_end = backward_end
         backward_end.register(BackwardWork.SCHEDULE, begin=self.schedule.begin_backward, end=self._end_backward)
-        # a forward-only step's collectives while it runs (None outside one), and the last one's, for shadow_step
-        self._replays: list[Callable[[], Any]] | None = None
-        self._last_replays: list[Callable[[], Any]] | None = None
+        self._replays: list[Callable[[], Any]] | None = None  # a forward-only step's collectives (None outside one)
+        self._last_replays: list[Callable[[], Any]] | None = None  # the last such step's, for shadow_step
         self.peak_gathered_bytes = 0  # largest size of all gathered units together (root, persistent included)
         self._handles = []
         for k, module in enumerate(self._modules):
@@ -145,6 +140,7 @@ class Stage3Runtime:
                 module._parameters = GatherOnAccess(self, module._parameters)
 
     def remove_hooks(self, model: Module) -> None:
+        """Removes the module hooks, ``model``'s access hooks (``install_access_hooks``) and the backward callbacks."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -162,8 +158,7 @@ class Stage3Runtime:
             unit.unshard_within_node(group=self.node[2])
         else:
             unit.unshard(async_op=True, group=self.group, quantize_block=self.quantize_block if for_step else None)
-            # see [Note: a secondary partition]: decided by the schedule's state, never by this rank's grad mode
-            forward = self.step.training and not self.schedule.in_backward_pass
+            forward = self.step.training and not self.schedule.in_backward_pass  # (schedule state, not grad mode)
             if for_step and self.node is not None and forward and unit not in self.root:
                 self._keep.add(id(unit))
         if self._replays is not None:
@@ -213,14 +208,15 @@ class Stage3Runtime:
 
     @property
     def in_step(self) -> bool:
+        """Whether a step is on (the step state's)."""
         return self.step.in_step
 
     def can_read(self) -> bool:
+        """Whether a sharded parameter may be read now: inside a step, not in backward."""
         return self.in_step and not in_backward()
 
     def read(self, param: Tensor) -> None:
-        """A sharded parameter's values are read: inside a step its unit is gathered there and kept until the
-        step ends (as ``on_access``); anywhere else this raises."""
+        """A sharded parameter is read: in a step its unit is gathered and kept until the step ends; else raises."""
         unit = self._owner[id(param)]
         if not self.can_read():
             raise read_error(self.describe(param), "in backward" if self.in_step else "outside a step")
@@ -235,21 +231,26 @@ class Stage3Runtime:
         return unit.replace(next(k for k, p in enumerate(unit.params) if p is param), value)
 
     def describe(self, param: Tensor) -> str:
+        """``param``'s name in the module, for errors."""
         return self._names.get(id(param), "a parameter")
 
     def gather(self, k: int) -> None:
+        """The schedule's executor: starts gathering scheduled module ``k``'s units (quantized if asked, in a step)."""
         for unit in self.scheduled[k]:
             self._start(unit, for_step=self.in_step)
 
     def wait(self, k: int) -> None:
+        """The schedule's executor: returns once scheduled module ``k``'s units are whole."""
         for unit in self.scheduled[k]:
             self._wait(unit)
 
     def free(self, k: int) -> None:
+        """The schedule's executor: frees scheduled module ``k``'s units (waiting for a pending gather first)."""
         for unit in self.scheduled[k]:
             self._free(unit)
 
     def reduce(self, k: int) -> None:
+        """The schedule's executor: hands scheduled module ``k``'s trainable units to the reducer."""
         for unit in self.scheduled[k]:
             if self.reducer is not None and unit.trainable:
                 self.reducer.reduce_unit(unit)
@@ -287,6 +288,7 @@ class Stage3Runtime:
         self.schedule.backward(entry)
 
     def on_access(self, param: Tensor) -> None:
+        """``param`` was read as a module attribute in a step: its unit, unless running, is pinned (``access``)."""
         unit = self._owner.get(id(param))
         if unit is None or unit in self.root or not self.in_step or in_backward():
             return
@@ -302,8 +304,7 @@ class Stage3Runtime:
 
     # --- step boundaries --------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Before a training or validation/test/predict step (the step state says which): the root unit is
-        gathered for it."""
+        """Before a training or forward-only step (the step state says which): gathers the root unit for it."""
         self._replays = None if self.step.training else []
         self.schedule.begin_step(forward_only=not self.step.training)
         for unit in self.root:
@@ -366,10 +367,9 @@ class Stage3Runtime:
 
     @contextmanager
     def gathered_params(self, params: Sequence[Tensor]) -> Iterator[list[FlatUnit]]:
-        """Keeps the units holding ``params`` gathered inside the block, in unit order (collective: every
-        rank the same ``params``); yields them. In a step they are held as any read there holds them, until the
-        step ends (a forward inside the block must not free a write made before it); elsewhere units gathered
-        already stay as they were and the others are freed when the block ends."""
+        """Keeps the units holding ``params`` gathered inside the block and yields them, in unit order (collective:
+        every rank the same ``params``). In a step they are held as any read there holds them, until the step ends (a
+        forward inside the block must not free a write made before it); elsewhere those it gathered are freed after."""
         ids = {id(p) for p in params}
         units = [u for u in self.units if any(id(p) in ids for p in u.params)]
         if self.can_read():

@@ -45,16 +45,32 @@ from typing import Protocol
 
 
 class Executor(Protocol):
-    def gather(self, unit: int) -> None: ...  # start the all-gather of ``unit`` (asynchronously)
+    """What carries the schedule's decisions out (``Stage3Runtime``); ``unit`` is an index into ``S``."""
 
-    def wait(self, unit: int) -> None: ...  # return once ``unit``'s parameters are whole
+    def gather(self, unit: int) -> None:
+        """Starts the all-gather of ``unit`` (asynchronously)."""
 
-    def free(self, unit: int) -> None: ...  # release the gathered parameters (waiting for a pending gather)
+    def wait(self, unit: int) -> None:
+        """Returns once ``unit``'s parameters are whole."""
 
-    def reduce(self, unit: int) -> None: ...  # start the reduce-scatter of ``unit``'s gradients
+    def free(self, unit: int) -> None:
+        """Releases the gathered parameters (waiting for a pending gather)."""
+
+    def reduce(self, unit: int) -> None:
+        """Starts the reduce-scatter of ``unit``'s gradients."""
 
 
 class Schedule:
+    """Decides which units are gathered, freed and reduced, from the events of a step (see the Note above).
+
+    Args:
+        sizes: each unit's number of elements, in ``S`` order.
+        persistent: the units gathered for the whole run (never freed, not counted in ``max_live``).
+        max_live: elements of gathered units allowed at once, persistent ones not counted.
+        executor: what carries the decisions out.
+        max_prefetch: elements gathered ahead of the running unit at most (None: only ``max_live``).
+    """
+
     def __init__(
         self,
         sizes: Sequence[int],
@@ -63,7 +79,6 @@ class Schedule:
         executor: Executor,
         max_prefetch: int | None = None,
     ) -> None:
-        """``max_prefetch``: elements gathered ahead of the running unit at most (None: only ``max_live``)."""
         self.sizes = list(sizes)
         self.persistent = set(persistent)
         self.max_live = max_live
@@ -95,6 +110,7 @@ class Schedule:
         self._active: list[tuple[int, int]] = []  # (unit, entry) of each unit whose forward is running
 
     def live_numel(self) -> int:
+        """Elements of the gathered units now, persistent ones not counted."""
         return sum(self.sizes[u] for u in self.gathered if u not in self.persistent)
 
     def _gather(self, unit: int) -> None:
@@ -143,9 +159,11 @@ class Schedule:
 
     @property
     def in_forward(self) -> bool:
+        """Whether a unit's forward is running (one was entered and has not returned)."""
         return bool(self._active)
 
     def active_unit(self) -> int | None:
+        """The unit whose forward runs innermost now (None: none)."""
         return self._active[-1][0] if self._active else None
 
     # --- forward ---------------------------------------------------------------------------------------
@@ -231,6 +249,8 @@ class Schedule:
         return self._in_backward
 
     def begin_backward(self) -> None:
+        """Backward starts (once per pass; later calls do nothing): the forward pass ends (``end_forward``) and backward
+        walks its entries from the last."""
         self.end_forward()
         if not self._in_backward:
             self._in_backward = True

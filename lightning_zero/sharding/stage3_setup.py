@@ -59,10 +59,13 @@ class ShardedModule:
 
     @classmethod
     def of(cls, module: Module) -> ShardedModule | None:
+        """The shards kept on ``module``, or None when it is not sharded."""
         return module.__dict__.get(cls._ATTRIBUTE)
 
     @classmethod
     def attach(cls, module: Module, units, modules, *, world_size: int, rank: int) -> ShardedModule:
+        """Keeps ``units`` (``modules[i]`` the module of ``units[i]``, None for the root) on ``module``, sharded as rank
+        ``rank`` of ``world_size``: installs its ``load_state_dict`` hooks and attaches the ``UnitIndex``."""
         sharded = cls(list(units), list(modules), world_size, rank, install_load_hooks(module, units))
         module.__dict__[cls._ATTRIBUTE] = sharded
         UnitIndex(units).attach(module)
@@ -70,12 +73,18 @@ class ShardedModule:
 
     @classmethod
     def detach(cls, module: Module) -> None:
+        """Forgets ``module``'s shards (if any): removes the ``UnitIndex`` and the ``load_state_dict`` hooks."""
         UnitIndex.detach(module)
         sharded = module.__dict__.pop(cls._ATTRIBUTE, None)
         for handle in sharded.load_hooks if sharded is not None else ():
             handle.remove()
 
     def check(self, *, world_size: int, rank: int) -> None:
+        """Refuses to continue from these shards as another rank or on another number of ranks.
+
+        Raises:
+            ValueError: ``(world_size, rank)`` is not what the shards were made for.
+        """
         if (world_size, rank) != (self.world_size, self.rank):
             raise ValueError(
                 f"the model is sharded by an earlier zero3 run as rank {self.rank} of {self.world_size}, not rank"
@@ -262,6 +271,7 @@ def _apply_order(module: Module) -> Iterator[Module]:
 
 
 def default_init(module: Module, generator: torch.Generator) -> None:
+    """Initializes ``module``'s own parameters by its ``reset_parameters()``, if it has one (``generator`` unused)."""
     if hasattr(module, "reset_parameters"):
         module.reset_parameters()
 

@@ -34,6 +34,8 @@ from lightning_zero.sharding.backward_end import in_backward
 
 
 class StepPhase(enum.Enum):
+    """Where the engine is in a step (see [Note: the step's phases]); each value names the phase in errors."""
+
     IDLE = "idle"
     FORWARD = "training forward"
     FORWARD_DONE = "after a training forward"
@@ -67,10 +69,12 @@ _OPENING = ("begin_training_forward", "begin_forward_only", "before_backward")  
 
 
 class IllegalTransition(RuntimeError):
-    pass
+    """A step's boundary reported in a phase it may not come in (see [Note: the step's phases])."""
 
 
 class StepState:
+    """The engine's step phase and ``no_sync`` depth: moved by the engine (``advance``), asked by the components."""
+
     def __init__(self) -> None:
         self.phase = StepPhase.IDLE
         self._no_sync_depth = 0
@@ -129,6 +133,7 @@ class StepState:
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
+        """Inside the block micro-batches are before the step's last (``in_no_sync``); blocks may nest."""
         self._no_sync_depth += 1
         try:
             yield

@@ -53,6 +53,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def on_nvme(unit: FlatUnit) -> bool:
+    """Whether ``unit`` trains with its optimizer state on NVMe (``offload_optimizer="nvme"``)."""
     return unit.training is not None and unit.training.swap is not None
 
 

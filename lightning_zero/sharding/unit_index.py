@@ -25,6 +25,7 @@ class UnitIndex:
         self.add(units)
 
     def add(self, units: Sequence[FlatUnit]) -> None:
+        """Indexes the parameters of ``units`` (a parameter indexed before now points to its new unit)."""
         for unit in units:
             for index, p in enumerate(unit.params):
                 self._entries[id(p)] = (unit, index)
@@ -36,6 +37,7 @@ class UnitIndex:
         return entry if entry is not None and entry[0].params[entry[1]] is param else None
 
     def attach(self, module: torch.nn.Module) -> UnitIndex:
+        """Attaches this index to ``module`` and each of its submodules (``of`` finds it there); returns it."""
         for submodule in module.modules():
             submodule.__dict__[self._ATTRIBUTE] = self
         return self
@@ -47,5 +49,6 @@ class UnitIndex:
 
     @classmethod
     def detach(cls, module: torch.nn.Module) -> None:
+        """Removes the index from ``module`` and each of its submodules."""
         for submodule in module.modules():
             submodule.__dict__.pop(cls._ATTRIBUTE, None)

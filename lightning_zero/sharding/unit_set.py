@@ -39,6 +39,7 @@ class UnitSet:
         self.load_hooks += install_load_hooks(module, units)
 
     def release(self) -> None:
+        """Removes the load hooks (the units stay)."""
         for handle in self.load_hooks:
             handle.remove()
         self.load_hooks = []
@@ -117,7 +118,8 @@ def settle(placement: Replicated | Sharded, unit_set: UnitSet) -> None:
 class Snapshots(Protocol):
     """What a background writer offers (checkpoint/background.py's ``BackgroundSaves``)."""
 
-    def wait_snapshot(self) -> None: ...
+    def wait_snapshot(self) -> None:
+        """Returns once the save in flight, if any, has copied what it saves (before the state changes)."""
 
 
 def before_weights_change(placement: Replicated | Sharded, unit_set: UnitSet, background: Snapshots | None) -> None:

@@ -58,6 +58,8 @@ class GradState(enum.Enum):
 
 
 class UnitTraining:
+    """What a flat unit needs to be trained: its master partition, gradient storage and pieces (see above)."""
+
     def __init__(
         self,
         unit: FlatUnit,
@@ -153,6 +155,7 @@ class UnitTraining:
 
     # --- views -------------------------------------------------------------------------------------
     def master_chunk(self, bucket: Bucket) -> Tensor:
+        """This rank's chunk of ``bucket`` in the master partition (the flat buffer's chunk when it is the master)."""
         if self.master_in_place:
             return self.unit.param_chunk(bucket)
         return self.master[self.unit.partition_slice(bucket)]
@@ -196,9 +199,11 @@ class UnitTraining:
         return self.state is GradState.PARAMS_WRITTEN or self.swap is not None
 
     def mark_used(self, index: int) -> None:
+        """Parameter ``index`` received a gradient (on this rank, since the last ``zero_grad``)."""
         self.used[index] = 1
 
     def begin_backward(self) -> None:
+        """A backward starts: ``FILLING``, unless the step has taken the gradients already."""
         if not self.taken_by_step:  # (a gradient arriving then raises in the hook)
             self.state = GradState.FILLING
 
@@ -254,6 +259,8 @@ class UnitTraining:
         self.staged_params = staged
 
     def release_grads(self) -> None:
+        """The step is done with the gradients: drops the pieces' ``.grad``, the fp32 copy and the staged parameters
+        (stage 1 its step's partition too); back to ``IDLE``. Stages 2 and 3 keep their partition's values."""
         self.staged_params = None
         for tensor in self.piece_tensors:
             tensor.grad = None
@@ -264,6 +271,8 @@ class UnitTraining:
         self.state = GradState.IDLE
 
     def zero_grad(self) -> None:
+        """Zeroes what accumulated (stage 1's full gradient, stages 2 and 3's partition), forgets which parameters
+        were used, and releases the step's gradients (``release_grads``)."""
         if self.flat_grad is not None and self.state in (GradState.FILLING, GradState.ACCUMULATED):
             self.flat_grad.zero_()  # else every bucket's region was zeroed as its reduction consumed it
         if self.grad_partition is not None and self.flat_grad is None:  # (stage 1's is zeroed when next used)

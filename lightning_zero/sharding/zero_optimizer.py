@@ -17,26 +17,23 @@ into the unit's fp32 master partition), and any state it holds by its pieces of 
    gradients and leaves everything else as it was.
 
 [Note: host syncs]
-In fp32 and bf16 a step never waits for the device: which parameters got a gradient is recorded on
-the host by the gradient hooks (a bytearray per unit) and all-reduced on a CPU process group
-(the topology's ``host_world``), clipping keeps its factor on the device, and the optimizer runs
-without reading anything back. fp16 reads one flag, whether any rank's gradients overflowed: the
-skip decision is the host's (Lightning steps LR schedulers and counts steps on the host, and the
-loss scaler's next scale must be known before the next backward), as in torch's GradScaler.
-With ``LossScaleConfig.skip_on_device`` it does not: the flag stays on the device and the fused AdamW
-step skips on it there (fused_step.py); only a step in which some unit takes the optimizer's own step
-(another optimizer, pieces whose step counts differ, an offloaded unit) reads it.
+In fp32 and bf16 a step never waits for the device: which parameters got a gradient is recorded on the host by the
+gradient hooks (a bytearray per unit) and all-reduced on a CPU process group (the topology's ``host_world``), clipping
+keeps its factor on the device, and the optimizer runs without reading anything back. fp16 reads one flag, whether any
+rank's gradients overflowed: the skip decision is the host's (Lightning steps LR schedulers and counts steps on the
+host, and the loss scaler's next scale must be known before the next backward), as in torch's GradScaler. With
+``LossScaleConfig.skip_on_device`` it does not: the flag stays on the device and the fused AdamW step skips on it there
+(fused_step.py); only a step in which some unit takes the optimizer's own step (another optimizer, pieces whose step
+counts differ, an offloaded unit) reads it.
 
 Its state is saved and loaded per rank by ``lightning_zero.checkpoint`` (sharded checkpoints that
 load at any world size), never gathered in one place.
 
 [Note: an Optimizer to whoever asks]
-A ZeroOptimizer is a ``torch.optim.Optimizer`` to the code that checks (torch's LR schedulers and SWALR,
-Lightning's LR finder and callbacks), without ``Optimizer.__init__``, which would take the parameters as
-its own: ``param_groups`` are the views below, ``state`` and ``defaults`` the wrapped optimizer's, and the
-step hooks torch's ``register_step_pre_hook``/``register_step_post_hook`` add run around ``step`` as they
-run around torch's own.
-"""
+A ZeroOptimizer is a ``torch.optim.Optimizer`` to the code that checks (torch's LR schedulers and SWALR, Lightning's LR
+finder and callbacks), without ``Optimizer.__init__``, which would take the parameters as its own: ``param_groups`` are
+the views below, ``state`` and ``defaults`` the wrapped optimizer's, and the step hooks torch's
+``register_step_pre_hook``/``register_step_post_hook`` add run around ``step`` as they run around torch's own."""
 
 from __future__ import annotations
 
@@ -75,6 +72,8 @@ class Slot:
 
 
 class ZeroOptimizer(Optimizer):
+    """The user's torch optimizer, stepping only this rank's pieces of the units (see the module docstring)."""
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -103,8 +102,7 @@ class ZeroOptimizer(Optimizer):
         self.host_replicate_group = topology.host_replicate
         self.world_host_group = topology.host_world  # decisions every rank must share
         self.activation = activation  # see add_param_group
-        # For each group, each original parameter's slot (None when frozen); the numbering of the
-        # unsharded optimizer's state dict follows these lists.
+        # per group, each original parameter's slot (None: frozen): the unsharded state dict's numbering follows them
         self._slots: list[list[Slot | None]] = []
         self._group_names: list[list[str]] = []
         self._views: list[ParamGroupView] = []
@@ -144,6 +142,7 @@ class ZeroOptimizer(Optimizer):
     # --- what Lightning, LR schedulers and callbacks read --------------------------------------------
     @property
     def param_groups(self) -> list[ParamGroupView]:
+        """The user's param groups, listing the model's parameters (param_group_view.py's [Note: param group views])."""
         return self._views
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -163,10 +162,12 @@ class ZeroOptimizer(Optimizer):
 
     @property
     def state(self) -> dict:
+        """The wrapped optimizer's state, keyed by this rank's pieces."""
         return self.optimizer.state
 
     @property
     def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's defaults."""
         return self.optimizer.defaults
 
     def __repr__(self) -> str:
@@ -277,10 +278,9 @@ class ZeroOptimizer(Optimizer):
         return grads
 
     def _average_replicas(self, grads: list[Tensor]) -> None:
-        """Hybrid sharding: each partition becomes the sum over the replicas of its shard, in place (the
-        gradients were divided by every rank's count on their way into the buckets: this completes the
-        average; see topology.py's [Note: hybrid sharding]). One all-reduce per partition, in unit order, all
-        in flight at once, then waited on."""
+        """Hybrid sharding: each partition becomes the sum over the replicas of its shard, in place (the gradients were
+        divided by every rank's count on their way into the buckets: this completes the average; see topology.py's
+        [Note: hybrid sharding]). One all-reduce per partition, in unit order, all in flight at once, then waited on."""
         works = []
         for grad in grads:
             group = self.host_replicate_group if grad.device.type == "cpu" else self.replicate_group

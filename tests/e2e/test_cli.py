@@ -1,7 +1,7 @@
-"""The console script runs the README's main job (zero2, the small GPT, 2 ranks: rank 1 is started by Lightning
-re-running the command), short, with a clean console. The other stages, precisions and configs run through
-``main()`` on the shared ranks (tests/dist/test_cli_runs.py); --help and estimate in-process
-(tests/unit/test_cli.py)."""
+"""The console script runs the README's main job, its command taken from the README (zero2, the small GPT, 2
+ranks: rank 1 is started by Lightning re-running the command), short, with a clean console. The other stages,
+precisions and configs run through ``main()`` on the shared ranks (tests/dist/test_cli_runs.py); --help and
+estimate in-process (tests/unit/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.docs import snippet_command
 from tests.support.helpers import REPO
 
 SCRIPT = Path(sys.executable).with_name("lightning-zero")
@@ -18,7 +19,9 @@ SHORT = ["--trainer.max_steps=12", "--trainer.val_check_interval=6", "--trainer.
 
 def test_main_job_short_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [str(SCRIPT), "fit", "--config", "configs/gpt.yaml", *SHORT, f"--trainer.default_root_dir={tmp_path}"]
+    program, *args = snippet_command("main-job")  # the README's command, shortened
+    assert program == SCRIPT.name, program
+    command = [str(SCRIPT), *args, *SHORT, f"--trainer.default_root_dir={tmp_path}"]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out, heading = result.stdout + result.stderr, "zero2: 2 ranks, precision 32-true"

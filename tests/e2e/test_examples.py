@@ -3,6 +3,7 @@ tests/dist/test_hf.py) and the plain torchrun script (its engine matches one in 
 
 from __future__ import annotations
 
+from tests.support.docs import snippet_command
 from tests.support.helpers import REPO
 
 
@@ -29,9 +30,10 @@ def test_the_torchrun_example_runs(tmp_path):
     import subprocess
     import sys
 
-    script = REPO / "examples" / "torchrun_plain.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(script), "--stage", "3"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    program, *args = snippet_command("torchrun-example")  # the README's command, as it is
+    assert program == "torchrun", program
+    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "world 2, zero3: loss" in result.stdout, result.stdout
     assert "checkpoint of step 30 loaded into zero3: weights equal" in result.stdout, result.stdout

@@ -1,0 +1,176 @@
+"""The README and the docs say what the code does: every block runs or is checked (tests/support/docs.py's
+Note), every ``lightning_zero.x.y`` they name exists, every repository path they name is there, and the
+reference pages cover the whole exported API. Blocks that need 2 ranks run in tests/dist/test_docs_snippets.py."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import re
+import shlex
+
+import pytest
+
+import lightning_zero
+from tests.support import docs
+from tests.support.helpers import REPO, run_cli
+
+SNIPPETS = docs.all_snippets()
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+# Counts that go stale with every change are not written in the docs: the suite's output says them.
+STALE_CLAIMS = {r"\b\d[\d,]* (?:tests|passed)\b": "a count of tests"}
+
+
+def _id(snippet: docs.Snippet) -> str:
+    return snippet.where
+
+
+def test_the_readme_is_read_in_five_minutes():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; the manual belongs in docs/"
+
+
+def test_every_block_says_how_it_runs():
+    problems = []
+    for s in SNIPPETS:
+        if s.lang not in docs.RUN_LANGS | docs.SHOWN_LANGS:
+            problems.append(f"{s.where}: language {s.lang!r}: use one of {sorted(docs.RUN_LANGS | docs.SHOWN_LANGS)}")
+        elif s.lang == "python":
+            compile(s.code, s.where, "exec")  # a block that is never run still parses
+        elif s.lang == "pycon":
+            doctest.DocTestParser().get_examples(s.code, s.where)
+        elif s.lang in ("bash", "console") and not ({"id", "skip"} & s.attrs.keys()):
+            commands = docs.shell_commands(s.code) if s.lang == "bash" else [c for c, _ in docs.console_session(s.code)]
+            others = [c for c in commands if not c.startswith("lightning-zero ")]
+            if others:
+                problems.append(f"{s.where}: {others[0]!r} runs nowhere: give the block id= (a test runs it) or skip=")
+        if "skip" in s.attrs and not s.attrs["skip"].strip():
+            problems.append(f"{s.where}: skip= needs the reason")
+    assert not problems, "\n".join(problems)
+
+
+def _ci_commands() -> list[list[str]]:
+    """.ci/run's commands as argv lists, quiet flags dropped (CI keeps its log short)."""
+    ci = (REPO / ".ci" / "run").read_text()
+    chained = [c for line in docs.shell_commands(ci) for c in line.split("&&")]
+    return [[a for a in shlex.split(c) if a != "-q"] for c in chained]
+
+
+def test_every_block_a_test_runs_is_run():
+    """A block with ``id=NAME`` is run by the test that asks for ``snippet_command("NAME")``, or by .ci/run."""
+    tests_text = "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
+    ids = [s.attrs["id"] for s in SNIPPETS if "id" in s.attrs]
+    assert len(ids) == len(set(ids)), ids
+    for snippet_id in ids:
+        ran_by_ci = docs.snippet_command(snippet_id) in _ci_commands()
+        assert f'snippet_command("{snippet_id}")' in tests_text or ran_by_ci, f"nothing runs id={snippet_id}"
+
+
+def test_the_readme_commands_are_what_ci_runs():
+    """The README's test command is what CI runs after its installs; its docs build is CI's last step."""
+    ci = _ci_commands()
+    for snippet_id in ("tests", "docs-build"):
+        (block,) = [s for s in SNIPPETS if s.attrs.get("id") == snippet_id]
+        (command,) = docs.shell_commands(block.code)
+        for part in command.split("&&"):
+            assert shlex.split(part) in ci, f"README's {snippet_id} command: {part.strip()!r} is not in .ci/run"
+
+
+def _resolve(name: str) -> object:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(name)
+
+
+def test_every_name_the_docs_mention_exists():
+    missing = []
+    for path in docs.markdown_files():
+        for name in sorted(docs.names(path.read_text())):
+            try:
+                _resolve(name)
+            except (AttributeError, ModuleNotFoundError):
+                missing.append(f"{path.relative_to(REPO)}: {name}")
+    assert not missing, "names the docs give that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_path_the_docs_mention_exists():
+    missing = []
+    for path in docs.markdown_files():
+        for mentioned in sorted(docs.repo_paths(path.read_text())):
+            if "*" not in mentioned and docs.resolve_path(mentioned) is None:
+                missing.append(f"{path.relative_to(REPO)}: {mentioned}")
+    assert not missing, "paths the docs give that do not exist:\n" + "\n".join(missing)
+
+
+def test_no_claim_that_goes_stale_by_itself():
+    found = []
+    for path in docs.markdown_files():
+        for pattern, what in STALE_CLAIMS.items():
+            for match in re.finditer(pattern, path.read_text()):
+                where = path.relative_to(REPO)
+                found.append(f"{where}: {match[0]!r} ({what}: let a checked block or the suite say it)")
+    assert not found, "\n".join(found)
+
+
+def test_the_api_reference_renders_everything_exported():
+    page = (REPO / "docs" / "reference" / "api.md").read_text()
+    rendered = set(re.findall(r"^::: (lightning_zero(?:\.\w+)+)$", page, re.M))
+    missing = [name for name in lightning_zero.__all__ if f"lightning_zero.{name}" not in rendered]
+    assert not missing, f"docs/reference/api.md renders no entry for {missing}"
+
+
+# --- running the blocks of one rank, in this process ------------------------------------------------------
+@pytest.mark.parametrize("session", docs.sessions(1), ids=lambda s: s.id)
+def test_python_blocks_run(session, tmp_path, monkeypatch, stage2_checkpoint):
+    docs.prepare(tmp_path, session.blocks, stage2_checkpoint)
+    monkeypatch.chdir(tmp_path)
+    docs.run_python(session.blocks, {"__name__": "__docs__"})
+
+
+SHELL_BLOCKS = [s for s in SNIPPETS if s.lang in ("bash", "console") and docs.runnable(s)]
+
+
+@pytest.mark.parametrize("block", SHELL_BLOCKS, ids=_id)
+def test_shell_blocks_run(block, tmp_path, monkeypatch, capsys, stage2_checkpoint):
+    """``lightning-zero`` commands run through ``cli.main`` (Lightning's subcommands parsed in full, configs
+    included, with ``--print_config``); each must exit 0."""
+    docs.prepare(tmp_path, [block], stage2_checkpoint)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "120")
+    session = docs.console_session(block.code) if block.lang == "console" else None
+    for command, expected in session or [(c, None) for c in docs.shell_commands(block.code)]:
+        env, argv = _split_env(shlex.split(command))
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        assert argv[0] == "lightning-zero", f"{block.where}: {command}"
+        args = argv[1:] + (["--print_config"] if argv[1] in LIGHTNING_COMMANDS else [])
+        code, out, err = run_cli(capsys, *args)
+        assert code == 0, f"{block.where}: {command}\n{out[-2000:]}\n{err[-2000:]}"
+        flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+        if expected is not None and not doctest.OutputChecker().check_output(expected, out, flags):
+            pytest.fail(f"{block.where}: {command} printed\n{out}\nwhere the docs show\n{expected}")
+
+
+def _split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    env = {}
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+        key, _, value = argv.pop(0).partition("=")
+        env[key] = value
+    return env, argv
+
+
+def test_a_drifted_name_is_caught(tmp_path):
+    """What the checks above catch, shown on a page that makes one of the README's old mistakes."""
+    text = "Resume with `lightning_zero.checkpoint.latest(dirpath)`.\n"
+    (name,) = docs.names(text)
+    with pytest.raises(AttributeError):
+        _resolve(name)
+    assert os.path.basename(docs.PATH.pattern)  # (the path rule is exercised by the test above)
