@@ -122,7 +122,7 @@ def compile_all(device: int | None = None) -> None:
 
     Each source's module is compiled (or loaded from CuPy's disk cache, see [Note: compile cache]) in a thread of
     its own: NVRTC is thread-safe and CuPy releases the GIL while it compiles (on 2 cores here, NVRTC took 8.0 s
-    for the seven sources one after another, 4.4 s in threads; the slowest source alone takes 2.4 s). Needs CuPy
+    for all of ``SOURCES`` one after another, 4.4 s in threads; the slowest source alone takes 2.4 s). Needs CuPy
     and a CUDA device (see ``available``).
 
     Args:

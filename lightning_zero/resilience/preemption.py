@@ -14,7 +14,7 @@ writes the sharded checkpoint, rank 0 asks SLURM to requeue the job (under SLURM
 every rank raises ``Preempted``, a ``SystemExit`` with code 128 + the signal's number (143 for SIGTERM,
 138 for SIGUSR1: what a shell reports for a process the signal ended, so launchers count the run as not
 finished and restart it). The next launch resumes with ``ckpt_path="last"`` (or
-``lightning_zero.checkpoint.latest(dirpath)``; under SLURM, Lightning's own hpc resume finds it).
+``lightning_zero.checkpoint.format.latest(dirpath)``; under SLURM, Lightning's own hpc resume finds it).
 """
 
 from __future__ import annotations
