@@ -189,8 +189,9 @@ def _table(results: dict, world: int, args) -> str:
         lines.append(f"| {name} | {median * 1e3:.1f} | {median / ddp_median:.2f}x | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Optimizer state includes ZeRO's fp32 master partition (formula K = 12 bytes: master + Adam's two moments),",
-        "and Adam's per-parameter step counters. ddp's gradients are the `.grad` tensors; its internal all-reduce",
+        "Optimizer state is Adam's two moments (formula K = 8 bytes: with fp32 parameters each rank steps its own",
+        "chunks of the parameters in place, so there is no separate master; K = 12 with 16-bit ones), and Adam's",
+        "per-parameter step counters. ddp's gradients are the `.grad` tensors; its internal all-reduce",
         "buckets (another 4 Psi) are not counted. zero3's parameters are its shards; 'peak gathered' is the most",
         "bytes of whole units alive at once (the root unit, the running block and the prefetched one). 'sent per",
         "step' counts the elements each reduce-scatter reads and each all-gather writes: the ZeRO paper's 2 Psi",

@@ -326,7 +326,7 @@ def render(results_dir: Path, out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = [
-        ("memory_per_rank.svg", plot_memory_per_rank, results_dir / "zero_cpu_gpt6.4M_2026-11-30.md"),
+        ("memory_per_rank.svg", plot_memory_per_rank, newest(results_dir, "zero_cpu_gpt6.4M_*.md")),
         ("step_time_vs_peers.svg", plot_step_time, newest(results_dir, "compare_cpu_gpt14M_*.md")),
         ("zero_plus_plus_link.svg", plot_link, results_dir / "zero_plus_plus_link_cpu_2026-12-02.md"),
         ("convergence.svg", plot_convergence, results_dir / "zero_plus_plus_convergence_cpu_2026-12-02.json"),

@@ -65,7 +65,7 @@ def on_files(files, config):
         from plot_results import render
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    out_dir = Path(tempfile.mkdtemp(prefix="lightning_zero_figures_"))
-    for figure in render(REPO / "benchmarks" / "results", out_dir):
-        files.append(File.generated(config, f"figures/{figure.name}", abs_src_path=str(figure)))
+    with tempfile.TemporaryDirectory(prefix="lightning_zero_figures_") as out_dir:
+        for figure in render(REPO / "benchmarks" / "results", Path(out_dir)):
+            files.append(File.generated(config, f"figures/{figure.name}", content=figure.read_bytes()))
     return files

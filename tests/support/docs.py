@@ -4,15 +4,15 @@
 Every fenced block of README.md and docs/**/*.md is a snippet. An HTML comment on the line right before its
 fence (invisible on the rendered page) says how it runs: ``<!-- snippet: ranks=2 -->``. Keys:
 
-- ``ranks=N``: Python runs on N ranks of the test pool (each rank runs the block, as under a launcher);
+- ``ranks=2``: Python runs on 2 ranks of the test pool (each rank runs the block, as under a launcher);
   default 1, in the pytest process. A page's Python blocks with the same ``ranks`` run in page order in one
   namespace and one scratch working directory (a tutorial's later blocks use what earlier ones made);
   ``pycon`` blocks are doctests in that namespace, their printed output compared.
 - ``session=NAME``: the block runs in the page's session NAME instead (fresh processes' state: a plain
   script's ``initialize`` after a Trainer, whose teardown removed the launcher's ``WORLD_SIZE``).
 - ``gpu``: needs a CUDA GPU; skipped without one (still compiled, its names checked).
-- ``skip="why"``: cannot run on one machine (several nodes, SLURM): compiled or parsed, its names and
-  paths checked, never run. The reason is shown in the test's output.
+- ``skip="why"``: cannot run on one machine (several nodes, SLURM): compiled, its names and paths checked,
+  never run; each is a skipped test that gives the reason.
 - ``id=NAME``: a command a test under tests/e2e runs itself (``snippet_command(NAME)``), with what it adds
   said there (a shorter run).
 - ``setup=NAME``: the scratch directory is prepared first (``checkpoint``: a stage-2 checkpoint at
@@ -40,11 +40,12 @@ import torch
 
 from tests.support.helpers import REPO
 
-FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+)(?P<lang>[\w-]*)\s*$")
+# A fence: its indentation, its backticks or tildes, the language and anything after it (an info string).
+FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)\s*(?P<lang>[\w-]*)(?P<info>.*)$")
 ATTRS = re.compile(r"^\s*<!--\s*snippet:(?P<attrs>.*?)-->\s*$")
 KEYS = {"ranks", "session", "gpu", "skip", "id", "setup"}
 RUN_LANGS = {"python", "pycon", "bash", "console"}
-SHOWN_LANGS = {"text", "yaml", "json", ""}
+SHOWN_LANGS = {"text", "yaml", "json"}
 # A reference to the package's API in prose or code: ``lightning_zero.checkpoint.format.latest``.
 NAME = re.compile(r"(?<![\w/.])lightning_zero(?:\.[A-Za-z_]\w*)+")
 # A path into the repository in inline code or a link: ``configs/gpt.yaml``, ``sharding/stage3.py``.
@@ -98,14 +99,18 @@ def snippets(path: Path) -> list[Snippet]:
             i += 1
             continue
         indent, fence = opening["indent"], opening["fence"]
+        where = f"{path.relative_to(REPO)}:{i + 1}"
+        if opening["info"].strip():
+            raise ValueError(f"{where}: a fence with more than its language ({lines[i].strip()!r}): not supported here")
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence), None)
         if end is None:
-            raise ValueError(f"{path}:{i + 1}: a code fence that is never closed")
+            raise ValueError(f"{where}: a code fence that is never closed")
         marker = ATTRS.match(lines[i - 1]) if i else None
-        where = f"{path.relative_to(REPO)}:{i + 1}"
         attrs = parse_attrs(marker["attrs"], where) if marker else {}
         code = "\n".join(line.removeprefix(indent) for line in lines[i + 1 : end]) + "\n"
         found.append(Snippet(path, i + 1, opening["lang"], code, attrs))
+        if attrs.get("ranks", "1") not in ("1", "2"):
+            raise ValueError(f"{where}: ranks={attrs['ranks']}: the docs' blocks run on 1 or 2 ranks")
         i = end + 1
     return found
 

@@ -2,8 +2,8 @@
 arguments and what it raises (the API reference, docs/reference/api.md, is rendered from them).
 
 Public: a class or function whose name and module path have no leading underscore, defined in that module,
-and the public methods and properties of such a class. A method that overrides a documented one (a
-Lightning hook) inherits its docstring, as ``inspect.getdoc`` and the rendered reference do."""
+and the public methods and properties of such a class. A class needs its own docstring; a method that overrides
+a documented one (a Lightning hook) inherits its docstring, as ``inspect.getdoc`` and the rendered reference do."""
 
 from __future__ import annotations
 
@@ -48,7 +48,10 @@ def _members(cls: type, qualname: str) -> dict[str, object]:
 def _doc(obj: object) -> str | None:
     if isinstance(obj, property):
         return obj.__doc__
-    doc = inspect.getdoc(obj)
+    if inspect.isclass(obj):  # its own: a base class's says nothing of it
+        doc = vars(obj).get("__doc__")
+    else:
+        doc = inspect.getdoc(obj)
     if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and doc and doc.startswith(f"{obj.__name__}("):
         return None  # the signature dataclasses write when the class has no docstring
     return doc
