@@ -149,6 +149,8 @@ class ZeroCLI(LightningCLI):
 def _check_sequence_parallel(zero: ZeroConfig | None, trainer: dict) -> None:
     """``zero.sequence_parallel_size`` divides the world of the Trainer's devices and nodes, where both are numbers."""
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, str) and devices.isdigit():  # (``--trainer.devices 2`` arrives as a string)
+        devices = int(devices)
     if zero is None or not isinstance(devices, int) or not isinstance(nodes, int):
         return
     if (devices * nodes) % zero.sequence_parallel_size:

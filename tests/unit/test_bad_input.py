@@ -59,6 +59,11 @@ FIT_CASES = [
         fit_args("--zero.sequence_parallel_size", "3"),
         "zero.sequence_parallel_size must divide the 2 ranks (trainer.devices x trainer.num_nodes), got 3",
     ),
+    Case(
+        "cli_sequence_parallel_size_devices_on_the_command_line",
+        fit_args("--trainer.devices", "2", "--zero.sequence_parallel_size", "4"),
+        "zero.sequence_parallel_size must divide the 2 ranks (trainer.devices x trainer.num_nodes), got 4",
+    ),
     _yaml(
         "offload_activations_without_checkpointing",
         "zero:\n  offload_activations: cpu\n",
