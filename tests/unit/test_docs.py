@@ -4,6 +4,7 @@ reference pages cover the whole exported API. Blocks that need 2 ranks run in te
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import importlib
 import re
@@ -112,6 +113,27 @@ def test_every_name_the_docs_mention_exists():
             except (AttributeError, ModuleNotFoundError):
                 missing.append(f"{path.relative_to(REPO)}: {name}")
     assert not missing, "names the docs give that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_option_the_docs_give_exists():
+    """``ZeroConfig(key=...)``, ``LossScaleConfig(key=...)`` and ``--zero.key`` name fields that exist (a renamed
+    option leaves no stale name in the docs, also where a block shows it without running it)."""
+    fields = {
+        "ZeroConfig": {f.name for f in dataclasses.fields(lightning_zero.ZeroConfig)},
+        "LossScaleConfig": {f.name for f in dataclasses.fields(lightning_zero.LossScaleConfig)},
+    }
+    unknown = []
+    for path in docs.markdown_files():
+        text = path.read_text()
+        for config, arguments in re.findall(r"\b(ZeroConfig|LossScaleConfig)\(([^()]*)\)", text):
+            for key in re.findall(r"(?:^|,)\s*(\w+)=", arguments):
+                if key not in fields[config]:
+                    unknown.append(f"{path.relative_to(REPO)}: {config}({key}=...)")
+        for match in re.finditer(r"--zero\.(\w+)", text):
+            quoting_a_refusal = re.search(r"(unrecognized arguments: |has no `)$", text[: match.start()])
+            if match[1] not in fields["ZeroConfig"] - {"stage"} and not quoting_a_refusal:
+                unknown.append(f"{path.relative_to(REPO)}: --zero.{match[1]}")
+    assert not unknown, "options the docs give that do not exist:\n" + "\n".join(unknown)
 
 
 def test_every_path_the_docs_mention_exists():
