@@ -21,17 +21,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def command_help(args: list[str]) -> str:
-    """What ``lightning-zero ARGS --help`` prints (100 columns, as a terminal of that width shows it)."""
+    """What ``lightning-zero ARGS --help`` prints (100 columns, as a terminal of that width shows it; the process's
+    ``sys.argv`` and ``COLUMNS`` are put back)."""
     from lightning_zero.cli.main import main
 
-    os.environ["COLUMNS"] = "100"
-    out, argv = io.StringIO(), sys.argv
+    out, argv, columns = io.StringIO(), sys.argv, os.environ.get("COLUMNS")
     sys.argv = ["lightning-zero", *args, "--help"]  # the program's name in the usage line
+    os.environ["COLUMNS"] = "100"
     try:
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
             main()  # (None: the command line, as the console script runs it)
     finally:
         sys.argv = argv
+        if columns is None:
+            os.environ.pop("COLUMNS")
+        else:
+            os.environ["COLUMNS"] = columns
     text = out.getvalue().strip()
     if not text:
         raise RuntimeError(f"lightning-zero {' '.join(args)} --help printed nothing")

@@ -29,6 +29,7 @@ the lines after it are what it must print (``...`` stands for any text, whitespa
 from __future__ import annotations
 
 import doctest
+import os
 import re
 import shlex
 import shutil
@@ -130,6 +131,15 @@ def shell_commands(code: str) -> list[str]:
     return commands
 
 
+def split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A command's leading ``NAME=value`` assignments, and the command after them."""
+    env = {}
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+        key, _, value = argv.pop(0).partition("=")
+        env[key] = value
+    return env, argv
+
+
 def console_session(code: str) -> list[tuple[str, str]]:
     """A ``console`` block's (command, expected output) pairs."""
     pairs: list[tuple[str, list[str]]] = []
@@ -162,13 +172,8 @@ def repo_paths(text: str) -> set[str]:
     return {p for p in PATH.findall(text) if p.split("/")[0] in PATH_ROOTS + PACKAGE_DIRS}
 
 
-GENERATED = {"docs/reference/cli.md"}  # made when the site is built (docs/hooks.py)
-
-
 def resolve_path(path: str) -> Path | None:
     """The file a mentioned path names (from the repository's root, else from the package's), or None."""
-    if path in GENERATED:
-        return REPO / path
     for base in (REPO, REPO / "lightning_zero", REPO / "docs"):
         if (base / path).exists():
             return base / path
@@ -234,7 +239,5 @@ def run_python(blocks: Iterable[Snippet], namespace: dict) -> None:
 
 def run_session(rank: int, world_size: int, blocks: tuple[Snippet, ...], scratch: str) -> None:
     """A rank's part of a session on the test pool: the blocks in the shared scratch directory."""
-    import os
-
     os.chdir(scratch)
     run_python(blocks, {"__name__": "__docs__"})

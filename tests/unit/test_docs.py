@@ -46,7 +46,7 @@ def test_every_block_says_how_it_runs():
             problems.append(f"{s.where}: a pycon block without a '>>> ' example")
         elif s.lang in ("bash", "console") and not ({"id", "skip"} & s.attrs.keys()):
             commands = docs.shell_commands(s.code) if s.lang == "bash" else [c for c, _ in docs.console_session(s.code)]
-            others = [c for c in commands if _split_env(shlex.split(c))[1][0] != "lightning-zero"]
+            others = [c for c in commands if docs.split_env(shlex.split(c))[1][0] != "lightning-zero"]
             if others:
                 problems.append(f"{s.where}: {others[0]!r} runs nowhere: give the block id= (a test runs it) or skip=")
         if "skip" in s.attrs and not s.attrs["skip"].strip():
@@ -87,7 +87,8 @@ def test_the_readme_commands_are_what_ci_runs():
     assert ci.index(tests) < ci.index(build), "CI builds the docs after the tests"
 
 
-def _resolve(name: str) -> object:
+def _resolves(name: str) -> bool:
+    """Whether ``lightning_zero.a.b.c`` is importable: its longest module prefix, then attributes."""
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         try:
@@ -95,9 +96,11 @@ def _resolve(name: str) -> object:
         except ModuleNotFoundError:
             continue
         for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
             obj = getattr(obj, attr)
-        return obj
-    raise ModuleNotFoundError(name)
+        return True
+    return False
 
 
 def test_every_name_the_docs_mention_exists():
@@ -107,11 +110,7 @@ def test_every_name_the_docs_mention_exists():
         text = path.read_text()
         if path.suffix == ".py":  # a quoted value is data, not a reference (the format's name)
             text = re.sub(r"\"lightning_zero[\w.]*\"", "", text)
-        for name in sorted(docs.names(text)):
-            try:
-                _resolve(name)
-            except (AttributeError, ModuleNotFoundError):
-                missing.append(f"{path.relative_to(REPO)}: {name}")
+        missing += [f"{path.relative_to(REPO)}: {name}" for name in sorted(docs.names(text)) if not _resolves(name)]
     assert not missing, "names the docs give that do not exist:\n" + "\n".join(missing)
 
 
@@ -185,7 +184,7 @@ def test_shell_blocks_run(block, tmp_path, monkeypatch, capsys, stage2_checkpoin
         monkeypatch.delenv(key, raising=False)
     session = docs.console_session(block.code) if block.lang == "console" else None
     for command, expected in session or [(c, None) for c in docs.shell_commands(block.code)]:
-        env, argv = _split_env(shlex.split(command))
+        env, argv = docs.split_env(shlex.split(command))
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         assert argv[0] == "lightning-zero", f"{block.where}: {command}"
@@ -202,14 +201,6 @@ def test_blocks_that_cannot_run_on_one_machine(block):
     pytest.skip(f"{block.where}: {block.attrs['skip']}")
 
 
-def _split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    env = {}
-    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
-        key, _, value = argv.pop(0).partition("=")
-        env[key] = value
-    return env, argv
-
-
 # The README's three false claims before the docs were tested (issue 44), as it wrote them.
 OLD_FALSE_CLAIMS = (
     'resumes with `trainer.fit(model, ckpt_path="last")` (or `lightning_zero.checkpoint.latest(dirpath)`)',
@@ -219,12 +210,7 @@ OLD_FALSE_CLAIMS = (
 
 
 def test_the_checks_catch_the_old_readmes_false_claims():
-    unresolved = []
-    for name in docs.names(OLD_FALSE_CLAIMS[0]):
-        try:
-            _resolve(name)
-        except (AttributeError, ModuleNotFoundError):
-            unresolved.append(name)
+    unresolved = [name for name in docs.names(OLD_FALSE_CLAIMS[0]) if not _resolves(name)]
     assert unresolved == ["lightning_zero.checkpoint.latest"]
     for claim in OLD_FALSE_CLAIMS[1:]:
         assert any(re.search(pattern, claim) for pattern in STALE_CLAIMS), claim
